@@ -1,0 +1,1 @@
+"""Corpus preparation: tokenizer training and WebDataset token shards."""

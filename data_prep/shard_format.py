@@ -1,0 +1,210 @@
+"""The on-disk token shard format: the one thing `data_prep` (writer) and `hpctrain.data` (loader) share.
+
+A data directory holds::
+
+    manifest.json            written last, atomically; its presence marks a complete shard set
+    tokenizer/tokenizer.json the tokenizer that produced the tokens (sha256 recorded in the manifest)
+    train-000000.tar ...     WebDataset shards, one sample per packed block of `block_len` tokens
+    val-000000.tar ...
+
+Each sample is one tar member ``{key}.tokens`` (key = ``%010d`` index of the block within its split)
+holding `block_len` little-endian unsigned integers (uint16 when the vocabulary fits, else uint32).
+`block_len = seq_len + 1`: a block is a model input plus its shifted target.
+
+Pure Python + numpy on purpose: no torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+SPLITS = ("train", "val")
+TOKENS_EXT = "tokens"
+EOS_TOKEN = "<|endoftext|>"
+BUILD_HINT = "build shards with `make demo-data` or `make shards CORPUS=... OUT={dir}`"
+
+# Fixed tar member metadata so that the same tokens give byte-identical shards.
+TAR_FORMAT = tarfile.USTAR_FORMAT
+TAR_MTIME = 0
+TAR_MODE = 0o444
+TAR_OWNER = "hpctrain"
+
+_SHARD_RE = re.compile(r"^(?P<split>[a-z]+)-(?P<index>\d{6})\.tar$")
+
+
+class DataError(ValueError):
+    """Bad or missing data. The message is one line: what is wrong, where, and how to fix it."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:06d}.tar"
+
+
+def parse_shard_name(name: str) -> tuple[str, int] | None:
+    """`("train", 3)` for "train-000003.tar", None for anything else."""
+    m = _SHARD_RE.match(name)
+    return (m["split"], int(m["index"])) if m else None
+
+
+def sample_key(index: int) -> str:
+    return f"{index:010d}"
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def encode_tokens(tokens: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(tokens, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def decode_tokens(data: bytes, dtype: str) -> np.ndarray:
+    """Raw little-endian token bytes -> 1-D array in native byte order."""
+    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False)
+
+
+def tar_member(name: str, size: int) -> tarfile.TarInfo:
+    """A TarInfo with fixed metadata (no timestamps, owners or modes of the writing machine)."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = TAR_MTIME
+    info.mode = TAR_MODE
+    info.uid = info.gid = 0
+    info.uname = info.gname = TAR_OWNER
+    return info
+
+
+def tar_member_bytes(size: int) -> int:
+    """Bytes one member of `size` data bytes occupies in a tar file (header + padded data)."""
+    return tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class ShardInfo:
+    name: str  # file name inside the data directory
+    samples: int
+    tokens: int
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class TokenizerInfo:
+    path: str  # relative to the data directory
+    sha256: str  # of tokenizer.json
+
+
+@dataclass
+class Manifest:
+    block_len: int
+    vocab_size: int
+    dtype: str
+    eos_id: int
+    tokenizer: TokenizerInfo
+    splits: dict[str, list[ShardInfo]]
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    created_by: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def seq_len(self) -> int:
+        return self.block_len - 1
+
+    def shards(self, split: str) -> list[ShardInfo]:
+        return self.splits.get(split, [])
+
+    def num_samples(self, split: str) -> int:
+        return sum(s.samples for s in self.shards(split))
+
+    def num_tokens(self, split: str) -> int:
+        return sum(s.tokens for s in self.shards(split))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        d = dict(d)
+        d["tokenizer"] = TokenizerInfo(**d["tokenizer"])
+        d["splits"] = {k: [ShardInfo(**s) for s in v] for k, v in d["splits"].items()}
+        return cls(**d)
+
+
+def manifest_json(manifest: Manifest) -> str:
+    return json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def read_manifest(data_dir: str) -> Manifest:
+    hint = BUILD_HINT.format(dir=data_dir)
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir} does not exist: {hint}")
+    path = os.path.join(data_dir, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        raise DataError(f"no {MANIFEST_NAME} in {data_dir} (missing or interrupted build): {hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path} ({e}): {hint}") from None
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if version != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has shard format version {version!r}, this code reads version {FORMAT_VERSION}: "
+            f"rebuild the shards ({hint})"
+        )
+    try:
+        manifest = Manifest.from_dict(raw)
+    except (TypeError, KeyError, AttributeError) as e:
+        raise DataError(f"invalid {path} ({type(e).__name__}: {e}): {hint}") from None
+    if manifest.block_len < 2 or manifest.dtype not in ("uint16", "uint32"):
+        raise DataError(f"invalid {path} (block_len={manifest.block_len}, dtype={manifest.dtype}): {hint}")
+    return manifest
+
+
+def write_manifest(data_dir: str, manifest: Manifest) -> str:
+    """Write `manifest.json` atomically (tmp file, fsync, rename, fsync dir); returns its path."""
+    path = os.path.join(data_dir, MANIFEST_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(manifest_json(manifest))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(data_dir)
+    return path
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,178 @@
+"""`python -m hpctrain.bench`: training throughput of hpctrain vs a plain transformers loop, in one run.
+
+Both sides train the same model (model=tiny), on the same batches of the demo shards, with the same
+batch, precision, optimizer, grad clipping, seed and thread count. The hpctrain side runs the real
+`hpctrain.train.train()` and reads its metrics.jsonl; the HF side is a hand-written
+`LlamaForCausalLM` loop. Runs alternate and repeat (median taken) because shared machines are noisy.
+Whatever is measured is reported: there is no pass/fail threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import hpctrain
+from hpctrain.config import model_args, register, resolve
+
+CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(hpctrain.__file__), os.pardir, "conf"))
+BATCH = 8
+VARIANTS = {"hf": "transformers (HF)", "hpctrain": "hpctrain", "compile": "hpctrain + compile"}
+
+
+def compose_cfg(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=[
+            "model=tiny", "data=demo", "optim=adamw", "parallel=single", f"train.global_batch={BATCH}",
+            f"train.micro_batch={BATCH}", "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
+            "train.log_every=1", "train.progress=false", "train.resume=never", *overrides])
+
+
+def tokens_per_s(tokens: list[float], times: list[float]) -> float:
+    return sum(tokens) / sum(times)
+
+
+def run_hpctrain(precision: str, compile_: bool, steps: int, warmup: int, threads: int) -> dict:
+    from hpctrain.train import train
+
+    if compile_:
+        torch._dynamo.reset()  # every compiled run starts cold; its compile falls in the warmup steps
+    cfg = compose_cfg([f"precision={precision}", f"parallel.compile={str(compile_).lower()}",
+                       f"train.max_steps={steps}", f"cluster.num_threads={threads}"])
+    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as run_dir:
+        train(cfg, run_dir)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    timed = [r for r in records if "tokens_per_s" in r and r["step"] > warmup]
+    # log_every=1: each record is one step, so tokens_per_s * step_time_s is that step's token count.
+    tps = tokens_per_s([r["tokens_per_s"] * r["step_time_s"] for r in timed], [r["step_time_s"] for r in timed])
+    return {"tokens_per_s": tps, "step_times_s": [r["step_time_s"] for r in records if "step_time_s" in r],
+            "final_loss": records[-1].get("loss")}
+
+
+def run_hf(precision: str, steps: int, warmup: int, args, data_dir: str, seed: int) -> dict:
+    import transformers
+
+    from hpctrain.data import ShardStream
+    from hpctrain.hf_convert import to_hf_config
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(to_hf_config(args, attn_implementation="sdpa")).float().train()
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    params = list(model.parameters())
+    batches = iter(ShardStream(data_dir, "train", BATCH, seed))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    times, tokens, loss_value = [], [], None
+    for _ in range(steps):
+        t0 = time.perf_counter()  # data included, as in hpctrain's step_time_s
+        block = next(batches)
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            logits = model(input_ids=block[:, :-1], use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), block[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        loss_value = loss.item()
+        times.append(time.perf_counter() - t0)
+        tokens.append(block.shape[0] * (block.shape[1] - 1))
+    return {"tokens_per_s": tokens_per_s(tokens[warmup:], times[warmup:]), "step_times_s": times,
+            "final_loss": loss_value}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m hpctrain.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="first steps excluded from tokens/s (default 5)")
+    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default fp32,bf16)")
+    p.add_argument("--repeats", type=int, default=1, help="alternating rounds; the median is reported")
+    p.add_argument("--no-compile", action="store_true", help="skip the parallel.compile=true variant")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all CPUs)")
+    p.add_argument("--json", metavar="PATH", help="write every measurement to PATH")
+    p.add_argument("--quick", action="store_true", help="smoke run: --steps 6 --warmup 2 --no-compile")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.warmup, a.no_compile = 6, 2, True
+    if not 0 <= a.warmup < a.steps:
+        p.error(f"--warmup {a.warmup} must be >= 0 and below --steps {a.steps}")
+    precisions = [s.strip() for s in a.precisions.split(",") if s.strip()]
+    variants = ["hf", "hpctrain"] + ([] if a.no_compile else ["compile"])
+
+    register()
+    torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(True)
+    import transformers
+
+    from hpctrain.train import prepare_data
+
+    cfg = compose_cfg([])
+    data_dir, seq_len = prepare_data(cfg, resolve(cfg))  # builds the demo shards on first use
+    args, seed = model_args(cfg), cfg.train.seed
+    machine = (f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {a.threads} torch threads; torch {torch.__version__}, "
+               f"transformers {transformers.__version__}, python {platform.python_version()}")
+    print(machine)
+    print(f"model {cfg.model.name} (dim {args.dim}, {args.n_layers} layers), batch {BATCH}×{seq_len} tokens, "
+          f"{a.steps} steps/run ({a.warmup} warmup excluded), {a.repeats} repeat(s)", flush=True)
+
+    # The first training run in a process pays one-time costs (seconds per step for the first steps,
+    # whichever side goes first); a short untimed round of each side and precision absorbs them.
+    for pr in precisions:
+        run_hf(pr, 2, 0, args, data_dir, seed)
+        run_hpctrain(pr, False, 2, 0, a.threads)
+    runs: dict[str, dict[str, list[dict]]] = {pr: {v: [] for v in variants} for pr in precisions}
+    for rep in range(a.repeats):
+        for pr in precisions:
+            for v in variants:
+                t0 = time.perf_counter()
+                if v == "hf":
+                    r = run_hf(pr, a.steps, a.warmup, args, data_dir, seed)
+                else:
+                    r = run_hpctrain(pr, v == "compile", a.steps, a.warmup, a.threads)
+                torch.set_num_threads(a.threads)  # whatever a run changed, the next starts alike
+                r["wall_s"] = time.perf_counter() - t0
+                runs[pr][v].append(r)
+                print(f"  [{rep + 1}/{a.repeats}] {pr:4} {VARIANTS[v]:18} {r['tokens_per_s']:9.1f} tokens/s "
+                      f"(run {r['wall_s']:.0f} s, final loss {r['final_loss']:.3f})", flush=True)
+
+    summary = []
+    print(f"\n{'precision':9} | {'variant':18} | {'tokens/s':>9} | ratio vs HF")
+    print(f"{'-' * 9}-+-{'-' * 18}-+-{'-' * 9}-+-{'-' * 11}")
+    for pr in precisions:
+        hf = statistics.median(r["tokens_per_s"] for r in runs[pr]["hf"])
+        for v in variants:
+            tps = statistics.median(r["tokens_per_s"] for r in runs[pr][v])
+            summary.append({"precision": pr, "variant": v, "tokens_per_s": tps, "ratio_vs_hf": tps / hf})
+            print(f"{pr:9} | {VARIANTS[v]:18} | {tps:9.1f} | {tps / hf:.2f}×")
+    print(machine)
+    doc = {"machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": a.threads,
+                       "torch": torch.__version__, "transformers": transformers.__version__},
+           "settings": {"steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, "batch": BATCH,
+                        "seq_len": seq_len, "model": cfg.model.name, "seed": seed},
+           "summary": summary, "runs": runs}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

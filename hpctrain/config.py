@@ -1,0 +1,264 @@
+"""Typed config schema (Hydra structured configs) and the semantic checks run before anything starts.
+
+The schema makes Hydra reject unknown keys and wrong types with its own message; `resolve()` checks
+what types cannot (batch arithmetic, lengths, divisibility) and raises `ConfigError` with one line
+that names the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from hpctrain.model import ModelArgs
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line naming the numbers and the fix."""
+
+
+class PrecisionName(str, Enum):
+    fp32 = "fp32"
+    tf32 = "tf32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OptimName(str, Enum):
+    adamw = "adamw"
+    adafactor = "adafactor"
+    sgd = "sgd"
+
+
+class LrScaling(str, Enum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class Decay(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class ActCkpt(str, Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+@dataclass
+class ModelConfig(ModelArgs):
+    name: str = "custom"
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "single"
+    dp: Any = 1  # int, or "auto" = world / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_virtual_stages: int = 1
+    zero_stage: int = 0
+    activation_checkpointing: ActCkpt = ActCkpt.none
+    ac_every: int = 1  # selective: checkpoint every N-th block
+    compile: bool = False
+    cpu_offload: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    name: PrecisionName = PrecisionName.fp32
+    loss_scale_init: float = 65536.0  # fp16 only
+    loss_scale_growth_interval: int = 2000
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = OptimName.adamw
+    lr: float = 3e-4
+    weight_decay: float = 0.1  # decoupled; never applied to norms or biases
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    warmup_steps: int = 100
+    decay: Decay = Decay.cosine
+    decay_steps: int | None = None  # None: until train.max_steps
+    min_lr_ratio: float = 0.1
+    lr_scaling: LrScaling = LrScaling.none
+    ref_global_batch: int = 256  # global batch (samples) at which `lr` was tuned
+
+
+@dataclass
+class DataConfig:
+    name: str = "custom"
+    path: str = MISSING  # directory with manifest.json and the tar shards
+    num_workers: int = 0
+    shuffle: bool = True
+    prepare_demo: bool = False  # build the stdlib demo shards at `path` when missing
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int | None = None  # samples per optimizer step, all ranks
+    micro_batch: int | None = None  # samples per forward/backward per data-parallel rank
+    grad_accum: int | None = None
+    seq_len: int | None = None  # None: from the shard manifest (block_len - 1)
+    max_steps: int = 200
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 100  # 0 disables
+    eval_batches: int = 8
+    ckpt_every: int = 100  # 0: only at the end
+    ckpt_keep: int = 2
+    resume: str = "auto"  # auto | never | path of a checkpoint directory
+    max_nonfinite: int = 5  # consecutive skipped non-finite steps before the run stops
+    progress: bool | None = None  # progress bar; None: only on a terminal
+    tensorboard: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    num_threads: int | None = None  # torch intra-op threads per rank; None: torch's default
+    mem_gb: int | None = None
+    time_min: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    peak_tflops: float | None = None  # per device; for MFU where the device is not in the table
+    gpu_mem_gb: float | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+
+
+def register() -> None:
+    """Make the schema and the `${demo_data_dir:}` resolver known to Hydra (idempotent)."""
+    from data_prep.demo import default_out_dir
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+    if not OmegaConf.has_resolver("demo_data_dir"):
+        OmegaConf.register_new_resolver("demo_data_dir", default_out_dir)
+
+
+def model_args(cfg) -> ModelArgs:
+    return ModelArgs(**{f.name: cfg.model[f.name] for f in fields(ModelArgs)})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The numbers a run is built from, after derivation and checks."""
+
+    world: int
+    dp: int
+    tp: int
+    pp: int
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    seq_len: int | None  # None until the data manifest is known
+
+
+def _batch(global_batch, micro_batch, grad_accum, dp) -> tuple[int, int, int]:
+    fix = "set two of train.global_batch / train.micro_batch / train.grad_accum and let the third be derived"
+    for name, v in (("global_batch", global_batch), ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+        if v is not None and v < 1:
+            raise ConfigError(f"train.{name}={v} must be >= 1")
+    if micro_batch is None and grad_accum is None:
+        grad_accum = 1
+    if global_batch is None:
+        if micro_batch is None:
+            raise ConfigError(f"train.global_batch and train.micro_batch are both unset: {fix}")
+        return micro_batch * (grad_accum or 1) * dp, micro_batch, grad_accum or 1
+    if micro_batch is None:
+        if global_batch % (grad_accum * dp):
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by grad_accum×dp={grad_accum}×{dp}: "
+                f"choose a global_batch that is a multiple of {grad_accum * dp}"
+            )
+        return global_batch, global_batch // (grad_accum * dp), grad_accum
+    if grad_accum is None:
+        if global_batch % (micro_batch * dp):
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by micro_batch×dp={micro_batch}×{dp}: "
+                f"choose a global_batch that is a multiple of {micro_batch * dp}, or another micro_batch"
+            )
+        return global_batch, micro_batch, global_batch // (micro_batch * dp)
+    if micro_batch * grad_accum * dp != global_batch:
+        raise ConfigError(
+            f"train.global_batch={global_batch} != micro_batch×grad_accum×dp={micro_batch}×{grad_accum}×{dp}"
+            f"={micro_batch * grad_accum * dp}: {fix}"
+        )
+    return global_batch, micro_batch, grad_accum
+
+
+def resolve(cfg, world: int = 1) -> Plan:
+    """Derive and check the numbers a run needs; raise ConfigError on the first problem."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"head_dim = model.dim/n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    tp, pp = p.tp, p.pp
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
+    if p.dp == "auto":
+        if world % (tp * pp):
+            raise ConfigError(f"parallel.dp=auto: world size {world} is not divisible by tp×pp={tp}×{pp}")
+        dp = world // (tp * pp)
+    else:
+        try:
+            dp = int(p.dp)
+        except ValueError:
+            raise ConfigError(f"parallel.dp={p.dp!r} must be a positive integer or 'auto'") from None
+    if dp < 1:
+        raise ConfigError(f"parallel.dp={dp} must be >= 1")
+    if dp * tp * pp != world:
+        raise ConfigError(f"parallel dp×tp×pp={dp}×{tp}×{pp}={dp * tp * pp} does not match world size {world}")
+    if world > 1:
+        raise ConfigError(
+            f"layout dp×tp×pp={dp}×{tp}×{pp} needs {world} processes; multi-process layouts are not "
+            "available in this version: use parallel=single"
+        )
+    if p.activation_checkpointing == ActCkpt.selective and p.ac_every < 1:
+        raise ConfigError(f"parallel.ac_every={p.ac_every} must be >= 1 for selective activation checkpointing")
+    gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
+    if t.seq_len is not None and t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: lower train.seq_len "
+            f"or raise model.max_seq_len"
+        )
+    for key in ("max_steps", "log_every", "eval_batches", "ckpt_keep", "max_nonfinite"):
+        if t[key] < 1:
+            raise ConfigError(f"train.{key}={t[key]} must be >= 1")
+    o = cfg.optim
+    if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"optim.lr={o.lr} must be > 0, optim.warmup_steps={o.warmup_steps} >= 0 and "
+            f"optim.min_lr_ratio={o.min_lr_ratio} within [0, 1]"
+        )
+    return Plan(world, dp, tp, pp, gb, mb, ga, t.seq_len)

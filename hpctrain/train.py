@@ -1,0 +1,245 @@
+"""The training loop: build the run from a validated config, then step, log, evaluate, checkpoint.
+
+The loop knows nothing of the parallel layout: it asks the layout for a model and one `TrainStep`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from hpctrain import checkpoint, distributed
+from hpctrain.config import Plan, PrecisionName, model_args, resolve
+from hpctrain.data import ShardStream, check_compat
+from hpctrain.metrics import MetricsLogger, memory_gb, peak_flops
+from hpctrain.model import Llama, flops_per_token, num_params
+from hpctrain.optim import build_optimizer, build_scheduler, scaled_lr
+from hpctrain.parallelize import parallelize
+from hpctrain.precision import setup_precision
+from hpctrain.step import TrainStep, evaluate
+
+log = logging.getLogger("hpctrain")
+# The schedule advances on every step, skipped ones included (step s always has lr(s)).
+warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue; the message is one line naming the cause and the fix."""
+
+
+@dataclass
+class RunState:
+    """Everything besides tensors a resumed run needs; stored as JSON in each checkpoint."""
+
+    step: int = 0
+    samples: int = 0  # global samples consumed: the data position
+    tokens: int = 0
+    skipped_nonfinite: int = 0
+    skipped_overflow: int = 0
+    consecutive_nonfinite: int = 0
+    last_loss: float | None = None
+    last_val_loss: float | None = None
+    wall_time_s: float = 0.0
+
+
+def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
+    """Make sure the shards exist and fit the model; return (data dir, seq_len). Runs before any spawn."""
+    path = os.path.expanduser(cfg.data.path)
+    if cfg.data.prepare_demo and not os.path.isfile(os.path.join(path, "manifest.json")):
+        from data_prep.demo import build_demo
+
+        build_demo(path)
+    manifest = ShardStream(path, "train", 1, 0).manifest
+    seq_len = plan.seq_len or manifest.block_len - 1
+    if seq_len > cfg.model.max_seq_len:
+        raise TrainingError(
+            f"the shards in {path} hold {manifest.block_len}-token blocks (seq_len {seq_len}) but "
+            f"model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len or re-shard with SEQ_LEN"
+        )
+    check_compat(manifest, cfg.model.vocab_size, seq_len)
+    return path, seq_len
+
+
+def build_model(cfg, env: distributed.Env, mesh) -> torch.nn.Module:
+    # Build on the meta device, parallelize, then allocate: each rank only materialises its shard.
+    with torch.device("meta"):
+        model = Llama(model_args(cfg))
+    model = parallelize(model, mesh, cfg.parallel)
+    model.to_empty(device=env.device)
+    torch.manual_seed(cfg.train.seed)  # identical initial weights for every layout
+    model.init_weights()
+    return model.train()
+
+
+def _window_record(state: RunState, result, lr: float, window: dict, tokens_per_step: int,
+                   flops_tok: float, peak: float | None, world: int, device) -> dict:
+    elapsed = max(window["time"], 1e-9)
+    tps = window["steps"] * tokens_per_step / elapsed
+    return {
+        "step": state.step,
+        "loss": result.loss,
+        "lr": lr,
+        "grad_norm": result.grad_norm,
+        "tokens_per_s": tps,
+        "mfu": (flops_tok * tps / (peak * world)) if peak else None,
+        "data_wait_frac": window["data"] / elapsed,
+        "mem_gb": memory_gb(device),
+        "step_time_s": elapsed / window["steps"],
+        "loss_scale": result.loss_scale,
+        "skipped_nonfinite": state.skipped_nonfinite,
+        "skipped_overflow": state.skipped_overflow,
+    }
+
+
+def train(cfg, run_dir: str) -> dict:
+    """Run (or resume) training in `run_dir`; return the result also written to result.json."""
+    plan = resolve(cfg, distributed.launched_world() or 1)
+    data_dir, seq_len = prepare_data(cfg, plan)
+    os.makedirs(run_dir, exist_ok=True)
+    env = distributed.init()
+    try:
+        return _train(cfg, run_dir, plan, data_dir, seq_len, env)
+    finally:
+        distributed.shutdown()
+
+
+def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: distributed.Env) -> dict:
+    t = cfg.train
+    torch.set_flush_denormal(True)  # denormals make CPU fp32 steps ~10× slower late in training
+    if cfg.cluster.num_threads:
+        torch.set_num_threads(cfg.cluster.num_threads)
+    mesh = distributed.build_mesh(env, plan.pp, plan.dp, plan.tp)
+    model = build_model(cfg, env, mesh)
+    precision = setup_precision(cfg.precision, env.device)
+    lr = scaled_lr(cfg.optim, plan.global_batch)
+    optimizer = build_optimizer(model, cfg.optim, lr)
+    scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
+    train_step = TrainStep(model, optimizer, precision, cfg.optim.grad_clip, env.device)
+
+    state = RunState()
+    resume_from = checkpoint.latest(run_dir) if t.resume == "auto" else None if t.resume == "never" else t.resume
+    if resume_from:
+        saved = checkpoint.load(resume_from, model, optimizer)
+        state = RunState(**saved["run"])
+        scheduler.load_state_dict(saved["scheduler"])
+        if precision.scaler and saved.get("scaler"):
+            precision.scaler.load_state_dict(saved["scaler"])
+        log.info("resumed from %s at step %d (sample %d)", resume_from, state.step, state.samples)
+
+    n_params = num_params(model)
+    flops_tok = flops_per_token(model_args(cfg), seq_len)
+    peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
+    tokens_per_step = plan.global_batch * seq_len
+    if env.is_main:
+        log.info("model %s: %.2fM parameters, %.3g training FLOPs/token; layout pp×dp×tp=%d×%d×%d; "
+                 "global batch %d = micro %d × accum %d × dp %d, seq_len %d; lr %.3g; run dir %s",
+                 cfg.model.name, n_params / 1e6, flops_tok, plan.pp, plan.dp, plan.tp, plan.global_batch,
+                 plan.micro_batch, plan.grad_accum, plan.dp, seq_len, lr, run_dir)
+
+    stream = ShardStream(data_dir, "train", plan.micro_batch, t.seed, start_sample=state.samples,
+                         shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers)
+    batches = iter(stream)
+    metrics = MetricsLogger(run_dir, env.is_main, t.tensorboard, t.progress, t.max_steps, state.step)
+
+    def run_eval() -> None:
+        val = ShardStream(data_dir, "val", plan.micro_batch, t.seed, loop=False, shuffle=False)
+        subset = (b for _, b in zip(range(t.eval_batches), val))
+        state.last_val_loss = evaluate(model, subset, precision, env.device)
+        metrics.log({"step": state.step, "val_loss": state.last_val_loss,
+                     "val_ppl": math.exp(min(state.last_val_loss, 50.0))})
+
+    def save() -> None:
+        state.wall_time_s += time.time() - started_at[0]
+        started_at[0] = time.time()
+        saved = {"run": vars(state), "scheduler": scheduler.state_dict(),
+                 "scaler": precision.scaler.state_dict() if precision.scaler else None}
+        checkpoint.save(run_dir, state.step, model, optimizer, saved, t.ckpt_keep)
+
+    started_at = [time.time()]
+    status, error = "running", None
+    window = {"steps": 0, "time": 0.0, "data": 0.0}
+    redirect = contextlib.nullcontext()
+    if metrics.bar is not None:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        redirect = logging_redirect_tqdm()
+    try:
+        with redirect:
+            while state.step < t.max_steps:
+                t0 = time.perf_counter()
+                micro = [next(batches) for _ in range(plan.grad_accum)]
+                t1 = time.perf_counter()
+                result = train_step(micro)
+                scheduler.step()
+                state.step += 1
+                state.samples += plan.global_batch
+                state.tokens += tokens_per_step
+                window["steps"] += 1
+                window["data"] += t1 - t0
+                window["time"] += time.perf_counter() - t0
+                if result.status == "ok":
+                    state.consecutive_nonfinite = 0
+                    state.last_loss = result.loss
+                elif result.status == "overflow":
+                    state.skipped_overflow += 1
+                    log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale now %g",
+                                state.step, result.loss_scale)
+                else:
+                    state.skipped_nonfinite += 1
+                    state.consecutive_nonfinite += 1
+                    log.warning("step %d: non-finite loss %s / grad norm %s; step skipped (%d in a row)",
+                                state.step, result.loss, result.grad_norm, state.consecutive_nonfinite)
+                    if state.consecutive_nonfinite >= t.max_nonfinite:
+                        raise TrainingError(
+                            f"{state.consecutive_nonfinite} consecutive non-finite steps (last at step "
+                            f"{state.step}): lower optim.lr, raise optim.warmup_steps or use precision=bf16; "
+                            f"resume from the last checkpoint"
+                        )
+                metrics.advance(loss=result.loss)
+                if state.step % t.log_every == 0 or state.step == t.max_steps:
+                    metrics.log(_window_record(state, result, scheduler.get_last_lr()[0], window,
+                                               tokens_per_step, flops_tok, peak, env.world, env.device))
+                    window = {"steps": 0, "time": 0.0, "data": 0.0}
+                if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.max_steps):
+                    run_eval()
+                if (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps:
+                    save()
+        status = "completed"
+    except BaseException as e:
+        status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
+        raise
+    finally:
+        metrics.close()
+        state.wall_time_s += time.time() - started_at[0]
+        result_doc = {
+            "status": status,
+            "error": error,
+            "final_loss": state.last_loss,
+            "final_val_loss": state.last_val_loss,
+            "steps": state.step,
+            "tokens": state.tokens,
+            "samples": state.samples,
+            "skipped_nonfinite": state.skipped_nonfinite,
+            "skipped_overflow": state.skipped_overflow,
+            "wall_time_s": state.wall_time_s,
+            "params": n_params,
+            "world": env.world,
+        }
+        if env.is_main:
+            _write_json(os.path.join(run_dir, "result.json"), result_doc)
+    return result_doc
+
+
+def _write_json(path: str, doc: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)

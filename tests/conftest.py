@@ -1,0 +1,47 @@
+"""Shared fixtures: one small real shard set per session and a composer for small, fast run configs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hpctrain.config import register
+
+CONF_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
+
+# A model small enough that a step takes milliseconds on 2 cores, on 64-token blocks.
+SMALL_MODEL = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=176",
+    "model.vocab_size=512", "model.max_seq_len=64",
+]
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+register()
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> str:
+    from data_prep.demo import build_demo
+
+    out = str(tmp_path_factory.mktemp("shards"))
+    build_demo(out, max_bytes=400_000, vocab_size=512, seq_len=64, shard_mb=0.05)
+    return out
+
+
+@pytest.fixture
+def make_cfg(demo_data):
+    """Compose the real Hydra config with the small model and data, plus `overrides`."""
+    from hydra import compose, initialize_config_dir
+
+    def make(*overrides: str, small_model: bool = True):
+        base = (SMALL_MODEL if small_model else []) + [
+            f"data.path={demo_data}", "data.prepare_demo=false", "train.global_batch=8",
+            "train.micro_batch=4", "train.max_steps=6", "train.log_every=1", "train.eval_every=3",
+            "train.eval_batches=2", "train.ckpt_every=3", "optim.warmup_steps=2", "optim.lr=1e-2",
+        ]
+        with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=base + list(overrides))
+
+    return make

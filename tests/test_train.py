@@ -1,0 +1,226 @@
+"""End-to-end training runs on real shards: outputs, accumulation, precision, skips, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hpctrain.train import TrainingError, train
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_wait_frac", "mem_gb",
+               "step_time_s"}
+
+
+def losses(run_dir) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_run_writes_metrics_tensorboard_checkpoints_result(make_cfg, tmp_path):
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    result = train(make_cfg("train.ckpt_every=2", "train.ckpt_keep=2"), run)
+    records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for r in steps:
+        assert METRIC_KEYS <= r.keys()
+        assert r["mfu"] is None  # CPU without cluster.peak_tflops
+        assert r["tokens_per_s"] > 0 and 0 <= r["data_wait_frac"] < 1 and r["mem_gb"] > 0
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+    doc = json.load(open(os.path.join(run, "result.json")))
+    assert doc == result and doc["status"] == "completed" and doc["steps"] == 6
+    assert doc["final_loss"] == steps[-1]["loss"] and doc["tokens"] == 6 * 8 * 64
+
+    ckpts = sorted(os.listdir(os.path.join(run, "checkpoints")))
+    assert ckpts == ["latest", "step-0000004", "step-0000006"]  # keep the last 2, no temporaries
+    assert os.readlink(os.path.join(run, "checkpoints", "latest")) == "step-0000006"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(os.path.join(run, "tb"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert len(ea.Scalars("val/loss")) == 2
+
+
+def test_mfu_with_peak_tflops(make_cfg, tmp_path):
+    train(make_cfg("train.max_steps=2", "train.eval_every=0", "cluster.peak_tflops=1.0"), str(tmp_path))
+    r = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][-1]
+    from hpctrain.config import model_args
+    from hpctrain.model import flops_per_token
+
+    cfg = make_cfg()
+    assert r["mfu"] == pytest.approx(flops_per_token(model_args(cfg), 64) * r["tokens_per_s"] / 1e12)
+
+
+def test_accumulation_8x1_equals_1x8(make_cfg, tmp_path):
+    """Loss is the mean over all tokens of the global batch, so accumulation does not change it."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = ("optim=sgd", "optim.lr=0.5", "train.global_batch=8", "train.max_steps=4", "train.eval_every=0")
+    train(make_cfg(*common, "train.micro_batch=8"), a)
+    train(make_cfg(*common, "train.micro_batch=1"), b)
+    la, lb = losses(a), losses(b)
+    assert la.keys() == lb.keys() == {1, 2, 3, 4}
+    for s in la:
+        assert abs(la[s] - lb[s]) <= 1e-6, (s, la[s], lb[s])
+
+
+def test_activation_checkpointing_is_exact(make_cfg, tmp_path):
+    common = ("train.max_steps=3", "train.eval_every=0")
+    train(make_cfg(*common), str(tmp_path / "a"))
+    train(make_cfg(*common, "parallel.activation_checkpointing=full"), str(tmp_path / "b"))
+    train(make_cfg(*common, "parallel.activation_checkpointing=selective", "parallel.ac_every=2"),
+          str(tmp_path / "c"))
+    la, lb, lc = losses(tmp_path / "a"), losses(tmp_path / "b"), losses(tmp_path / "c")
+    assert all(abs(la[s] - lb[s]) <= 1e-6 and abs(la[s] - lc[s]) <= 1e-6 for s in la)
+
+
+def test_bf16_and_tf32_track_fp32(make_cfg, tmp_path):
+    common = ("train.max_steps=3", "train.eval_every=0")
+    ref = losses(train(make_cfg(*common), str(tmp_path / "a")) and tmp_path / "a")
+    for name in ("bf16", "tf32"):
+        got = losses(train(make_cfg(*common, f"precision={name}"), str(tmp_path / name)) and tmp_path / name)
+        assert all(abs(ref[s] - got[s]) < 0.05 for s in ref), (name, ref, got)
+
+
+def test_fp16_overflow_is_skipped_and_logged(make_cfg, tmp_path):
+    # 2**40 overflows fp16 gradients at once: steps are skipped and the scale halves until it fits.
+    cfg = make_cfg("precision=fp16", "precision.loss_scale_init=1099511627776", "train.max_steps=8",
+                   "train.eval_every=0")
+    result = train(cfg, str(tmp_path))
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    scales = [r["loss_scale"] for r in records]
+    assert result["status"] == "completed" and result["skipped_overflow"] >= 1
+    assert scales[0] == 2.0**39 and scales == sorted(scales, reverse=True)
+    assert records[-1]["skipped_overflow"] == result["skipped_overflow"]
+    assert "overflowed; step skipped" in open(tmp_path / "train.log").read() if (tmp_path / "train.log").exists() \
+        else True
+
+
+def test_fp16_skipped_step_leaves_weights_untouched(make_cfg):
+    from hpctrain.config import model_args
+    from hpctrain.model import Llama
+    from hpctrain.optim import build_optimizer
+    from hpctrain.precision import setup_precision
+    from hpctrain.step import TrainStep
+
+    cfg = make_cfg("precision=fp16", "precision.loss_scale_init=1099511627776")
+    torch.manual_seed(0)
+    model = Llama(model_args(cfg))
+    opt = build_optimizer(model, cfg.optim, 1e-2)
+    step = TrainStep(model, opt, setup_precision(cfg.precision, torch.device("cpu")), 1.0, torch.device("cpu"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = step([torch.randint(0, 512, (2, 65))])
+    assert r.status == "overflow" and r.loss_scale == 2.0**39
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state  # AdamW never stepped
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path):
+    # An absurd SGD learning rate without clipping blows the weights up within a few steps.
+    cfg = make_cfg("optim=sgd", "optim.lr=1e12", "optim.grad_clip=0", "optim.warmup_steps=0",
+                   "train.max_nonfinite=2", "train.max_steps=50", "train.eval_every=0")
+    with pytest.raises(TrainingError, match="2 consecutive non-finite steps") as e:
+        train(cfg, str(tmp_path))
+    assert "lower optim.lr" in str(e.value)
+    doc = json.load(open(tmp_path / "result.json"))
+    assert doc["status"] == "failed" and doc["skipped_nonfinite"] == 2 and doc["steps"] < 50
+
+
+def test_nonfinite_step_does_not_touch_weights(make_cfg):
+    from hpctrain.config import model_args
+    from hpctrain.model import Llama
+    from hpctrain.optim import build_optimizer
+    from hpctrain.precision import setup_precision
+    from hpctrain.step import TrainStep
+
+    cfg = make_cfg()
+    model = Llama(model_args(cfg))
+    with torch.no_grad():
+        model.layers["0"].attention.wq.weight[0, 0] = float("nan")
+    opt = build_optimizer(model, cfg.optim, 1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = TrainStep(model, opt, setup_precision(cfg.precision, torch.device("cpu")), 1.0, torch.device("cpu"))(
+        [torch.randint(0, 512, (2, 65))])
+    assert r.status == "nonfinite"
+    assert all(torch.equal(before[k], v) or k.endswith("wq.weight") for k, v in model.state_dict().items())
+    assert not opt.state
+
+
+def _cli(run_dir, demo_data, *extra):
+    from conftest import SMALL_MODEL
+
+    return [sys.executable, "-m", "hpctrain", f"run_dir={run_dir}", f"data.path={demo_data}",
+            "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
+            "train.log_every=1", "train.eval_every=0", "train.ckpt_every=2", "train.tensorboard=false",
+            "cluster.num_threads=1", *extra]
+
+
+def test_resume_after_kill_equals_uninterrupted(demo_data, tmp_path):
+    """SIGKILL a run right after a checkpoint; rerunning in the same directory continues exactly."""
+    steps = "train.max_steps=40"
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    subprocess.run(_cli(ref, demo_data, steps), check=True, capture_output=True, timeout=300)
+    proc = subprocess.Popen(_cli(run, demo_data, steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = run / "checkpoints" / "latest"
+    deadline = time.time() + 240
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed_from = json.load(open(latest / "trainer_state.json"))["run"]["step"]
+    assert resumed_from < 40, "the run finished before it could be killed"
+    p = subprocess.run(_cli(run, demo_data, steps), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from" in open(run / "train.log").read()
+    lr, lrun = losses(ref), losses(run)
+    assert sorted(lrun) == list(range(1, 41))  # each step logged once, even those redone
+    for s in range(resumed_from + 1, 41):
+        assert lrun[s] == pytest.approx(lr[s], abs=1e-6), s
+    assert json.load(open(run / "result.json"))["final_loss"] == pytest.approx(
+        json.load(open(ref / "result.json"))["final_loss"], abs=1e-6)
+
+
+def test_completed_run_is_not_retrained(make_cfg, tmp_path):
+    cfg = make_cfg("train.max_steps=2", "train.eval_every=0")
+    first = train(cfg, str(tmp_path))
+    again = train(cfg, str(tmp_path))
+    assert again["status"] == "completed" and again["final_loss"] == first["final_loss"]
+    assert len(losses(tmp_path)) == 2
+
+
+def test_generate_cli(make_cfg, tmp_path, demo_data):
+    cfg = make_cfg("train.max_steps=2", "train.eval_every=0")
+    os.makedirs(tmp_path / ".hydra")
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
+    train(cfg, str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "hpctrain.generate", f"run_dir={tmp_path}", "prompt=def ",
+                        "max_new_tokens=12", "seed=1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("def ") and len(p.stdout.strip()) > len("def")
+
+
+def test_sample_greedy_is_deterministic(make_cfg):
+    from hpctrain.config import model_args
+    from hpctrain.generate import sample
+    from hpctrain.model import Llama
+
+    torch.manual_seed(0)
+    model = Llama(model_args(make_cfg())).eval()
+    a = sample(model, [1, 2, 3], 8, temperature=0)
+    b = sample(model, [1, 2, 3], 8, temperature=0)
+    assert a == b and len(a) == 8
+    logits = model(torch.tensor([[1, 2, 3]]))[0, -1]
+    assert a[0] == int(logits.argmax())
