@@ -2,14 +2,17 @@
 
 A data directory holds::
 
-    manifest.json            written last, atomically; its presence marks a complete shard set
-    tokenizer/tokenizer.json the tokenizer that produced the tokens (sha256 recorded in the manifest)
-    train-000000.tar ...     WebDataset shards, one sample per packed block of `block_len` tokens
-    val-000000.tar ...
+    manifest.json                written last, atomically; its presence marks a complete shard set
+    tokenizer/tokenizer.json     the tokenizer that produced the tokens (sha256 recorded in the manifest)
+    train-000000-0000.tar ...    WebDataset shards: {split}-{unit}-{part}.tar, one sample per packed block
+    val-000000-0000.tar ...
+    .build/                      the preprocessing journal (plan + one record per finished work unit)
 
-Each sample is one tar member ``{key}.tokens`` (key = ``%010d`` index of the block within its split)
-holding `block_len` little-endian unsigned integers (uint16 when the vocabulary fits, else uint32).
-`block_len = seq_len + 1`: a block is a model input plus its shifted target.
+The manifest lists each split's shards in order; a shard `name` is a path relative to the data directory
+(older sets use ``{split}-NNNNNN.tar``). Each sample is one tar member ``{key}.tokens`` (key =
+``{unit:06d}-{block:010d}``, unique within the split) holding `block_len` little-endian unsigned integers
+(uint16 when the vocabulary fits, else uint32). `block_len = seq_len + 1`: a block is a model input plus
+its shifted target.
 
 Pure Python + numpy on purpose: no torch here.
 """
@@ -42,6 +45,7 @@ TAR_MODE = 0o444
 TAR_OWNER = "hpctrain"
 
 _SHARD_RE = re.compile(r"^(?P<split>[a-z]+)-(?P<index>\d{6})\.tar$")
+_UNIT_SHARD_RE = re.compile(r"^(?P<split>[a-z]+)-(?P<unit>\d{6,})-(?P<part>\d{4,})\.tar$")
 
 
 class DataError(ValueError):
@@ -61,8 +65,19 @@ def parse_shard_name(name: str) -> tuple[str, int] | None:
     return (m["split"], int(m["index"])) if m else None
 
 
-def sample_key(index: int) -> str:
-    return f"{index:010d}"
+def unit_shard_name(split: str, unit: int, part: int) -> str:
+    """Shard `part` of work unit `unit` of `split`: "train-000012-0003.tar"."""
+    return f"{split}-{unit:06d}-{part:04d}.tar"
+
+
+def is_shard_file(name: str) -> bool:
+    """True for shard file names this code writes (either naming scheme), with or without `.tmp`."""
+    base = name.removesuffix(".tmp")
+    return bool(_SHARD_RE.match(base) or _UNIT_SHARD_RE.match(base))
+
+
+def sample_key(index: int, unit: int | None = None) -> str:
+    return f"{index:010d}" if unit is None else f"{unit:06d}-{index:010d}"
 
 
 def token_dtype(vocab_size: int) -> str:

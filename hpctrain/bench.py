@@ -34,12 +34,17 @@ def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=[
             "model=tiny", "data=demo", "optim=adamw", "parallel=single", f"train.global_batch={BATCH}",
-            f"train.micro_batch={BATCH}", "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
-            "train.log_every=1", "train.progress=false", "train.resume=never", *overrides])
+            f"train.micro_batch={BATCH}", "train.eval_every=0", "train.ckpt_every=0",
+            "train.tensorboard=false", "train.log_every=1", "train.progress=false", "train.resume=never",
+            *overrides])
 
 
-def tokens_per_s(tokens: list[float], times: list[float]) -> float:
-    return sum(tokens) / sum(times)
+def measure(tokens: list[float], times: list[float], warmup: int, final_loss: float | None) -> dict:
+    """tokens/s over the post-warmup steps, and a noise-robust variant from the median step time."""
+    tokens, timed = tokens[warmup:], times[warmup:]
+    return {"tokens_per_s": sum(tokens) / sum(timed),
+            "median_step_tokens_per_s": statistics.median(tokens) / statistics.median(timed),
+            "step_times_s": times, "final_loss": final_loss}
 
 
 def run_hpctrain(precision: str, compile_: bool, steps: int, warmup: int, threads: int) -> dict:
@@ -53,11 +58,12 @@ def run_hpctrain(precision: str, compile_: bool, steps: int, warmup: int, thread
         train(cfg, run_dir)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
-    timed = [r for r in records if "tokens_per_s" in r and r["step"] > warmup]
+    per_step = [r for r in records if "tokens_per_s" in r]
+    assert [r["step"] for r in per_step] == list(range(1, steps + 1)), "expected one metrics record per step"
     # log_every=1: each record is one step, so tokens_per_s * step_time_s is that step's token count.
-    tps = tokens_per_s([r["tokens_per_s"] * r["step_time_s"] for r in timed], [r["step_time_s"] for r in timed])
-    return {"tokens_per_s": tps, "step_times_s": [r["step_time_s"] for r in records if "step_time_s" in r],
-            "final_loss": records[-1].get("loss")}
+    times = [r["step_time_s"] for r in per_step]
+    tokens = [r["tokens_per_s"] * t for r, t in zip(per_step, times)]
+    return measure(tokens, times, warmup, per_step[-1]["loss"])
 
 
 def run_hf(precision: str, steps: int, warmup: int, args, data_dir: str, seed: int) -> dict:
@@ -87,8 +93,7 @@ def run_hf(precision: str, steps: int, warmup: int, args, data_dir: str, seed: i
         loss_value = loss.item()
         times.append(time.perf_counter() - t0)
         tokens.append(block.shape[0] * (block.shape[1] - 1))
-    return {"tokens_per_s": tokens_per_s(tokens[warmup:], times[warmup:]), "step_times_s": times,
-            "final_loss": loss_value}
+    return measure(tokens, times, warmup, loss_value)
 
 
 def cpu_name() -> str:
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default fp32,bf16)")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds; the median is reported")
     p.add_argument("--no-compile", action="store_true", help="skip the parallel.compile=true variant")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all CPUs)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: CPUs)")
     p.add_argument("--json", metavar="PATH", help="write every measurement to PATH")
     p.add_argument("--quick", action="store_true", help="smoke run: --steps 6 --warmup 2 --no-compile")
     a = p.parse_args(argv)
@@ -127,10 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = compose_cfg([])
     data_dir, seq_len = prepare_data(cfg, resolve(cfg))  # builds the demo shards on first use
     args, seed = model_args(cfg), cfg.train.seed
-    machine = (f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {a.threads} torch threads; torch {torch.__version__}, "
-               f"transformers {transformers.__version__}, python {platform.python_version()}")
+    machine = (f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {a.threads} torch threads; "
+               f"torch {torch.__version__}, transformers {transformers.__version__}, "
+               f"python {platform.python_version()}")
     print(machine)
-    print(f"model {cfg.model.name} (dim {args.dim}, {args.n_layers} layers), batch {BATCH}×{seq_len} tokens, "
+    print(f"model {cfg.model.name} (dim {args.dim}, {args.n_layers} layers), batch {BATCH}×{seq_len} tok, "
           f"{a.steps} steps/run ({a.warmup} warmup excluded), {a.repeats} repeat(s)", flush=True)
 
     # The first training run in a process pays one-time costs (seconds per step for the first steps,
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict[str, list[dict]]] = {pr: {v: [] for v in variants} for pr in precisions}
     for rep in range(a.repeats):
         for pr in precisions:
-            for v in variants:
+            for v in variants if rep % 2 == 0 else variants[::-1]:  # no side always runs first
                 t0 = time.perf_counter()
                 if v == "hf":
                     r = run_hf(pr, a.steps, a.warmup, args, data_dir, seed)
@@ -154,14 +160,21 @@ def main(argv: list[str] | None = None) -> dict:
                       f"(run {r['wall_s']:.0f} s, final loss {r['final_loss']:.3f})", flush=True)
 
     summary = []
-    print(f"\n{'precision':9} | {'variant':18} | {'tokens/s':>9} | ratio vs HF")
-    print(f"{'-' * 9}-+-{'-' * 18}-+-{'-' * 9}-+-{'-' * 11}")
+    print(f"\n{'precision':9} | {'variant':18} | {'tokens/s':>9} | {'vs HF':>6} | "
+          f"{'median-step tok/s':>17} | vs HF")
+    print("-" * 80)
     for pr in precisions:
-        hf = statistics.median(r["tokens_per_s"] for r in runs[pr]["hf"])
+        keys = ("tokens_per_s", "median_step_tokens_per_s")
+        row = {v: {k: statistics.median(r[k] for r in runs[pr][v]) for k in keys} for v in variants}
+        hf, hf_med = row["hf"]["tokens_per_s"], row["hf"]["median_step_tokens_per_s"]
         for v in variants:
-            tps = statistics.median(r["tokens_per_s"] for r in runs[pr][v])
-            summary.append({"precision": pr, "variant": v, "tokens_per_s": tps, "ratio_vs_hf": tps / hf})
-            print(f"{pr:9} | {VARIANTS[v]:18} | {tps:9.1f} | {tps / hf:.2f}×")
+            tps, med = row[v]["tokens_per_s"], row[v]["median_step_tokens_per_s"]
+            summary.append({"precision": pr, "variant": v, "tokens_per_s": tps, "ratio_vs_hf": tps / hf,
+                            "median_step_tokens_per_s": med, "median_step_ratio_vs_hf": med / hf_med})
+            print(f"{pr:9} | {VARIANTS[v]:18} | {tps:9.1f} | {tps / hf:5.2f}× | {med:17.1f} | "
+                  f"{med / hf_med:.2f}×")
+    print("tokens/s: post-warmup tokens / their summed step time (medians over repeats); median-step: tokens "
+          "per step / median step time, less sensitive to load bursts on a shared machine")
     print(machine)
     doc = {"machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": a.threads,
                        "torch": torch.__version__, "transformers": transformers.__version__},

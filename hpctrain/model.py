@@ -12,7 +12,7 @@ one-to-one to and from ``transformers.LlamaForCausalLM`` with no q/k permutation
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ class ModelArgs:
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
-    n_kv_heads: Optional[int] = None  # noqa: UP045 -- plain Optional for OmegaConf; None means n_heads
+    n_kv_heads: Optional[int] = None  # noqa: UP045 (schema type as specified)  None -> n_heads
     ffn_hidden: int = 688
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -128,10 +128,10 @@ class Llama(nn.Module):
                 f"n_heads={args.n_heads}, n_kv_heads={args.kv_heads}"
             )
         self.args = args
-        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)  # noqa: UP045
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm: Optional[RMSNorm] = RMSNorm(args.dim, args.norm_eps)  # noqa: UP045
-        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)  # noqa: UP045
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # Non-persistent: never in the state_dict; init_weights() fills them (also after to_empty()).
         shape = (args.max_seq_len, 1, args.head_dim)  # broadcasts over [B, T, H, D]
@@ -187,7 +187,7 @@ def _matmul_params_per_layer(a: ModelArgs) -> int:
     return a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads) + 3 * a.dim * a.ffn_hidden
 
 
-def num_params(model_or_args: Union[nn.Module, ModelArgs], exclude_embedding: bool = False) -> int:  # noqa: UP007
+def num_params(model_or_args: nn.Module | ModelArgs, exclude_embedding: bool = False) -> int:
     """Parameter count, from a module (counted; a tied weight once) or from ModelArgs (by formula).
 
     exclude_embedding drops the token-embedding table; with tied embeddings that table is also the

@@ -75,6 +75,15 @@ def test_accumulation_8x1_equals_1x8(make_cfg, tmp_path):
         assert abs(la[s] - lb[s]) <= 1e-6, (s, la[s], lb[s])
 
 
+@pytest.mark.parametrize("optim", ["adamw", "adafactor", "sgd"])
+def test_each_optimizer_lowers_the_loss(make_cfg, tmp_path, optim):
+    lr = {"adamw": 1e-2, "adafactor": 0.1, "sgd": 0.5}[optim]
+    result = train(make_cfg(f"optim={optim}", f"optim.lr={lr}", "train.max_steps=8", "train.eval_every=0"),
+                   str(tmp_path))
+    ls = losses(tmp_path)
+    assert result["status"] == "completed" and ls[8] < ls[1] - 0.1, ls
+
+
 def test_activation_checkpointing_is_exact(make_cfg, tmp_path):
     common = ("train.max_steps=3", "train.eval_every=0")
     train(make_cfg(*common), str(tmp_path / "a"))

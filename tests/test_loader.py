@@ -1,0 +1,254 @@
+"""ShardStream: elastic determinism (dp size, workers), exact mid-epoch resume, corrupt shards, layout rules.
+
+Real shards on disk (the stdlib demo corpus at a small size), checked against an oracle written from the
+documented definition of the global sample sequence.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.demo import build_demo
+from data_prep.shard_format import DataError, read_manifest
+from hpctrain import data as data_mod
+from hpctrain.data import ShardStream, interleave_ranks, read_shard, read_shard_wds, sample_order, shard_order
+
+LANES = 4
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    """~23 train shards of 48 blocks and a short last one: 4 lanes get unequal sample counts."""
+    out = str(tmp_path_factory.mktemp("loader"))
+    build_demo(out, max_bytes=150_000, vocab_size=512, seq_len=64, shard_mb=0.05)
+    return out
+
+
+def oracle(data_dir: str, n: int, lanes: int = LANES, seed: int = SEED, shuffle: bool = True,
+           loop: bool = True) -> np.ndarray:
+    """The first n global samples, straight from the definition in hpctrain/data.py's docstring."""
+    m = read_manifest(data_dir)
+    shards = m.splits["train"]
+    blocks = [read_shard_wds(os.path.join(data_dir, s.name), s, m) for s in shards]
+    lane_seqs = []
+    for lane in range(lanes):
+        parts, have, epoch = [], 0, 0
+        while have <= n // lanes and (loop or epoch == 0):
+            order = [i for i in shard_order(len(shards), seed, epoch, shuffle) if shards[i].samples]
+            for i in order[lane::lanes]:
+                parts.append(blocks[i][sample_order(len(blocks[i]), seed, epoch, i, shuffle)])
+                have += len(parts[-1])
+            epoch += 1
+        lane_seqs.append(np.concatenate(parts))
+    if not loop:
+        n = min(n, min(len(s) * lanes + lane for lane, s in enumerate(lane_seqs)))
+    out = np.empty((n, m.block_len), dtype=np.int64)
+    for lane in range(lanes):
+        out[lane::lanes] = lane_seqs[lane][: len(range(lane, n, lanes))]
+    return out
+
+
+def take(stream: ShardStream, n: int) -> list[torch.Tensor]:
+    it = iter(stream)
+    try:
+        return [next(it) for _ in range(n)]
+    finally:
+        it.close()  # shuts the DataLoader workers down now
+
+
+def global_batches(data_dir: str, steps: int, dp: int, workers: int = 0, start_step: int = 0,
+                   global_batch: int = 16, micro: int = 2, **kw) -> torch.Tensor:
+    """Global batches start_step .. start_step+steps-1 as trained at this dp: [steps * global_batch, T]."""
+    accum = global_batch // (dp * micro)
+    per_rank = []
+    for rank in range(dp):
+        stream = ShardStream(data_dir, "train", micro, SEED, start_sample=start_step * global_batch,
+                             num_workers=workers, lanes=LANES,
+                             dp_rank=rank, dp_size=dp, global_batch=global_batch, **kw)
+        per_rank.append(take(stream, steps * accum))
+    out = []
+    for s in range(steps):
+        out.append(interleave_ranks([torch.cat(b[s * accum:(s + 1) * accum]) for b in per_rank]))
+    return torch.cat(out)
+
+
+def one_line(excinfo, *needles: str) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg and msg.strip() == msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    return msg
+
+
+def test_fixture_exercises_uneven_lanes(shards):
+    counts = [s.samples for s in read_manifest(shards).splits["train"]]
+    assert len(counts) >= 2 * LANES and len(set(counts)) > 1
+
+
+def test_global_batches_independent_of_dp_and_workers(shards):
+    epoch = read_manifest(shards).num_samples("train")
+    steps = epoch // 16 + 6  # every lane crosses into its second epoch
+    ref = torch.from_numpy(oracle(shards, steps * 16))
+    for dp in (1, 2, 4):
+        for workers in (0, 1, 2):
+            got = global_batches(shards, steps, dp, workers)
+            assert torch.equal(got, ref), (dp, workers)
+
+
+def test_local_batches_are_the_ranks_lanes(shards):
+    """Rank r of dp gets exactly the global samples g % dp == r, and reads only its lanes' shards."""
+    ref = torch.from_numpy(oracle(shards, 64))
+    for dp in (2, 4):
+        for rank in range(dp):
+            s = ShardStream(shards, "train", 4, SEED, lanes=LANES, dp_rank=rank, dp_size=dp)
+            assert s.my_lanes == list(range(rank, LANES, dp))
+            assert torch.equal(torch.cat(take(s, 64 // (4 * dp))), ref[rank::dp])
+
+
+@pytest.mark.parametrize("save_dp,resume_dp,workers", [(2, 2, 0), (2, 4, 0), (2, 1, 0), (2, 4, 2), (4, 1, 1)])
+def test_resume_equals_uninterrupted(shards, save_dp, resume_dp, workers):
+    epoch = read_manifest(shards).num_samples("train")
+    total = epoch // 16 + 4
+    ref = global_batches(shards, total, save_dp)
+    assert torch.equal(ref, torch.from_numpy(oracle(shards, total * 16)))
+    for k in (1, 3, epoch // 16 - 1, epoch // 16 + 1):  # mid-shard, near and past the epoch boundary
+        got = global_batches(shards, total - k, resume_dp, workers, start_step=k)
+        assert torch.equal(got, ref[k * 16:]), k
+
+
+def test_resume_reads_only_the_partial_shard_of_each_lane(shards, monkeypatch):
+    reads = []
+    real = data_mod.read_shard
+    monkeypatch.setattr(data_mod, "read_shard", lambda url, *a: reads.append(os.path.basename(url)) or real(url, *a))
+    m = read_manifest(shards)
+    train = m.splits["train"]
+    start = m.num_samples("train") + 5 * 16 + 8  # second epoch, inside a shard on every lane
+    plan = ShardStream(shards, "train", 2, SEED, lanes=LANES)._plan
+    expected = {}
+    for lane in range(LANES):
+        pos = plan.lane_start(lane, start)
+        epoch = 0
+        while pos >= plan.lane_samples(lane, epoch):
+            pos -= plan.lane_samples(lane, epoch)
+            epoch += 1
+        for i in plan.dealt(epoch)[lane]:
+            if pos < train[i].samples:
+                assert pos > 0  # really mid-shard
+                expected[lane] = train[i].name
+                break
+            pos -= train[i].samples
+    ref = torch.from_numpy(oracle(shards, start + 64))
+    for dp in (1, 2, 4):
+        for rank in range(dp):
+            reads.clear()
+            s = ShardStream(shards, "train", 16 // dp, SEED, start_sample=start, lanes=LANES, dp_rank=rank,
+                            dp_size=dp)
+            [batch] = take(s, 1)  # 4 samples per lane: no lane leaves its partial shard
+            assert torch.equal(batch, ref[start + rank:start + 16:dp])
+            assert sorted(reads) == sorted(expected[lane] for lane in s.my_lanes), (dp, rank)
+            assert s.shards_read == len(s.my_lanes)
+
+
+def test_non_looping_stream_same_length_on_every_rank(shards):
+    ref = torch.from_numpy(oracle(shards, 10**9, loop=False))
+    for dp in (1, 2, 4):
+        streams = [ShardStream(shards, "train", 4, SEED, loop=False, lanes=LANES, dp_rank=r, dp_size=dp)
+                   for r in range(dp)]
+        lens = {len(s) for s in streams}
+        assert lens == {len(ref) // (4 * dp)}
+        parts = [torch.cat(list(s)) for s in streams]
+        assert {len(p) for p in parts} == {lens.pop() * 4}
+        n = len(parts[0]) * dp
+        assert torch.equal(interleave_ranks(parts), ref[:n])
+
+
+def _corrupt_copy(src: str, dst: str, index: int = 3) -> tuple[str, str]:
+    shutil.copytree(src, dst)
+    name = read_manifest(dst).splits["train"][index].name
+    with open(os.path.join(dst, name), "r+b") as f:
+        f.truncate(5000)
+    return dst, name
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_shard_is_an_error_naming_it(shards, tmp_path, workers):
+    bad, name = _corrupt_copy(shards, str(tmp_path / "bad"))
+    s = ShardStream(bad, "train", 8, SEED, lanes=LANES, num_workers=workers)
+    with pytest.raises(DataError) as e:
+        take(s, 10**6)
+    assert "worker" not in one_line(e, name, "rebuild or re-copy")
+
+
+def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path, caplog):
+    bad, name = _corrupt_copy(shards, str(tmp_path / "bad"))
+    epoch = read_manifest(bad).num_samples("train")
+    steps = epoch // 16 + 2
+    with caplog.at_level(logging.WARNING, logger="hpctrain.data"):
+        s = ShardStream(bad, "train", 16, SEED, lanes=LANES, on_corrupt="skip", num_workers=2)
+        run = take(s, steps)
+    assert s.corrupt_shards >= 1 and set(s.corrupt_names) == {name}  # visited in every lane-epoch it came
+    assert any(name in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
+    assert {tuple(b.shape) for b in run} == {(16, 65)}
+    good = torch.from_numpy(oracle(shards, steps * 16))
+    got = torch.cat(run)
+    assert not torch.equal(got, good)  # the bad shard's samples were replaced
+    bad_rows = {bytes(r) for r in read_shard(os.path.join(shards, name), read_manifest(shards).splits["train"][3],
+                                             read_manifest(shards)).astype(np.int64)}
+    assert not bad_rows & {bytes(r) for r in got.numpy()}
+    for k in (2, steps // 2):  # resume (at another dp) reproduces the skipping run exactly
+        resumed = global_batches(bad, steps - k, 2, start_step=k, on_corrupt="skip")
+        assert torch.equal(resumed, got[k * 16:]), k
+
+
+def test_layout_rules_are_one_line_errors(shards):
+    n = len(read_manifest(shards).splits["train"])
+    cases = [
+        (dict(lanes=3, dp_size=2), ("lanes=3", "dp=2", "multiple of 2")),
+        (dict(lanes=n + 1), (f"lanes={n + 1}", f"{n} non-empty", f"<= {n}")),
+        (dict(lanes=4, dp_size=2, start_sample=7), ("start_sample=7", "dp=2")),
+        (dict(lanes=4, dp_size=2, global_batch=12), ("global_batch=12", "2 x 4")),
+        (dict(lanes=4, dp_size=2, global_batch=16, start_sample=8), ("start_sample=8", "global_batch=16")),
+        (dict(lanes=4, dp_rank=2, dp_size=2), ("dp_rank=2", "dp_size=2")),
+        (dict(on_corrupt="ignore"), ("on_corrupt='ignore'", "skip")),
+    ]
+    for kw, needles in cases:
+        with pytest.raises(DataError) as e:
+            ShardStream(shards, "train", 4, SEED, **kw)
+        one_line(e, *needles)
+
+
+def test_fast_tar_path_matches_webdataset_and_falls_back(shards, tmp_path):
+    m = read_manifest(shards)
+    for s in m.splits["train"] + m.splits["val"]:
+        path = os.path.join(shards, s.name)
+        fast = data_mod._read_local_tar(path, m, s)
+        assert fast is not None and fast.dtype == m.dtype
+        np.testing.assert_array_equal(fast, read_shard_wds(path, s, m))
+    # a non-canonical but valid shard (an extra member per sample, GNU format): webdataset reads it
+    s = m.splits["train"][0]
+    blocks = read_shard(os.path.join(shards, s.name), s, m)
+    other = str(tmp_path / "other.tar")
+    with tarfile.open(os.path.join(shards, s.name)) as src, tarfile.open(other, "w", format=tarfile.GNU_FORMAT) as dst:
+        for member in src:
+            dst.addfile(member, src.extractfile(member))
+            extra = tarfile.TarInfo(member.name.replace(".tokens", ".json"))
+            extra.size = 2
+            dst.addfile(extra, io.BytesIO(b"{}"))
+    assert data_mod._read_local_tar(other, m, s) is None
+    np.testing.assert_array_equal(read_shard(other, s, m), blocks)
+    np.testing.assert_array_equal(read_shard(f"pipe:cat {other}", s, m), blocks)
+
+
+def test_pin_memory_flag_is_harmless_without_cuda(shards):
+    [a] = take(ShardStream(shards, "train", 4, SEED, lanes=LANES, pin_memory=True), 1)
+    [b] = take(ShardStream(shards, "train", 4, SEED, lanes=LANES), 1)
+    assert torch.equal(a, b) and a.dtype == torch.int64 and a.is_pinned() == torch.cuda.is_available()
