@@ -28,7 +28,7 @@ from data_prep.shard_format import (
 )
 from data_prep.tokenizer import TextTokenizer
 
-DEFAULT_BATCH_CHARS = 4_000_000  # characters of text handed to one encode_batch call
+DEFAULT_BATCH_CHARS = 1_000_000  # characters per encode_batch call: bounds a worker at ~100-150 MB
 
 
 # --------------------------------------------------------------------------- validation split

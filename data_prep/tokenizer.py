@@ -1,14 +1,20 @@
-"""Train a byte-level BPE tokenizer, or load an existing one (tokenizer.json or a local HF tokenizer dir)."""
+"""Train a byte-level BPE tokenizer, or load an existing one (tokenizer.json or a local HF tokenizer dir).
+
+`python -m data_prep.tokenizer --corpus GLOB... --vocab N --out DIR [--text-field text] [--sample-mb M]`
+trains on a bounded sample streamed from the corpus (any input kind `data_prep.sources` reads).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_prep.shard_format import EOS_TOKEN, DataError
+from data_prep.sources import Piece, iter_documents
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -61,19 +67,24 @@ class TextTokenizer:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    """Replace `path` by `text` atomically; a no-op when it already holds exactly that (so concurrent
+    array tasks saving the same tokenizer never rewrite a file another task is reading)."""
+    data = text.encode("utf-8")
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    except OSError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def train_tokenizer(files: list[str], vocab_size: int, out_dir: str) -> str:
-    """Train a byte-level BPE (EOS = `<|endoftext|>`, id 0) on text files; returns out_dir/tokenizer.json.
-
-    Deterministic: the same files in the same order give a byte-identical tokenizer.json.
-    """
-    if not files:
-        raise DataError(f"no training files for the tokenizer in {out_dir}: pass at least one text file")
+def _bpe(vocab_size: int) -> tuple[Tokenizer, trainers.BpeTrainer]:
     if vocab_size < 257:
         raise DataError(f"tokenizer vocab_size={vocab_size} is below 257 (256 bytes + EOS): use a larger one")
     core = Tokenizer(models.BPE())
@@ -85,8 +96,51 @@ def train_tokenizer(files: list[str], vocab_size: int, out_dir: str) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    return core, trainer
+
+
+def train_tokenizer(files: list[str], vocab_size: int, out_dir: str) -> str:
+    """Train a byte-level BPE (EOS = `<|endoftext|>`, id 0) on text files; returns out_dir/tokenizer.json.
+
+    Deterministic: the same files in the same order give a byte-identical tokenizer.json.
+    """
+    if not files:
+        raise DataError(f"no training files for the tokenizer in {out_dir}: pass at least one text file")
+    core, trainer = _bpe(vocab_size)
     core.train([os.fspath(f) for f in files], trainer)
     return TextTokenizer(core, core.token_to_id(EOS_TOKEN)).save(out_dir)
+
+
+def train_tokenizer_from_docs(docs: Iterable[str], vocab_size: int, out_dir: str) -> str:
+    """Train the same byte-level BPE from a document iterator (streamed: only the trainer's word counts
+    stay in memory); returns out_dir/tokenizer.json. Deterministic for the same documents."""
+    core, trainer = _bpe(vocab_size)
+    seen = [0]
+
+    def counted() -> Iterator[str]:
+        for doc in docs:
+            seen[0] += 1
+            yield doc
+
+    core.train_from_iterator(counted(), trainer)
+    if not seen[0]:
+        raise DataError(f"no documents to train the tokenizer in {out_dir} on: check the corpus and --text-field")
+    return TextTokenizer(core, core.token_to_id(EOS_TOKEN)).save(out_dir)
+
+
+def sample_documents(pieces: Sequence[Piece], max_bytes: int, text_field: str = "text",
+                     bad_lines: str = "error") -> Iterator[str]:
+    """A deterministic, bounded sample for tokenizer training: every piece contributes its first documents
+    up to its share (by size) of `max_bytes`, so the sample spans the whole corpus without reading it."""
+    total = sum(max(p.bytes, 1) for p in pieces)
+    for piece in pieces:
+        budget = max_bytes * max(piece.bytes, 1) / total
+        taken = 0
+        for doc in iter_documents(piece, text_field, bad_lines, max_chars=max(int(budget), 1)):
+            yield doc
+            taken += len(doc)
+            if taken >= budget:
+                break
 
 
 def load_tokenizer(path: str, eos_token: str | None = None) -> TextTokenizer:
@@ -95,8 +149,12 @@ def load_tokenizer(path: str, eos_token: str | None = None) -> TextTokenizer:
     path = os.fspath(path)
     if os.path.isdir(path):
         json_path = os.path.join(path, TOKENIZER_JSON)
-        if os.path.isfile(json_path) and not os.path.isfile(os.path.join(path, TOKENIZER_CONFIG)):
-            return load_tokenizer(json_path, eos_token)
+        if os.path.isfile(json_path):
+            config = _generic_config(os.path.join(path, TOKENIZER_CONFIG))
+            if config is not None:  # no config, or a generic fast tokenizer: no transformers import needed
+                declared = config.get("eos_token")
+                declared = declared.get("content") if isinstance(declared, dict) else declared
+                return load_tokenizer(json_path, eos_token or declared)
         return _load_hf_dir(path, eos_token)
     if not os.path.isfile(path):
         raise DataError(f"tokenizer {path} does not exist: pass a tokenizer.json file or a tokenizer directory")
@@ -105,6 +163,21 @@ def load_tokenizer(path: str, eos_token: str | None = None) -> TextTokenizer:
     except Exception as e:
         raise DataError(f"cannot load tokenizer {path} ({e}): pass a HF tokenizers tokenizer.json") from None
     return TextTokenizer(core, _eos_id(core, eos_token, None, path))
+
+
+def _generic_config(path: str) -> dict | None:
+    """{} when there is no tokenizer_config.json, the config when it names the generic
+    PreTrainedTokenizerFast class (its tokenizer.json is used as is), else None (load via transformers)."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and config.get("tokenizer_class") == "PreTrainedTokenizerFast":
+        return config
+    return None
 
 
 def _load_hf_dir(path: str, eos_token: str | None) -> TextTokenizer:
@@ -128,3 +201,36 @@ def _eos_id(core: Tokenizer, eos_token: str | None, declared: str | None, path: 
         if token_id is not None:
             return token_id
     raise DataError(f"tokenizer {path} has no EOS token among {candidates}: pass eos_token=... naming one")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import time
+
+    from data_prep.sources import expand_corpus, plan_pieces
+
+    p = argparse.ArgumentParser(prog="python -m data_prep.tokenizer",
+                                description="Train a byte-level BPE tokenizer on a corpus (streamed, bounded sample).")
+    p.add_argument("--corpus", nargs="+", required=True, metavar="GLOB",
+                   help="text files (one document each), .jsonl[.gz|.zst] or .parquet; quote the globs")
+    p.add_argument("--vocab", "--vocab-size", dest="vocab", type=int, required=True, help="vocabulary size")
+    p.add_argument("--out", required=True, help="output directory (gets tokenizer.json + tokenizer_config.json)")
+    p.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
+    p.add_argument("--sample-mb", type=float, default=1000.0,
+                   help="train on at most this much text, spread over the whole corpus (default %(default)s)")
+    p.add_argument("--bad-lines", choices=("error", "skip"), default="error")
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        pieces = plan_pieces(expand_corpus(a.corpus), piece_bytes=256_000_000)
+        docs = sample_documents(pieces, int(a.sample_mb * 1e6), a.text_field, a.bad_lines)
+        path = train_tokenizer_from_docs(docs, a.vocab, a.out)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"tokenizer: {path} (vocab {a.vocab}, {time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -159,3 +159,15 @@ def load(path: str, model, optimizer) -> dict:
             torch.cuda.set_rng_state(value)
     with open(state_file) as f:
         return json.load(f)
+
+
+def load_model(path: str, model) -> None:
+    """Load only the model weights of a checkpoint into an unsharded model, without a process group."""
+    import warnings
+
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "no process group, assuming one process": exactly the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
+                 no_dist=True)
+    model.load_state_dict(state["model"])

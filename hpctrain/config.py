@@ -46,6 +46,11 @@ class Decay(str, Enum):
     constant = "constant"
 
 
+class OnCorrupt(str, Enum):
+    error = "error"
+    skip = "skip"
+
+
 class ActCkpt(str, Enum):
     none = "none"
     full = "full"
@@ -105,6 +110,12 @@ class DataConfig:
     path: str = MISSING  # directory with manifest.json and the tar shards
     num_workers: int = 0
     shuffle: bool = True
+    # Data lanes fix the sample order (elastic over any dp dividing it); None: min(8, shards) rounded
+    # to a multiple of dp. Saved in checkpoints and kept on resume.
+    lanes: int | None = None
+    pin_memory: bool | None = None  # None: when training on CUDA
+    prefetch: int = 2  # shard reads in flight per loader worker
+    on_corrupt: OnCorrupt = OnCorrupt.error  # error | skip (replace an unreadable shard, warn, count in metrics)
     prepare_demo: bool = False  # build the stdlib demo shards at `path` when missing
 
 

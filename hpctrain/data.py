@@ -48,8 +48,8 @@ from data_prep.shard_format import (
     read_manifest,
 )
 
-__all__ = ["DataError", "Manifest", "ShardStream", "check_compat", "interleave_ranks", "read_manifest",
-           "read_shard"]
+__all__ = ["DataError", "Manifest", "ShardStream", "check_compat", "choose_lanes", "interleave_ranks",
+           "read_manifest", "read_shard"]
 
 log = logging.getLogger("hpctrain.data")
 
@@ -308,7 +308,7 @@ class _WorkerShards(torch.utils.data.IterableDataset):
 
 
 class ShardStream:
-    """Iterable of LongTensor micro-batches [batch_size, block_len]: this dp rank's part of the global batches.
+    """Iterable of LongTensor micro-batches [batch_size, block_len]: this dp rank's part of global batches.
 
     `start_sample` is a GLOBAL sample position (step * global_batch). The stream yields, in g order, the
     global samples g >= start_sample with g % dp_size == dp_rank, batch_size at a time; with
@@ -331,7 +331,8 @@ class ShardStream:
                  pin_memory: bool = False, on_corrupt: str = "error", prefetch: int = 2):
         self.manifest = read_manifest(data_dir)
         self.data_dir, self.split, self.batch_size, self.seed = data_dir, split, batch_size, seed
-        self.start_sample, self.loop, self.shuffle, self.num_workers = start_sample, loop, shuffle, num_workers
+        self.start_sample, self.loop, self.shuffle = start_sample, loop, shuffle
+        self.num_workers = num_workers
         self.lanes, self.dp_rank, self.dp_size, self.global_batch = lanes, dp_rank, dp_size, global_batch
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         self.on_corrupt, self.prefetch = on_corrupt, prefetch
@@ -340,8 +341,9 @@ class ShardStream:
         self.shards_read = 0
         shards = self.manifest.shards(split)
         if batch_size < 1 or start_sample < 0 or num_workers < 0 or prefetch < 1:
-            raise DataError(f"batch_size={batch_size}, start_sample={start_sample}, num_workers={num_workers}, "
-                            f"prefetch={prefetch}: batch_size and prefetch must be >= 1, the others >= 0")
+            raise DataError(f"batch_size={batch_size}, start_sample={start_sample}, num_workers="
+                            f"{num_workers}, prefetch={prefetch}: batch_size and prefetch must be >= 1, "
+                            "the others >= 0")
         if on_corrupt not in ON_CORRUPT:
             raise DataError(f"on_corrupt={on_corrupt!r}: use one of {', '.join(ON_CORRUPT)}")
         if not shards or not any(s.samples for s in shards):
@@ -359,9 +361,9 @@ class ShardStream:
                             f"{data_dir}: set data.lanes <= {self._plan.nonempty} (and a multiple of dp) or "
                             "rebuild the shards smaller (more shards)")
         if not loop and (end := self._plan.end()) < batch_size * dp_size:
-            raise DataError(f"batch_size={batch_size} x dp_size={dp_size} exceeds the {end} samples of split "
-                            f"{split!r} in {data_dir} readable with lanes={lanes} (loop=False): use a smaller "
-                            "batch, fewer lanes or more data")
+            raise DataError(f"batch_size={batch_size} x dp_size={dp_size} exceeds the {end} samples of "
+                            f"split {split!r} in {data_dir} readable with lanes={lanes} (loop=False): use a "
+                            "smaller batch, fewer lanes or more data")
 
     @property
     def block_len(self) -> int:
@@ -419,8 +421,8 @@ class ShardStream:
                         self.corrupt_shards += 1
                         self.corrupt_names.append(replaced)
                         log.warning("unreadable shard %s skipped (on_corrupt=skip; replaced by samples of "
-                                    "another shard); %d skipped so far", os.path.join(self.data_dir, replaced),
-                                    self.corrupt_shards)
+                                    "another shard); %d skipped so far",
+                                    os.path.join(self.data_dir, replaced), self.corrupt_shards)
                     if len(chunk):
                         buffers[got_lane].append(chunk)
                 chunk = buf[0]
@@ -476,8 +478,24 @@ def _check_layout(lanes: int, dp_rank: int, dp_size: int, batch_size: int, globa
                             "resume at a step boundary (step * global_batch)")
 
 
+DEFAULT_LANES = 8
+
+
+def choose_lanes(lanes: int | None, dp_size: int, manifest: Manifest, split: str = "train") -> int:
+    """`lanes`, or for None the default: the largest multiple of dp_size <= max(DEFAULT_LANES, dp_size)
+    that the split's non-empty shards can feed (8 lanes: elastic over dp 1, 2, 4, 8 with at most 8 shards
+    in memory per rank). A run must keep its lanes for life: store the result in the checkpoint."""
+    nonempty = sum(1 for s in manifest.shards(split) if s.samples)
+    if lanes is None:
+        lanes = min(max(DEFAULT_LANES, dp_size), nonempty) // dp_size * dp_size
+        if lanes == 0:
+            raise DataError(f"dp={dp_size} ranks need at least {dp_size} non-empty {split} shards, the shard "
+                            f"set has {nonempty}: rebuild the shards smaller (more shards) or lower dp")
+    return lanes
+
+
 def interleave_ranks(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Global batch from the dp ranks' parts of it (parts[r] = rank r's micro-batches concatenated), in g order."""
+    """One global batch in g order from the dp ranks' parts (parts[r]: rank r's micro-batches, joined)."""
     dp = len(parts)
     n = sum(len(p) for p in parts)
     if any(len(p) * dp != n for p in parts):

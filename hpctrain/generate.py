@@ -6,7 +6,6 @@ import os
 import sys
 
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from hpctrain import checkpoint
@@ -40,17 +39,15 @@ def sample(model: Llama, prompt: list[int], max_new_tokens: int, temperature: fl
 
 def load_run(run_dir: str, ckpt: str | None = None) -> tuple[Llama, object, str]:
     """The model of a run's latest (or the given) checkpoint, its config, and its data directory."""
-    from hpctrain.config import model_args
+    from hpctrain.config import model_args, register
 
+    register()  # the saved config may use hpctrain's resolvers (e.g. the demo data path)
     cfg = OmegaConf.load(os.path.join(run_dir, ".hydra", "config.yaml"))
     ckpt = ckpt or checkpoint.latest(run_dir)
     if ckpt is None:
         raise SystemExit(f"hpctrain.generate: error: no complete checkpoint in {run_dir}/checkpoints")
     model = Llama(model_args(cfg))
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt, storage_reader=checkpoint._SafeReader(ckpt),
-             planner=checkpoint._SafeLoadPlanner(), no_dist=True)
-    model.load_state_dict(state["model"])
+    checkpoint.load_model(ckpt, model)
     return model.eval(), cfg, os.path.expanduser(cfg.data.path)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from hpctrain import checkpoint, distributed
 from hpctrain.config import Plan, PrecisionName, model_args, resolve
-from hpctrain.data import ShardStream, check_compat
+from hpctrain.data import ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.metrics import MetricsLogger, memory_gb, peak_flops
 from hpctrain.model import Llama, flops_per_token, num_params
 from hpctrain.optim import build_optimizer, build_scheduler, scaled_lr
@@ -48,6 +48,7 @@ class RunState:
     last_loss: float | None = None
     last_val_loss: float | None = None
     wall_time_s: float = 0.0
+    data_lanes: int | None = None  # fixed for the run's life: it defines the sample order
 
 
 def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
@@ -57,7 +58,7 @@ def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
         from data_prep.demo import build_demo
 
         build_demo(path)
-    manifest = ShardStream(path, "train", 1, 0).manifest
+    manifest = read_manifest(path)
     seq_len = plan.seq_len or manifest.block_len - 1
     if seq_len > cfg.model.max_seq_len:
         raise TrainingError(
@@ -65,6 +66,10 @@ def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
             f"model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len or re-shard with SEQ_LEN"
         )
     check_compat(manifest, cfg.model.vocab_size, seq_len)
+    # Checks the lane/dp divisibility rules and that every shard is there, before any spawn.
+    ShardStream(path, "train", plan.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
+                lanes=choose_lanes(cfg.data.lanes, plan.dp, manifest), dp_size=plan.dp,
+                global_batch=plan.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
     return path, seq_len
 
 
@@ -144,8 +149,16 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                  cfg.model.name, n_params / 1e6, flops_tok, plan.pp, plan.dp, plan.tp, plan.global_batch,
                  plan.micro_batch, plan.grad_accum, plan.dp, seq_len, lr, run_dir)
 
+    lanes = state.data_lanes or choose_lanes(cfg.data.lanes, plan.dp, read_manifest(data_dir))
+    if cfg.data.lanes is not None and cfg.data.lanes != lanes:
+        raise TrainingError(f"data.lanes={cfg.data.lanes} but this run was trained with {lanes} lanes: drop the "
+                            f"override or set data.lanes={lanes} (lanes fix the sample order)")
+    state.data_lanes = lanes
+    pin = env.device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory
     stream = ShardStream(data_dir, "train", plan.micro_batch, t.seed, start_sample=state.samples,
-                         shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers)
+                         shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers, lanes=lanes,
+                         dp_rank=mesh["dp"].get_local_rank(), dp_size=plan.dp, global_batch=plan.global_batch,
+                         pin_memory=pin, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
     batches = iter(stream)
     metrics = MetricsLogger(run_dir, env.is_main, t.tensorboard, t.progress, t.max_steps, state.step)
 
@@ -163,6 +176,7 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                  "scaler": precision.scaler.state_dict() if precision.scaler else None}
         checkpoint.save(run_dir, state.step, model, optimizer, saved, t.ckpt_keep)
 
+    first_step = state.step + 1  # always logged: the loss curve's starting point
     started_at = [time.time()]
     status, error = "running", None
     window = {"steps": 0, "time": 0.0, "data": 0.0}
@@ -204,9 +218,11 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                             f"resume from the last checkpoint"
                         )
                 metrics.advance(loss=result.loss)
-                if state.step % t.log_every == 0 or state.step == t.max_steps:
-                    metrics.log(_window_record(state, result, scheduler.get_last_lr()[0], window,
-                                               tokens_per_step, flops_tok, peak, env.world, env.device))
+                if state.step % t.log_every == 0 or state.step in (first_step, t.max_steps):
+                    record = _window_record(state, result, scheduler.get_last_lr()[0], window,
+                                            tokens_per_step, flops_tok, peak, env.world, env.device)
+                    record["data_corrupt_shards"] = _corrupt_total(stream, mesh)
+                    metrics.log(record)
                     window = {"steps": 0, "time": 0.0, "data": 0.0}
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.max_steps):
                     run_eval()
@@ -229,6 +245,7 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
             "samples": state.samples,
             "skipped_nonfinite": state.skipped_nonfinite,
             "skipped_overflow": state.skipped_overflow,
+            "data_corrupt_shards": stream.corrupt_shards,
             "wall_time_s": state.wall_time_s,
             "params": n_params,
             "world": env.world,
@@ -236,6 +253,14 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
         if env.is_main:
             _write_json(os.path.join(run_dir, "result.json"), result_doc)
     return result_doc
+
+
+def _corrupt_total(stream: ShardStream, mesh) -> int:
+    """Shards skipped as corrupt on all data-parallel ranks (collective over dp)."""
+    n = torch.tensor([stream.corrupt_shards], dtype=torch.int64)
+    if mesh["dp"].size() > 1:
+        torch.distributed.all_reduce(n, group=mesh["dp"].get_group())
+    return int(n.item())
 
 
 def _write_json(path: str, doc: dict) -> None:

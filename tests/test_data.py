@@ -143,16 +143,16 @@ def test_manifest_matches_tar_contents(demo_dir):
     assert len(m.splits["train"]) >= 3 and len(m.splits["val"]) >= 1
     assert sha256_file(os.path.join(demo_dir, m.tokenizer.path)) == m.tokenizer.sha256
     assert sorted(os.listdir(demo_dir)) == sorted(
-        [MANIFEST_NAME, "tokenizer"] + [s.name for v in m.splits.values() for s in v])
+        [MANIFEST_NAME, "tokenizer", ".build"] + [s.name for v in m.splits.values() for s in v])
     for split, shards in m.splits.items():
         key = 0
-        for i, shard in enumerate(shards):
+        for i, shard in enumerate(shards):  # the demo is one work unit per split
             path = os.path.join(demo_dir, shard.name)
-            assert shard.name == f"{split}-{i:06d}.tar"
+            assert shard.name == f"{split}-000000-{i:04d}.tar"
             assert (os.path.getsize(path), sha256_file(path)) == (shard.bytes, shard.sha256)
             with tarfile.open(path) as tf:
                 members = tf.getmembers()
-                assert [x.name for x in members] == [f"{k:010d}.tokens" for k in range(key, key + len(members))]
+                assert [x.name for x in members] == [f"000000-{k:010d}.tokens" for k in range(key, key + len(members))]
                 assert {(x.size, x.mtime, x.mode, x.uid, x.uname) for x in members} == {(130, 0, 0o444, 0, "hpctrain")}
                 tokens = decode_tokens(tf.extractfile(members[0]).read(), m.dtype)
                 assert tokens.max() < m.vocab_size
@@ -372,12 +372,13 @@ def test_bad_input_gives_one_line_data_errors(demo_dir, tmp_path):
         ShardStream(nokeys, "train", 4, seed=0)
     _one_line_error(e, nokeys, "invalid")
 
+    names = [s.name for s in read_manifest(demo_dir).splits["train"]]  # relative paths inside the set
     gone = str(tmp_path / "gone")
     shutil.copytree(demo_dir, gone)
-    os.remove(os.path.join(gone, "train-000001.tar"))
+    os.remove(os.path.join(gone, names[1]))
     with pytest.raises(DataError) as e:
         ShardStream(gone, "train", 4, seed=0)
-    _one_line_error(e, "train-000001.tar", "missing")
+    _one_line_error(e, names[1], "missing")
 
     noval = _edited_copy(demo_dir, str(tmp_path / "noval"), lambda r: r["splits"].update(val=[]))
     with pytest.raises(DataError) as e:
@@ -400,15 +401,15 @@ def test_bad_input_gives_one_line_data_errors(demo_dir, tmp_path):
     for workers in (0, 1):
         with pytest.raises(DataError) as e:
             _take(ShardStream(wrong, "train", 4, seed=0, shuffle=False, loop=False, num_workers=workers), 10**9)
-        assert "worker" not in _one_line_error(e, "train-000002.tar", "samples but the manifest says")
+        assert "worker" not in _one_line_error(e, names[2], "samples but the manifest says")
 
     corrupt = str(tmp_path / "corrupt")
     shutil.copytree(demo_dir, corrupt)
-    with open(os.path.join(corrupt, "train-000000.tar"), "r+b") as f:
+    with open(os.path.join(corrupt, names[0]), "r+b") as f:
         f.truncate(3000)
     with pytest.raises(DataError) as e:
         _take(ShardStream(corrupt, "train", 4, seed=0, shuffle=False), 10**9)
-    _one_line_error(e, "train-000000.tar")
+    _one_line_error(e, names[0])
 
 
 def test_check_compat(demo_dir):
@@ -441,6 +442,11 @@ def test_shards_cli(corpus, tmp_path):
     assert r.returncode == 0, r.stderr
     m = read_manifest(out)
     assert m.block_len == 33 and m.num_samples("train") > 0 and m.num_samples("val") > 0
-    assert m.sources == [{"corpus": cmd[4], "files": len(corpus)}]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)  # refuses to overwrite
+    [src] = m.sources
+    assert src["corpus"] == [cmd[4]] and src["files"] == len(corpus) and src["documents"] == len(corpus)
+    assert src["bytes"] == sum(os.path.getsize(f) for f in corpus) and src["skipped_lines"] == 0
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)  # same build: a no-op
+    assert r.returncode == 0 and "up to date" in r.stdout, r.stderr
+    r = subprocess.run(cmd[:-2] + ["--val-fraction", "0.2"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)  # another build refuses to overwrite
     assert r.returncode == 2 and "--overwrite" in r.stderr and len(r.stderr.splitlines()) == 1

@@ -19,7 +19,15 @@ import torch
 from data_prep.demo import build_demo
 from data_prep.shard_format import DataError, read_manifest
 from hpctrain import data as data_mod
-from hpctrain.data import ShardStream, interleave_ranks, read_shard, read_shard_wds, sample_order, shard_order
+from hpctrain.data import (
+    ShardStream,
+    choose_lanes,
+    interleave_ranks,
+    read_shard,
+    read_shard_wds,
+    sample_order,
+    shard_order,
+)
 
 LANES = 4
 SEED = 11
@@ -128,10 +136,11 @@ def test_resume_equals_uninterrupted(shards, save_dp, resume_dp, workers):
 def test_resume_reads_only_the_partial_shard_of_each_lane(shards, monkeypatch):
     reads = []
     real = data_mod.read_shard
-    monkeypatch.setattr(data_mod, "read_shard", lambda url, *a: reads.append(os.path.basename(url)) or real(url, *a))
+    monkeypatch.setattr(data_mod, "read_shard",
+                        lambda url, *a: reads.append(os.path.relpath(url, shards)) or real(url, *a))
     m = read_manifest(shards)
     train = m.splits["train"]
-    start = m.num_samples("train") + 5 * 16 + 8  # second epoch, inside a shard on every lane
+    start = (m.num_samples("train") // 16 + 5) * 16  # second epoch (a step boundary), inside a shard
     plan = ShardStream(shards, "train", 2, SEED, lanes=LANES)._plan
     expected = {}
     for lane in range(LANES):
@@ -188,21 +197,35 @@ def test_corrupt_shard_is_an_error_naming_it(shards, tmp_path, workers):
     assert "worker" not in one_line(e, name, "rebuild or re-copy")
 
 
-def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path, caplog):
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path):
     bad, name = _corrupt_copy(shards, str(tmp_path / "bad"))
     epoch = read_manifest(bad).num_samples("train")
     steps = epoch // 16 + 2
-    with caplog.at_level(logging.WARNING, logger="hpctrain.data"):
+    records = _Records()
+    logging.getLogger("hpctrain.data").addHandler(records)
+    try:
         s = ShardStream(bad, "train", 16, SEED, lanes=LANES, on_corrupt="skip", num_workers=2)
         run = take(s, steps)
-    assert s.corrupt_shards >= 1 and set(s.corrupt_names) == {name}  # visited in every lane-epoch it came
-    assert any(name in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
+    finally:
+        logging.getLogger("hpctrain.data").removeHandler(records)
+    assert s.corrupt_shards >= 1 and set(s.corrupt_names) == {name}  # counted in the main process
+    assert len(records.messages) == s.corrupt_shards
+    assert all(name in m and "skipped" in m for m in records.messages)
     assert {tuple(b.shape) for b in run} == {(16, 65)}
     good = torch.from_numpy(oracle(shards, steps * 16))
     got = torch.cat(run)
     assert not torch.equal(got, good)  # the bad shard's samples were replaced
-    bad_rows = {bytes(r) for r in read_shard(os.path.join(shards, name), read_manifest(shards).splits["train"][3],
-                                             read_manifest(shards)).astype(np.int64)}
+    m = read_manifest(shards)
+    bad_rows = {bytes(r) for r in read_shard(os.path.join(shards, name), m.splits["train"][3], m).astype(int)}
     assert not bad_rows & {bytes(r) for r in got.numpy()}
     for k in (2, steps // 2):  # resume (at another dp) reproduces the skipping run exactly
         resumed = global_batches(bad, steps - k, 2, start_step=k, on_corrupt="skip")
@@ -226,6 +249,16 @@ def test_layout_rules_are_one_line_errors(shards):
         one_line(e, *needles)
 
 
+def test_choose_lanes(shards):
+    m = read_manifest(shards)
+    n = len(m.splits["train"])
+    assert [choose_lanes(None, dp, m) for dp in (1, 2, 3, 4, 8)] == [8, 8, 6, 8, 8]
+    assert choose_lanes(4, 2, m) == 4  # explicit: validated by ShardStream
+    with pytest.raises(DataError) as e:
+        choose_lanes(None, n + 1, m)
+    one_line(e, f"dp={n + 1}", f"has {n}")
+
+
 def test_fast_tar_path_matches_webdataset_and_falls_back(shards, tmp_path):
     m = read_manifest(shards)
     for s in m.splits["train"] + m.splits["val"]:
@@ -237,7 +270,8 @@ def test_fast_tar_path_matches_webdataset_and_falls_back(shards, tmp_path):
     s = m.splits["train"][0]
     blocks = read_shard(os.path.join(shards, s.name), s, m)
     other = str(tmp_path / "other.tar")
-    with tarfile.open(os.path.join(shards, s.name)) as src, tarfile.open(other, "w", format=tarfile.GNU_FORMAT) as dst:
+    with tarfile.open(os.path.join(shards, s.name)) as src, \
+            tarfile.open(other, "w", format=tarfile.GNU_FORMAT) as dst:
         for member in src:
             dst.addfile(member, src.extractfile(member))
             extra = tarfile.TarInfo(member.name.replace(".tokens", ".json"))
@@ -252,3 +286,12 @@ def test_pin_memory_flag_is_harmless_without_cuda(shards):
     [a] = take(ShardStream(shards, "train", 4, SEED, lanes=LANES, pin_memory=True), 1)
     [b] = take(ShardStream(shards, "train", 4, SEED, lanes=LANES), 1)
     assert torch.equal(a, b) and a.dtype == torch.int64 and a.is_pinned() == torch.cuda.is_available()
+
+
+def test_bench_data_smoke(shards, capsys):
+    from hpctrain import bench_data
+
+    doc = bench_data.main(["--data", shards, "--samples", "800", "--repeats", "1", "--train-steps", "0"])
+    rates = doc["loader_tokens_per_s"]
+    assert len(rates) >= 6 and all(v > 0 for v in rates.values())
+    assert "M tokens/s" in capsys.readouterr().out

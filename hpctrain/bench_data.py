@@ -1,0 +1,145 @@
+"""`python -m hpctrain.bench_data`: loader throughput per process vs what training consumes, in one run.
+
+Measures, on the demo shards (or --data DIR) from local disk:
+  1. reading one shard: the fast local tar path vs webdataset's per-sample tar iterator;
+  2. ShardStream end to end (int64 micro-batches out) for several lanes / dp / worker settings, and once
+     with every shard read through webdataset only;
+  3. the tiny model's training rate (real `hpctrain.train.train()`, model=tiny, default batch) and its
+     data_wait_frac from metrics.jsonl.
+Tokens are counted as training tokens (samples x seq_len) everywhere, so the ratios compare like with like.
+Whatever is measured is reported; there is no pass/fail threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import hpctrain
+from hpctrain import data as data_mod
+from hpctrain.data import ShardStream, read_manifest, read_shard_wds
+
+CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(hpctrain.__file__), os.pardir, "conf"))
+TARGET = 10e6  # loader tokens/s per process
+
+
+def shard_read_rate(data_dir: str, reader, repeats: int) -> float:
+    m = read_manifest(data_dir)
+    shards = [s for s in m.splits["train"] if s.samples]
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for s in shards:
+            reader(os.path.join(data_dir, s.name), s, m)
+        best = max(best, sum(s.samples for s in shards) * m.seq_len / (time.perf_counter() - t0))
+    return best
+
+
+def stream_rate(data_dir: str, samples: int, repeats: int, batch: int = 8, **kw) -> float:
+    """Training tokens/s this process gets out of a ShardStream (first batch, i.e. worker start, included)."""
+    rates = []
+    for _ in range(repeats):
+        stream = ShardStream(data_dir, "train", batch, seed=0, **kw)
+        n = samples // (batch * kw.get("dp_size", 1))
+        it = iter(stream)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            next(it)
+        dt = time.perf_counter() - t0
+        it.close()
+        rates.append(n * batch * stream.manifest.seq_len / dt)
+    return statistics.median(rates)
+
+
+def train_rate(steps: int, warmup: int, threads: int) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from hpctrain.config import register
+    from hpctrain.train import train
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "model=tiny", "data=demo", "parallel=single", "precision=fp32", f"train.max_steps={steps}",
+            "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
+            "train.progress=false", "train.resume=never", f"cluster.num_threads={threads}"])
+    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-data-") as run_dir:
+        train(cfg, run_dir)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [r for r in map(json.loads, filter(str.strip, f)) if "tokens_per_s" in r][warmup:]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+            "data_wait_frac": statistics.mean(r["data_wait_frac"] for r in records),
+            "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m hpctrain.bench_data", description=__doc__.splitlines()[0])
+    p.add_argument("--data", help="shard directory (default: the demo shards, built on first use)")
+    p.add_argument("--samples", type=int, default=20_000, help="samples per stream measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--train-steps", type=int, default=10, help="tiny-model training steps (0: skip)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for training")
+    p.add_argument("--json", metavar="PATH", help="write the figures to PATH")
+    a = p.parse_args(argv)
+    data_dir = a.data
+    if data_dir is None:
+        from data_prep.demo import build_demo, default_out_dir
+
+        data_dir = default_out_dir()
+        build_demo(data_dir)
+    m = read_manifest(data_dir)
+    train_shards = [s for s in m.splits["train"] if s.samples]
+    print(f"shards: {data_dir}: {len(train_shards)} train shards, {m.num_samples('train')} samples of "
+          f"{m.block_len} {m.dtype} tokens; {os.cpu_count()} CPUs; torch {torch.__version__}", flush=True)
+
+    results: dict[str, float] = {}
+
+    def report(name: str, tps: float) -> None:
+        results[name] = tps
+        print(f"  {name:44} {tps / 1e6:8.2f} M tokens/s  ({tps / TARGET:5.2f}x the 10 M target)", flush=True)
+
+    print("one process, reading every train shard once (best of repeats):")
+    report("read_shard, fast local tar path", shard_read_rate(data_dir, data_mod.read_shard, a.repeats))
+    report("read_shard via webdataset per-sample tar", shard_read_rate(data_dir, read_shard_wds, a.repeats))
+    lanes = min(4, len(train_shards))
+    settings = [("lanes=1 workers=0", dict(lanes=1)), (f"lanes={lanes} workers=0", dict(lanes=lanes)),
+                (f"lanes={lanes} workers=2", dict(lanes=lanes, num_workers=2))]
+    if lanes % 2 == 0:
+        settings.append((f"lanes={lanes} dp=2 (rank 0) workers=1",
+                         dict(lanes=lanes, dp_size=2, dp_rank=0, num_workers=1)))
+    print(f"ShardStream, micro-batch 8, {a.samples} global samples (median of {a.repeats}):")
+    for name, kw in settings:
+        report(f"ShardStream {name}", stream_rate(data_dir, a.samples, a.repeats, **kw))
+    real = data_mod.read_shard
+    data_mod.read_shard = read_shard_wds  # what the stream gets from webdataset's tar iterator alone
+    try:
+        report("ShardStream lanes=1 workers=0, webdataset only", stream_rate(data_dir, a.samples, a.repeats))
+    finally:
+        data_mod.read_shard = real
+
+    doc: dict = {"loader_tokens_per_s": results, "target_tokens_per_s": TARGET}
+    if a.train_steps > 0:
+        warmup = min(3, a.train_steps - 1)
+        print(f"training model=tiny on the demo shards, {a.train_steps} steps ({warmup} warmup excluded), "
+              f"{a.threads} threads ...", flush=True)
+        tr = train_rate(a.train_steps, warmup, a.threads)
+        doc["train"] = tr
+        loader = results["ShardStream lanes=1 workers=0"]
+        print(f"  training consumes {tr['tokens_per_s'] / 1e3:.1f} k tokens/s (global batch "
+              f"{tr['global_batch']}, micro {tr['micro_batch']}); data_wait_frac {tr['data_wait_frac']:.4f}")
+        print(f"  loader (lanes=1, workers=0, in the training process) / training consumption: "
+              f"{loader / tr['tokens_per_s']:.0f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
