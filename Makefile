@@ -9,7 +9,7 @@ DEMO_DIR ?= outputs/demo
 DEMO_STEPS ?= 300
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-data test lint bench clean
+.PHONY: install demo demo-data test lint bench bench-data clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -39,6 +39,9 @@ lint: install
 
 bench: install
 	$(PY) -m hpctrain.bench
+
+bench-data: install
+	$(PY) -m hpctrain.bench_data
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache build *.egg-info
