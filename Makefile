@@ -9,7 +9,7 @@ DEMO_DIR ?= outputs/demo
 DEMO_STEPS ?= 300
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-data test lint bench bench-data clean
+.PHONY: install demo demo-data test lint bench bench-data tokenizer shards shards-slurm clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -41,7 +41,36 @@ bench: install
 	$(PY) -m hpctrain.bench
 
 bench-data: install
+	$(PY) -m data_prep.bench
 	$(PY) -m hpctrain.bench_data
+
+# --- data preparation (data_prep/) ---------------------------------------------------------------
+CORPUS ?=
+OUT ?=
+TOKENIZER ?=
+VOCAB ?= 32000
+SEQ_LEN ?= 2048
+WORKERS ?=
+SHARD_MB ?= 64
+TEXT_FIELD ?= text
+PREP_ARGS ?=
+quote_globs = $(foreach g,$(CORPUS),'$(g)')
+
+tokenizer: install
+	@test -n "$(CORPUS)" -a -n "$(OUT)" || { echo "usage: make tokenizer CORPUS='raw/*.jsonl' VOCAB=32000 OUT=DIR [TEXT_FIELD=text]" >&2; exit 2; }
+	$(PY) -m data_prep.tokenizer --corpus $(quote_globs) --vocab $(VOCAB) --out '$(OUT)' --text-field '$(TEXT_FIELD)'
+
+shards: install
+	@test -n "$(CORPUS)" -a -n "$(OUT)" || { echo "usage: make shards CORPUS='raw/*.jsonl' OUT=DIR [TOKENIZER=DIR | VOCAB=N] [SEQ_LEN= WORKERS= SHARD_MB= TEXT_FIELD= PREP_ARGS=]" >&2; exit 2; }
+	$(PY) -m data_prep.shards --corpus $(quote_globs) --out '$(OUT)' \
+		$(if $(TOKENIZER),--tokenizer '$(TOKENIZER)',--vocab-size $(VOCAB)) --seq-len $(SEQ_LEN) \
+		--shard-mb $(SHARD_MB) --text-field '$(TEXT_FIELD)' $(if $(WORKERS),--workers $(WORKERS)) $(PREP_ARGS)
+
+# Slurm job array + dependent merge job (run on a login node; needs TOKENIZER, e.g. from `make tokenizer`).
+shards-slurm: install
+	@test -n "$(CORPUS)" -a -n "$(OUT)" -a -n "$(TOKENIZER)" || { echo "usage: make shards-slurm CORPUS='raw/*.jsonl' OUT=DIR TOKENIZER=DIR [SEQ_LEN= SHARD_MB= PREP_ARGS=] [PREP_SBATCH_ARGS='--array=0-63 --cpus-per-task=32']" >&2; exit 2; }
+	PYTHON=$(PY) bash sbatch/preprocess.sbatch --corpus $(quote_globs) --out '$(OUT)' --tokenizer '$(TOKENIZER)' \
+		--seq-len $(SEQ_LEN) --shard-mb $(SHARD_MB) --text-field '$(TEXT_FIELD)' $(PREP_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache build *.egg-info

@@ -17,7 +17,9 @@ import tokenizers
 from data_prep.shard_format import DataError, Manifest, read_manifest, sha256_file
 from data_prep.shards import build_from_files, read_text
 
-SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+# encodings/ is mostly generated codec tables: a model trained on them samples tables, not code.
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "encodings"}
+CORPUS_VERSION = 2  # bump when the file selection changes, so cached demo sets are rebuilt
 
 
 def default_out_dir() -> str:
@@ -66,7 +68,8 @@ def build_demo(out_dir: str, max_bytes: int = 8_000_000, vocab_size: int = 4096,
     """Build (or reuse, when `out_dir` holds a complete build with the same settings) the demo shards."""
     settings = {"max_bytes": max_bytes, "vocab_size": vocab_size, "seq_len": seq_len,
                 "val_fraction": val_fraction, "shard_mb": shard_mb,
-                "python": platform.python_version(), "tokenizers": tokenizers.__version__}
+                "python": platform.python_version(), "tokenizers": tokenizers.__version__,
+                "corpus_version": CORPUS_VERSION}
     created_by = {"tool": "data_prep.demo", "settings": settings}
     t0 = time.perf_counter()
     m = _cached(out_dir, created_by)

@@ -139,17 +139,35 @@ def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: i
     return final
 
 
+def _dcp_load(state: dict, path: str, reader: _SafeReader | None = None, **kwargs) -> None:
+    """dcp.load through the safe reader/planner; a failure becomes one CheckpointError line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=reader or _SafeReader(path),
+                 planner=_SafeLoadPlanner(), **kwargs)
+    except CheckpointException as e:  # a BaseException in DCP: it would escape `except Exception`
+        cause = next(iter(e.failures.values()), e)
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise CheckpointError(f"cannot load checkpoint {path}: {detail}: resume from another checkpoint "
+                              "(train.resume=PATH) or train.resume=never") from None
+
+
 def load(path: str, model, optimizer) -> dict:
     """Load model and optimizer state in place (resharded to the current layout); return trainer_state."""
     state_file = os.path.join(path, STATE_FILE)
     if not os.path.isfile(state_file):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE}): pass another train.resume")
     reader = _SafeReader(path)
-    present = reader.read_metadata().state_dict_metadata
+    try:
+        present = reader.read_metadata().state_dict_metadata
+    except (OSError, pickle.UnpicklingError, EOFError) as e:
+        raise CheckpointError(f"cannot read checkpoint metadata in {path} ({e}): resume from another "
+                              "checkpoint (train.resume=PATH) or train.resume=never") from None
     state = _model_optim_state(model, optimizer)
     # RNG streams are per rank: a resume on more ranks than were saved starts the new ones fresh.
     state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in present}
-    dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=_SafeLoadPlanner())
+    _dcp_load(state, path, reader)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_OPTIONS)
     for key, value in state["rng"].items():
@@ -168,6 +186,5 @@ def load_model(path: str, model) -> None:
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "no process group, assuming one process": exactly the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
-                 no_dist=True)
+        _dcp_load(state, path, no_dist=True)
     model.load_state_dict(state["model"])
