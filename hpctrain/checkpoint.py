@@ -132,7 +132,10 @@ def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: i
         if os.path.lexists(link_tmp):
             os.remove(link_tmp)
         os.symlink(os.path.basename(final), link_tmp)
-        os.replace(link_tmp, os.path.join(root(run_dir), "latest"))
+        link = os.path.join(root(run_dir), "latest")
+        if os.path.isdir(link) and not os.path.islink(link):  # a run copied without symlinks (cp -r)
+            shutil.rmtree(link)
+        os.replace(link_tmp, link)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()

@@ -142,7 +142,8 @@ class TrainConfig:
 class ClusterConfig:
     gpus_per_node: int = 0
     cpus_per_task: int | None = None
-    num_threads: int | None = None  # torch intra-op threads per rank; None: torch's default
+    num_threads: int | None = None  # torch intra-op threads per rank; None: torch's default (local ranks: cores/N)
+    pg_timeout_s: float = 600.0  # every process group, sub-groups included: a dead or stalled rank fails the rest
     mem_gb: int | None = None
     time_min: int = 60
     partition: str | None = None
@@ -224,6 +225,20 @@ def _batch(global_batch, micro_batch, grad_accum, dp) -> tuple[int, int, int]:
     return global_batch, micro_batch, grad_accum
 
 
+def layout_world(cfg) -> int:
+    """Processes a layout needs when started alone: dp·tp·pp, with dp=auto filling this node's GPUs (or 1)."""
+    p = cfg.parallel
+    if p.dp == "auto":
+        import torch
+
+        per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        return max(1, per_node // (p.tp * p.pp)) * p.tp * p.pp if p.tp >= 1 and p.pp >= 1 else 1
+    try:
+        return int(p.dp) * p.tp * p.pp
+    except ValueError:
+        return 1  # resolve() names the bad value
+
+
 def resolve(cfg, world: int = 1) -> Plan:
     """Derive and check the numbers a run needs; raise ConfigError on the first problem."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -250,11 +265,26 @@ def resolve(cfg, world: int = 1) -> Plan:
         raise ConfigError(f"parallel.dp={dp} must be >= 1")
     if dp * tp * pp != world:
         raise ConfigError(f"parallel dp×tp×pp={dp}×{tp}×{pp}={dp * tp * pp} does not match world size {world}")
-    if world > 1:
-        raise ConfigError(
-            f"layout dp×tp×pp={dp}×{tp}×{pp} needs {world} processes; multi-process layouts are not "
-            "available in this version: use parallel=single"
-        )
+    if pp > 1:
+        raise ConfigError(f"parallel.pp={pp}: pipeline parallelism is not available yet: use parallel.pp=1")
+    if p.zero_stage not in (0, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (replicate), 2 (shard gradients and "
+                          "optimizer state) or 3 (shard parameters too)")
+    if p.cpu_offload and (p.zero_stage != 3 or dp == 1):
+        raise ConfigError(f"parallel.cpu_offload needs parallel.zero_stage=3 and dp > 1 (got zero_stage="
+                          f"{p.zero_stage}, dp={dp}): set parallel=fsdp or parallel.cpu_offload=false")
+    if p.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
+    for what, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv), ("model.vocab_size", m.vocab_size),
+                    ("model.ffn_hidden", m.ffn_hidden)):
+        if n % tp:
+            raise ConfigError(f"{what}={n} is not divisible by parallel.tp={tp}: choose a tp that divides it")
+    if p.sequence_parallel and t.seq_len is not None and t.seq_len % tp:
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={tp} with "
+                          "sequence_parallel: choose a seq_len that is a multiple of tp")
+    if world > 1 and cfg.precision.name == PrecisionName.fp16:
+        raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
+                          f"(world {world}) yet: use precision=bf16")
     if p.activation_checkpointing == ActCkpt.selective and p.ac_every < 1:
         raise ConfigError(f"parallel.ac_every={p.ac_every} must be >= 1 for selective activation checkpointing")
     gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, dp)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,15 +28,34 @@ class Env:
 
 
 def launched_world() -> int | None:
-    """World size given by torchrun/srun, or None when this process was started on its own."""
-    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if key in os.environ and ("RANK" in os.environ or "SLURM_PROCID" in os.environ):
-            return int(os.environ[key])
+    """World size given by torchrun/srun (or our own launcher), or None when this process was started alone."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_STEP_ID" in os.environ:
+        return int(os.environ["SLURM_NTASKS"])  # a task of `srun`, not just a batch script in an allocation
     return None
+
+
+def _slurm_env() -> None:
+    """Map srun's task variables onto the ones torch reads (hook for the Slurm launcher work)."""
+    e = os.environ
+    if "RANK" in e or "SLURM_PROCID" not in e:
+        return
+    e["RANK"], e["WORLD_SIZE"] = e["SLURM_PROCID"], e["SLURM_NTASKS"]
+    e.setdefault("LOCAL_RANK", e.get("SLURM_LOCALID", "0"))
+    if "MASTER_ADDR" not in e:
+        host = "127.0.0.1"
+        nodes = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST")
+        if nodes and shutil.which("scontrol"):
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
+            host = (out.stdout.split() or [host])[0]
+        e["MASTER_ADDR"] = host
+    e.setdefault("MASTER_PORT", str(20000 + int(e.get("SLURM_JOB_ID", "0")) % 20000))
 
 
 def init(timeout_s: float = 600.0) -> Env:
     """Join (or, alone, create) the default process group; gloo on CPU, NCCL on GPU."""
+    _slurm_env()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -54,8 +75,22 @@ def init(timeout_s: float = 600.0) -> Env:
     return Env(rank, world, local_rank, device)
 
 
-def build_mesh(env: Env, pp: int, dp: int, tp: int) -> DeviceMesh:
-    return init_device_mesh(env.device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+def build_mesh(env: Env, pp: int, dp: int, tp: int, timeout_s: float = 600.0) -> DeviceMesh:
+    mesh = init_device_mesh(env.device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    # Sub-groups are created with c10d's default timeout (30 min), not the one of the default group:
+    # set it on each, so a rank that dies or stalls makes the others fail within timeout_s.
+    timeout = timedelta(seconds=timeout_s)
+    for name in MESH_DIMS:
+        group = mesh[name].get_group()
+        if group is not dist.group.WORLD and dist.get_world_size(group) > 1:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return mesh
+
+
+def group_timeouts(mesh: DeviceMesh) -> dict[str, float]:
+    """Timeout in seconds of each mesh dim's process group (CPU backend), for tests and diagnostics."""
+    return {name: mesh[name].get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name in MESH_DIMS}
 
 
 def shutdown() -> None:

@@ -3,16 +3,77 @@
 Order (torchtitan's, for the reasons it gives): pipeline split -> tensor/sequence parallel ->
 activation checkpointing -> compile -> FSDP on the "dp" mesh dim -> pipeline schedule. Every
 function is a no-op for its dimension of size 1, so one process runs the same path as many.
-Multi-process dimensions (pp, tp, dp sharding) arrive with the 3D-parallelism work.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from hpctrain.config import ActCkpt
+
+
+def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh) -> nn.Module:
+    """Slot for the manual pipeline split (a later change); resolve() refuses pp > 1 until then."""
+    if pp_mesh.size() > 1:
+        raise NotImplementedError("pipeline parallelism is not available yet")
+    return model
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-style tensor parallel: column-shard wq/wk/wv/w1/w3 and the vocab, row-shard wo/w2.
+
+    With sequence parallelism the activations between blocks (norms, residual stream) are sharded
+    along the sequence, turning each all-reduce into a reduce-scatter + all-gather pair. The output
+    head stays vocab-sharded (a DTensor) for `loss_parallel`, so full logits are never gathered.
+    """
+    if tp_mesh.size() == 1:
+        return
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k) is not None})
+    model.tie_weights()  # both halves of a tied embedding are sharded Shard(0) on the vocab: re-share one
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: ActCkpt, every: int) -> None:
@@ -32,7 +93,43 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
         block.compile(fullgraph=True)  # in place: parameter names keep no `_orig_mod.` prefix
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg) -> nn.Module:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype | None,
+               cpu_offload: bool) -> None:
+    """Data parallel over the "dp" mesh dim with FSDP2, as a ZeRO stage.
+
+    0: replicated parameters, all-reduced gradients (FSDP2's replicate: unlike DDP it takes TP DTensors);
+    2: parameters gathered once per step (no reshard between forward and backward), gradients and
+       optimizer state sharded; 3: parameters resharded after each block's forward as well.
+    Gradients are SUMMED over dp (divide factor 1): the step normalises the loss by the global token count.
+    """
+    if dp_mesh.size() == 1:
+        return
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if zero_stage == 0:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(model, mesh=dp_mesh, mp_policy=mp)
+    else:
+        kw = {"mesh": dp_mesh, "mp_policy": mp,
+              "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+        for block in model.layers.values():
+            fully_shard(block, reshard_after_forward=zero_stage == 3, **kw)
+        fully_shard(model, reshard_after_forward=zero_stage == 3, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg, param_dtype: torch.dtype | None = None) -> nn.Module:
+    model = apply_pipeline_split(model, mesh["pp"])
+    apply_tp(model, mesh["tp"], pcfg.sequence_parallel)
     apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
     apply_compile(model, pcfg.compile)
+    apply_fsdp(model, mesh["dp"], pcfg.zero_stage, param_dtype, pcfg.cpu_offload)
     return model
+
+
+def uses_loss_parallel(mesh: DeviceMesh) -> bool:
+    """The output head yields vocab-sharded logits: the loss must run under `loss_parallel()`."""
+    return mesh["tp"].size() > 1

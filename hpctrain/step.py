@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpctrain.precision import Precision
 
@@ -27,37 +32,100 @@ def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _is_shard(placement) -> bool:
+    # FSDP on top of TP shards the same dim twice: dp's piece is a _StridedShard, not a Shard subclass.
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
+    """Global L2 norm of the gradients, whatever mesh and placement each one has.
+
+    Each rank sums the squares of its local gradient pieces, grouped by the mesh dims the piece is
+    sharded over; each group is then summed over exactly those dims (replicated pieces are counted
+    once). Equals the one-process norm; `clip_grad_norm_` cannot mix meshes or DTensor and Tensor.
+    """
+    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            # Sequence-parallel norm weights: their gradient is left as a pending sum over tp.
+            p.grad = p.grad.redistribute(placements=p.placements)
+        g, dims = p.grad, ()
+        if isinstance(g, DTensor):
+            names = g.device_mesh.mesh_dim_names
+            dims = tuple(sorted(names[i] for i, pl in enumerate(g.placements) if _is_shard(pl)))
+        sq = torch.linalg.vector_norm(_local(g), dtype=torch.float32).square()
+        sums[dims] = sums[dims] + sq if dims in sums else sq
+    if not sums:
+        return torch.zeros(())
+    total = torch.zeros((), device=next(iter(sums.values())).device)
+    for dims, sq in sums.items():
+        for name in dims:
+            if mesh is not None and mesh[name].size() > 1:
+                dist.all_reduce(sq, group=mesh[name].get_group())
+        total = total + sq
+    # Pipeline stages hold disjoint parameters: their sums add up over "pp".
+    if mesh is not None and mesh["pp"].size() > 1:
+        dist.all_reduce(total, group=mesh["pp"].get_group())
+    return total.sqrt()
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float, norm: float) -> None:
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
 
 class TrainStep:
+    """One optimizer step; the same code for every layout.
+
+    `mesh` (optional for one process) gives the groups: the loss is normalised by the tokens of all dp
+    ranks and gradients are summed over dp, so every layout computes the one-process gradients.
+    `loss_parallel`: the model yields vocab-sharded logits (tensor parallel).
+    """
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                 grad_clip: float, device: torch.device):
+                 grad_clip: float, device: torch.device, mesh=None, loss_parallel: bool = False):
         self.model, self.optimizer, self.precision = model, optimizer, precision
-        self.grad_clip, self.device = grad_clip, device
+        self.grad_clip, self.device, self.mesh = grad_clip, device, mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.loss_ctx = loss_parallel_ctx(loss_parallel)
+        self.dp = mesh["dp"].size() if mesh is not None else 1
+        # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch.
+        self.grad_sync = getattr(model, "set_requires_gradient_sync", None)
 
     def __call__(self, micro_batches: list[torch.Tensor]) -> StepResult:
         scaler = self.precision.scaler
         # Normalise by the global batch's token count, not per micro-batch: 8×1 accumulation then
         # yields exactly the gradients of 1×8.
-        n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)
+        # Every dp rank holds an equal share of the global batch.
+        n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches) * self.dp
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
+            if self.grad_sync is not None:
+                self.grad_sync(i == len(micro_batches) - 1)
             batch = batch.to(self.device, non_blocking=True)
-            with self.precision.autocast():
-                loss = token_loss_sum(self.model, batch) / n_tokens
-            (scaler.scale(loss) if scaler else loss).backward()
-            total += loss.detach().float()
+            with self.loss_ctx():
+                with self.precision.autocast():
+                    loss = token_loss_sum(self.model, batch) / n_tokens
+                (scaler.scale(loss) if scaler else loss).backward()
+            total += _local(loss.detach()).float()
+        if self.dp > 1:  # tensor-parallel ranks hold the same (replicated) loss already
+            dist.all_reduce(total, group=self.mesh["dp"].get_group())
         if scaler:
             scaler.unscale_(self.optimizer)
-        norm = grad_norm(self.params)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, norm)
+        norm = grad_norm(self.params, self.mesh)
         loss_value, norm_value = total.item(), norm.item()
+        if self.grad_clip > 0 and math.isfinite(norm_value):
+            clip_grads(self.params, self.grad_clip, norm_value)
         if not math.isfinite(loss_value):
             status = "nonfinite"
             if scaler:
@@ -75,16 +143,21 @@ class TrainStep:
         return StepResult(loss_value, norm_value, status, scaler.get_scale() if scaler else None)
 
 
+def loss_parallel_ctx(enabled: bool):
+    return loss_parallel if enabled else contextlib.nullcontext
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, precision: Precision, device: torch.device) -> float:
-    """Mean token loss over the given batches."""
+def evaluate(model: nn.Module, batches, precision: Precision, device: torch.device,
+             loss_parallel: bool = False) -> float:
+    """Mean token loss over the given batches (every rank evaluates the same batches)."""
     was_training = model.training
     model.eval()
     total, n = torch.zeros((), device=device, dtype=torch.float64), 0
     for batch in batches:
         batch = batch.to(device, non_blocking=True)
-        with precision.autocast():
-            total += token_loss_sum(model, batch).double()
+        with loss_parallel_ctx(loss_parallel)(), precision.autocast():
+            total += _local(token_loss_sum(model, batch)).double()
         n += batch.shape[0] * (batch.shape[1] - 1)
     model.train(was_training)
     return (total / max(n, 1)).item()

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from hpctrain import checkpoint, distributed
-from hpctrain.config import Plan, PrecisionName, model_args, resolve
+from hpctrain.config import Plan, PrecisionName, layout_world, model_args, resolve
 from hpctrain.data import ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.metrics import MetricsLogger, memory_gb, peak_flops
 from hpctrain.model import Llama, flops_per_token, num_params
 from hpctrain.optim import build_optimizer, build_scheduler, scaled_lr
-from hpctrain.parallelize import parallelize
+from hpctrain.parallelize import parallelize, uses_loss_parallel
 from hpctrain.precision import setup_precision
 from hpctrain.step import TrainStep, evaluate
 
@@ -49,6 +49,7 @@ class RunState:
     last_val_loss: float | None = None
     wall_time_s: float = 0.0
     data_lanes: int | None = None  # fixed for the run's life: it defines the sample order
+    tokenizer_sha256: str | None = None  # the token ids the weights were trained on
 
 
 def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
@@ -66,6 +67,9 @@ def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
             f"model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len or re-shard with SEQ_LEN"
         )
     check_compat(manifest, cfg.model.vocab_size, seq_len)
+    if cfg.parallel.sequence_parallel and seq_len % plan.tp:
+        raise TrainingError(f"seq_len {seq_len} (from the shards in {path}) is not divisible by parallel.tp="
+                            f"{plan.tp} with sequence_parallel: set train.seq_len to a multiple of {plan.tp}")
     # Checks the lane/dp divisibility rules and that every shard is there, before any spawn.
     ShardStream(path, "train", plan.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
                 lanes=choose_lanes(cfg.data.lanes, plan.dp, manifest), dp_size=plan.dp,
@@ -79,8 +83,25 @@ def build_model(cfg, env: distributed.Env, mesh) -> torch.nn.Module:
         model = Llama(model_args(cfg))
     model = parallelize(model, mesh, cfg.parallel)
     model.to_empty(device=env.device)
-    torch.manual_seed(cfg.train.seed)  # identical initial weights for every layout
-    model.init_weights()
+    if mesh.size() == 1:
+        torch.manual_seed(cfg.train.seed)
+        model.init_weights()
+        return model.train()
+    # Shards drawn locally would not match the one-process weights: rank 0 draws the whole model exactly
+    # as one process does (on CPU) and every rank receives its shards. Identical weights for every layout.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.reset_rope_cache()
+    model.tie_weights()
+    full = {}
+    if env.is_main:
+        with torch.device("meta"):
+            ref = Llama(model_args(cfg))
+        ref.to_empty(device="cpu")
+        torch.manual_seed(cfg.train.seed)
+        ref.init_weights()
+        full = ref.state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model.train()
 
 
@@ -105,12 +126,40 @@ def _window_record(state: RunState, result, lr: float, window: dict, tokens_per_
 
 
 def train(cfg, run_dir: str) -> dict:
-    """Run (or resume) training in `run_dir`; return the result also written to result.json."""
-    plan = resolve(cfg, distributed.launched_world() or 1)
+    """Run (or resume) training in `run_dir`; return the result also written to result.json.
+
+    Everything is validated first. A layout needing N > 1 processes, started outside torchrun/srun,
+    forks its N local ranks here; each runs `_rank_main`, as every process does under torchrun/srun.
+    """
+    launched = distributed.launched_world()
+    plan = resolve(cfg, launched or layout_world(cfg))
     data_dir, seq_len = prepare_data(cfg, plan)
     os.makedirs(run_dir, exist_ok=True)
-    env = distributed.init()
+    if launched is None and plan.world > 1:
+        from hpctrain import launch
+
+        try:
+            from hpctrain.checkpoint import CheckpointError
+            from hpctrain.config import ConfigError
+            from hpctrain.data import DataError
+
+            launch.spawn(plan.world, _rank_main, (cfg, run_dir, plan, data_dir, seq_len),
+                         threads=cfg.cluster.num_threads,
+                         quiet=(ConfigError, DataError, TrainingError, CheckpointError, KeyboardInterrupt))
+        except launch.LaunchError as e:
+            raise TrainingError(str(e)) from None
+        with open(os.path.join(run_dir, "result.json")) as f:
+            return json.load(f)
+    return _rank_main(cfg, run_dir, plan, data_dir, seq_len)
+
+
+def _rank_main(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int) -> dict:
+    env = distributed.init(cfg.cluster.pg_timeout_s)
     try:
+        if env.world > 1:  # Hydra's default run dir has a timestamp: ranks started apart could disagree
+            shared = [run_dir]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            run_dir = shared[0]
         return _train(cfg, run_dir, plan, data_dir, seq_len, env)
     finally:
         distributed.shutdown()
@@ -121,13 +170,14 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
     torch.set_flush_denormal(True)  # denormals make CPU fp32 steps ~10× slower late in training
     if cfg.cluster.num_threads:
         torch.set_num_threads(cfg.cluster.num_threads)
-    mesh = distributed.build_mesh(env, plan.pp, plan.dp, plan.tp)
+    mesh = distributed.build_mesh(env, plan.pp, plan.dp, plan.tp, cfg.cluster.pg_timeout_s)
     model = build_model(cfg, env, mesh)
     precision = setup_precision(cfg.precision, env.device)
+    loss_par = uses_loss_parallel(mesh)
     lr = scaled_lr(cfg.optim, plan.global_batch)
     optimizer = build_optimizer(model, cfg.optim, lr)
     scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
-    train_step = TrainStep(model, optimizer, precision, cfg.optim.grad_clip, env.device)
+    train_step = TrainStep(model, optimizer, precision, cfg.optim.grad_clip, env.device, mesh, loss_par)
 
     state = RunState()
     resume_from = checkpoint.latest(run_dir) if t.resume == "auto" else None if t.resume == "never" else t.resume
@@ -149,7 +199,14 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                  cfg.model.name, n_params / 1e6, flops_tok, plan.pp, plan.dp, plan.tp, plan.global_batch,
                  plan.micro_batch, plan.grad_accum, plan.dp, seq_len, lr, run_dir)
 
-    lanes = state.data_lanes or choose_lanes(cfg.data.lanes, plan.dp, read_manifest(data_dir))
+    manifest = read_manifest(data_dir)
+    if state.tokenizer_sha256 not in (None, manifest.tokenizer.sha256):
+        raise TrainingError(f"the shards in {data_dir} were tokenised with a different tokenizer than this run's "
+                            f"checkpoints (sha256 {manifest.tokenizer.sha256[:12]} vs "
+                            f"{state.tokenizer_sha256[:12]}): point data.path at shards built with the run's "
+                            "tokenizer, or start a new run_dir")
+    state.tokenizer_sha256 = manifest.tokenizer.sha256
+    lanes = state.data_lanes or choose_lanes(cfg.data.lanes, plan.dp, manifest)
     if cfg.data.lanes is not None and cfg.data.lanes != lanes:
         raise TrainingError(f"data.lanes={cfg.data.lanes} but this run was trained with {lanes} lanes: drop the "
                             f"override or set data.lanes={lanes} (lanes fix the sample order)")
@@ -165,7 +222,7 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
     def run_eval() -> None:
         val = ShardStream(data_dir, "val", plan.micro_batch, t.seed, loop=False, shuffle=False)
         subset = (b for _, b in zip(range(t.eval_batches), val))
-        state.last_val_loss = evaluate(model, subset, precision, env.device)
+        state.last_val_loss = evaluate(model, subset, precision, env.device, loss_par)
         metrics.log({"step": state.step, "val_loss": state.last_val_loss,
                      "val_ppl": math.exp(min(state.last_val_loss, 50.0))})
 

@@ -219,6 +219,20 @@ def test_completed_run_is_not_retrained(make_cfg, tmp_path):
     assert len(losses(tmp_path)) == 2
 
 
+def test_resume_on_shards_of_another_tokenizer_is_refused(make_cfg, tmp_path, demo_data):
+    import shutil
+
+    train(make_cfg("train.max_steps=2", "train.eval_every=0"), str(tmp_path / "run"))
+    other = tmp_path / "other_shards"
+    shutil.copytree(demo_data, other)
+    manifest = read_json(other / "manifest.json")
+    manifest["tokenizer"]["sha256"] = "0" * 64
+    with open(other / "manifest.json", "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(TrainingError, match="different tokenizer"):
+        train(make_cfg("train.max_steps=4", "train.eval_every=0", f"data.path={other}"), str(tmp_path / "run"))
+
+
 def test_generate_cli(make_cfg, tmp_path, demo_data):
     cfg = make_cfg("train.max_steps=2", "train.eval_every=0")
     os.makedirs(tmp_path / ".hydra")

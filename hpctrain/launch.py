@@ -1,0 +1,107 @@
+"""Local launcher: a layout that needs N processes, started outside torchrun/srun, forks its N ranks.
+
+The parent has already validated the config and the data and imported torch; forking (not spawning)
+shares that work, so ranks start in well under a second. Each child gets the variables torchrun would
+set and runs the same training code path as under torchrun or srun. The parent waits; when a rank
+fails, it stops the others and raises naming that rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+
+class LaunchError(RuntimeError):
+    """A rank failed; the message names it."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, env: dict[str, str], threads: int, fn: Callable, args: tuple, quiet: tuple) -> None:
+    os.environ.update(env)
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        if rank != 0:  # rank 0 writes the human log; the others only report problems
+            logging.getLogger("hpctrain").setLevel(logging.WARNING)
+        fn(*args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:  # noqa: BLE001 - any failure must end this rank with a non-zero status
+        print(f"hpctrain: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        if not isinstance(e, quiet):
+            traceback.print_exc()
+        code = 1
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # never run the parent's atexit handlers (pytest, Hydra) in a forked child
+
+
+def _describe(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None, grace_s: float = 5.0,
+          quiet: tuple[type[BaseException], ...] = (KeyboardInterrupt,)) -> None:
+    """Run fn(*args) in `world` forked ranks; return when all succeeded, else raise LaunchError.
+
+    A rank that raises prints one line naming itself (plus a traceback unless the error is `quiet`).
+    """
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    base = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+    ctx = mp.get_context("fork")
+    procs = []
+    for rank in range(world):
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+        p = ctx.Process(target=_child, args=(rank, env, threads, fn, args, quiet), name=f"hpctrain-rank{rank}")
+        p.start()
+        procs.append(p)
+    running = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
+    failed = None
+    try:
+        while running and failed is None:
+            for sentinel in wait(list(running)):
+                rank, p = running.pop(sentinel)
+                p.join()
+                if p.exitcode != 0 and failed is None:
+                    failed = (rank, p.exitcode)
+    finally:  # a failed rank, or the parent interrupted: stop the rest
+        _stop([p for _, p in running.values()], grace_s)
+    if failed is not None:
+        rank, code = failed
+        raise LaunchError(f"rank {rank} of {world} failed ({_describe(code)}); the other ranks were stopped")
+
+
+def _stop(procs: list, grace_s: float) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+        if p.is_alive():
+            p.kill()  # also ends a stopped or hung rank
+            p.join()
