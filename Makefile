@@ -9,7 +9,7 @@ DEMO_DIR ?= outputs/demo
 DEMO_STEPS ?= 300
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-data test lint bench bench-data tokenizer shards shards-slurm clean
+.PHONY: install demo demo-data test lint bench bench-data tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -71,6 +71,13 @@ shards-slurm: install
 	@test -n "$(CORPUS)" -a -n "$(OUT)" -a -n "$(TOKENIZER)" || { echo "usage: make shards-slurm CORPUS='raw/*.jsonl' OUT=DIR TOKENIZER=DIR [SEQ_LEN= SHARD_MB= PREP_ARGS=] [PREP_SBATCH_ARGS='--array=0-63 --cpus-per-task=32']" >&2; exit 2; }
 	PYTHON=$(PY) bash sbatch/preprocess.sbatch --corpus $(quote_globs) --out '$(OUT)' --tokenizer '$(TOKENIZER)' \
 		--seq-len $(SEQ_LEN) --shard-mb $(SHARD_MB) --text-field '$(TEXT_FIELD)' $(PREP_ARGS)
+
+# A local multi-node Slurm cluster (root + apt; Debian/Ubuntu). Never started implicitly by `make test`.
+slurm-up:
+	bash sbatch/local_cluster.sh up
+
+slurm-down:
+	bash sbatch/local_cluster.sh down
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache build *.egg-info
