@@ -1,4 +1,4 @@
-"""`python -m hpctrain [overrides]`: the Hydra entry point."""
+"""`python -m hpctrain [overrides]`: the Hydra entry point; `python -m hpctrain plan [overrides]`: the planner."""
 
 from __future__ import annotations
 
@@ -31,5 +31,29 @@ def main(cfg: DictConfig) -> dict | None:
         sys.exit(2)
 
 
+def plan_main(overrides: list[str]) -> int:
+    """Compose the same config as a run (no run directory, no logging setup) and print its layout plan."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(a in ("-h", "--help") for a in overrides):
+        print("usage: python -m hpctrain plan [hydra overrides], e.g. model=llama_70b parallel.dp=8 "
+              "parallel.tp=8 parallel.pp=4 cluster.gpu_mem_gb=80\nprints the layer-to-stage map, per-device "
+              "memory, pipeline bubble and FLOPs per step of that layout, without allocating the model")
+        return 0
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"hpctrain: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    from hpctrain.plan import main as plan
+
+    return plan(cfg)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "plan":
+        sys.exit(plan_main(sys.argv[2:]))
     main()

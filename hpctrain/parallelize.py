@@ -30,11 +30,79 @@ from torch.distributed.tensor.parallel import (
 from hpctrain.config import ActCkpt
 
 
-def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh) -> nn.Module:
-    """Slot for the manual pipeline split (a later change); resolve() refuses pp > 1 until then."""
-    if pp_mesh.size() > 1:
-        raise NotImplementedError("pipeline parallelism is not available yet")
-    return model
+def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Pipeline stages held by one pp rank: looped (rank r holds r, r+pp, ...), as interleaved schedules need."""
+    return [pp_rank + v * pp for v in range(virtual_stages)]
+
+
+class StageParts(nn.Module):
+    """The pipeline stages (model chunks) of one rank, seen as one module with the one-process FQNs.
+
+    Each chunk is the model with the other stages' layers deleted (and embedding / norm / head None
+    where another stage holds them). This view registers the chunks' submodules under their usual
+    names, so optimizer, state dicts and DCP checkpoints use `layers.{global index}...` in every
+    layout and reshard across them. It has no forward: the pipeline schedule runs the chunks.
+    """
+
+    def __init__(self, chunks: list[nn.Module], stages: list[int], n_stages: int):
+        super().__init__()
+        self.chunks, self.stages, self.n_stages = chunks, stages, n_stages  # a plain list: no duplicate FQNs
+        self.layers = nn.ModuleDict()
+        for chunk in chunks:
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(chunk, name) is not None:
+                    self.register_module(name, getattr(chunk, name))
+            for name, block in chunk.layers.items():
+                self.layers[name] = block
+
+    def _apply(self, fn, recurse=True):  # to_empty / to(): the chunks' own buffers (RoPE) too
+        for chunk in self.chunks:
+            chunk._apply(fn, recurse)
+        return self
+
+    def train(self, mode: bool = True):
+        for chunk in self.chunks:
+            chunk.train(mode)
+        return super().train(mode)
+
+    def reset_rope_cache(self) -> None:
+        for chunk in self.chunks:
+            chunk.reset_rope_cache()
+
+    def tie_weights(self) -> None:
+        pass  # resolve() refuses tied embeddings with pp > 1
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline-parallel model runs through its schedule (PipelineTrainStep), not forward()")
+
+
+def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, virtual_stages: int = 1) -> list[nn.Module]:
+    """Manual split into pp × virtual_stages stages of consecutive layers; returns this rank's chunks.
+
+    A chunk is a copy of the (meta) model keeping only its stage's layers; the first stage keeps the
+    embedding, the last the final norm and output head. pp=1: the model itself, untouched.
+    """
+    pp = pp_mesh.size()
+    if pp == 1:
+        return [model]
+    import copy
+
+    n_stages = pp * virtual_stages
+    names = list(model.layers.keys())
+    per = len(names) // n_stages
+    chunks = []
+    for s in stage_ids(pp_mesh.get_local_rank(), pp, virtual_stages):
+        chunk = copy.deepcopy(model)
+        keep = set(names[s * per:(s + 1) * per])
+        for name in names:
+            if name not in keep:
+                del chunk.layers[name]
+        if s != 0:
+            chunk.tok_embeddings = None
+        if s != n_stages - 1:
+            chunk.norm, chunk.output = None, None
+        chunks.append(chunk)
+    return chunks
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -80,8 +148,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: ActCkpt, every: int) 
     """Recompute block activations in backward: `full` for every block, `selective` every N-th."""
     if mode == ActCkpt.none:
         return
-    for i, (name, block) in enumerate(model.layers.named_children()):
-        if mode == ActCkpt.full or i % every == 0:
+    for name, block in model.layers.named_children():
+        if mode == ActCkpt.full or int(name) % every == 0:  # global layer index: the same blocks in every layout
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
@@ -122,12 +190,18 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg, param_dtype: torch.dtype | None = None) -> nn.Module:
-    model = apply_pipeline_split(model, mesh["pp"])
-    apply_tp(model, mesh["tp"], pcfg.sequence_parallel)
-    apply_activation_checkpointing(model, pcfg.activation_checkpointing, pcfg.ac_every)
-    apply_compile(model, pcfg.compile)
-    apply_fsdp(model, mesh["dp"], pcfg.zero_stage, param_dtype, pcfg.cpu_offload)
-    return model
+    """The layout's model: the model itself (pp=1) or a StageParts view of this rank's pipeline stages."""
+    pp = mesh["pp"].size()
+    virtual = pcfg.pp_virtual_stages if pp > 1 else 1
+    chunks = apply_pipeline_split(model, mesh["pp"], virtual)
+    for chunk in chunks:
+        apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel)
+        apply_activation_checkpointing(chunk, pcfg.activation_checkpointing, pcfg.ac_every)
+        apply_compile(chunk, pcfg.compile)
+        apply_fsdp(chunk, mesh["dp"], pcfg.zero_stage, param_dtype, pcfg.cpu_offload)
+    if pp == 1:
+        return chunks[0]
+    return StageParts(chunks, stage_ids(mesh["pp"].get_local_rank(), pp, virtual), pp * virtual)
 
 
 def uses_loss_parallel(mesh: DeviceMesh) -> bool:

@@ -96,6 +96,7 @@ class TrainStep:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.grad_clip, self.device, self.mesh = grad_clip, device, mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.loss_parallel = loss_parallel
         self.loss_ctx = loss_parallel_ctx(loss_parallel)
         self.dp = mesh["dp"].size() if mesh is not None else 1
         # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch.
@@ -108,16 +109,7 @@ class TrainStep:
         # Every dp rank holds an equal share of the global batch.
         n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches) * self.dp
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro_batches):
-            if self.grad_sync is not None:
-                self.grad_sync(i == len(micro_batches) - 1)
-            batch = batch.to(self.device, non_blocking=True)
-            with self.loss_ctx():
-                with self.precision.autocast():
-                    loss = token_loss_sum(self.model, batch) / n_tokens
-                (scaler.scale(loss) if scaler else loss).backward()
-            total += _local(loss.detach()).float()
+        total = self._forward_backward(micro_batches, n_tokens)
         if self.dp > 1:  # tensor-parallel ranks hold the same (replicated) loss already
             dist.all_reduce(total, group=self.mesh["dp"].get_group())
         if scaler:
@@ -141,6 +133,103 @@ class TrainStep:
             self.optimizer.step()
             status = "ok"
         return StepResult(loss_value, norm_value, status, scaler.get_scale() if scaler else None)
+
+    def _forward_backward(self, micro_batches: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
+        """Accumulate the gradients of all micro-batches; return this rank's share of the loss."""
+        scaler = self.precision.scaler
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            if self.grad_sync is not None:
+                self.grad_sync(i == len(micro_batches) - 1)
+            batch = batch.to(self.device, non_blocking=True)
+            with self.loss_ctx():
+                with self.precision.autocast():
+                    loss = token_loss_sum(self.model, batch) / n_tokens
+                (scaler.scale(loss) if scaler else loss).backward()
+            total += _local(loss.detach()).float()
+        return total
+
+    def evaluate(self, batches) -> float:
+        """Mean token loss over the given batches (every rank evaluates the same batches)."""
+        return evaluate(self.model, batches, self.precision, self.device, self.loss_parallel)
+
+
+# Schedule names of `parallel.pp_schedule` -> torch.distributed.pipelining classes (multi: several stages a rank).
+PP_SCHEDULES = {"gpipe": ("ScheduleGPipe", False), "1f1b": ("Schedule1F1B", False),
+                "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+                "zero_bubble": ("ScheduleInterleavedZeroBubble", True)}
+
+
+class PipelineTrainStep(TrainStep):
+    """pp > 1: the same step, with forward/backward run by a pipeline schedule over this rank's stages.
+
+    Gradient accumulation: each of the grad_accum micro-batches (of micro_batch samples per dp rank)
+    runs through the schedule split into `n_microbatches` pipeline chunks. The last stage's loss is the
+    summed token cross entropy over the GLOBAL token count, gradients are not rescaled by the schedule
+    and are summed over dp: exactly the one-process gradients. The loss is summed from the last stage
+    over pp (other stages contribute 0) and over dp, so every rank logs the global mean.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+                 grad_clip: float, device: torch.device, mesh, loss_parallel: bool, schedule: str,
+                 n_microbatches: int):
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        super().__init__(model, optimizer, precision, grad_clip, device, mesh, loss_parallel)
+        self.grad_sync = None  # the schedule runs FSDP's gradient reduction after its last microbatch
+        group = mesh["pp"].get_group()
+        stages = [PipelineStage(chunk, s, model.n_stages, device, group=group)
+                  for chunk, s in zip(model.chunks, model.stages)]
+        self.has_first, self.has_last = 0 in model.stages, model.n_stages - 1 in model.stages
+        name, multi = PP_SCHEDULES[schedule]
+        self.schedule = getattr(schedules, name)(stages if multi else stages[0], n_microbatches,
+                                                 loss_fn=self._loss, scale_grads=False)
+        self._denom = 1.0
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / self._denom
+
+    def _run(self, batch: torch.Tensor, forward_only: bool) -> torch.Tensor:
+        batch = batch.to(self.device, non_blocking=True)
+        args = (batch[:, :-1],) if self.has_first else ()
+        target = batch[:, 1:] if self.has_last else None
+        losses: list[torch.Tensor] = []
+        run = self.schedule.eval if forward_only else self.schedule.step
+        with self.loss_ctx(), self.precision.autocast():
+            run(*args, target=target, losses=losses, return_outputs=False)
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += _local(loss.detach()).float()
+        return total
+
+    def _forward_backward(self, micro_batches: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
+        self._denom = float(n_tokens)
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            total += self._run(batch, forward_only=False)
+        dist.all_reduce(total, group=self.mesh["pp"].get_group())  # only the last stage holds the loss
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        self._denom = 1.0
+        self.model.eval()
+        total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
+        for batch in batches:
+            total += self._run(batch, forward_only=True).double()
+            n += batch.shape[0] * (batch.shape[1] - 1)
+        dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        self.model.train()
+        return (total / max(n, 1)).item()
+
+
+def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
+                     device: torch.device, mesh, loss_parallel: bool, pcfg) -> TrainStep:
+    """The layout's step, chosen here once: the loop only calls it (and its `evaluate`)."""
+    if mesh["pp"].size() > 1:
+        return PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, loss_parallel,
+                                 pcfg.pp_schedule, pcfg.pp_microbatches or mesh["pp"].size())
+    return TrainStep(model, optimizer, precision, grad_clip, device, mesh, loss_parallel)
 
 
 def loss_parallel_ctx(enabled: bool):

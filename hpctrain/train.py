@@ -24,7 +24,7 @@ from hpctrain.model import Llama, flops_per_token, num_params
 from hpctrain.optim import build_optimizer, build_scheduler, scaled_lr
 from hpctrain.parallelize import parallelize, uses_loss_parallel
 from hpctrain.precision import setup_precision
-from hpctrain.step import TrainStep, evaluate
+from hpctrain.step import build_train_step
 
 log = logging.getLogger("hpctrain")
 # The schedule advances on every step, skipped ones included (step s always has lr(s)).
@@ -101,7 +101,9 @@ def build_model(cfg, env: distributed.Env, mesh) -> torch.nn.Module:
         torch.manual_seed(cfg.train.seed)
         ref.init_weights()
         full = ref.state_dict()
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Every key is broadcast; a pipeline stage keeps its own (rank 0's full dict holds the other stages' too).
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=mesh["pp"].size() == 1))
     return model.train()
 
 
@@ -177,7 +179,8 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
     lr = scaled_lr(cfg.optim, plan.global_batch)
     optimizer = build_optimizer(model, cfg.optim, lr)
     scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
-    train_step = TrainStep(model, optimizer, precision, cfg.optim.grad_clip, env.device, mesh, loss_par)
+    train_step = build_train_step(model, optimizer, precision, cfg.optim.grad_clip, env.device, mesh, loss_par,
+                                  cfg.parallel)
 
     state = RunState()
     resume_from = checkpoint.latest(run_dir) if t.resume == "auto" else None if t.resume == "never" else t.resume
@@ -222,7 +225,7 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
     def run_eval() -> None:
         val = ShardStream(data_dir, "val", plan.micro_batch, t.seed, loop=False, shuffle=False)
         subset = (b for _, b in zip(range(t.eval_batches), val))
-        state.last_val_loss = evaluate(model, subset, precision, env.device, loss_par)
+        state.last_val_loss = train_step.evaluate(subset)
         metrics.log({"step": state.step, "val_loss": state.last_val_loss,
                      "val_ppl": math.exp(min(state.last_val_loss, 50.0))})
 

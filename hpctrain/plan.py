@@ -1,0 +1,260 @@
+"""`python -m hpctrain plan <overrides>`: layer-to-stage map, per-device memory, bubble and FLOPs of a layout.
+
+Nothing is allocated: parameters are counted on a model built on the meta device, the rest is arithmetic.
+Memory per device, in bytes, with P the parameters a device holds (TP-sharded matrices / tp + replicated
+norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one micro-batch:
+
+  parameters   4·P / (dp if zero_stage=3)            fp32 master weights
+  gradients    4·P / (dp if zero_stage>=2)           fp32
+  optimizer    AdamW 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms); / (dp if zero>=2)
+  compute copy zero 3: 2 FSDP units unsharded (current + prefetch) · c; zero 2: all of P · c (gathered once
+               per step); otherwise bf16/fp16 only: P · 2 (autocast weight cache / replicate cast)
+  activations  per layer per micro-batch s·b·c·(4h/t_sp + (3h + 3·kv_dim + 4·ffn)/tp), the tensors a
+               Llama block saves with flash (SDPA) attention; t_sp = tp with sequence parallel, else 1.
+               Checkpointed layers keep only their input s·b·h·c/t_sp, plus one layer's recompute.
+               Times the pipeline micro-batches (train.micro_batch / m samples) in flight: 1F1B min(m, pp−stage),
+               GPipe m, interleaved / zero-bubble ×(1+(pp−1)/(pp·v)).
+  logits       s·b·vocab/tp · 4 (fp32 log-softmax kept for backward), last stage, per micro-batch in flight
+With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 % of cluster.gpu_mem_gb.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from omegaconf import OmegaConf
+
+from hpctrain.config import (
+    ActCkpt,
+    ConfigError,
+    OptimName,
+    Plan,
+    PrecisionName,
+    layout_world,
+    model_args,
+    resolve,
+)
+from hpctrain.metrics import PEAK_TFLOPS
+from hpctrain.model import Llama, ModelArgs, flops_per_token
+
+GiB = 2**30
+HEADROOM = 0.9  # usable share of device memory: allocator fragmentation, NCCL buffers, CUDA context
+MFU = 0.4
+
+
+def layer_map(n_layers: int, pp: int, v: int = 1) -> list[list[range]]:
+    """Per stage, its chunks of contiguous layers: stage s of virtual round r holds chunk r·pp + s.
+
+    Chunks split the layers evenly; the first n_layers % (pp·v) chunks get one layer more.
+    """
+    n = pp * v
+    sizes = [n_layers // n + (i < n_layers % n) for i in range(n)]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    return [[range(starts[r * pp + s], starts[r * pp + s] + sizes[r * pp + s]) for r in range(v)]
+            for s in range(pp)]
+
+
+@dataclass
+class StageParams:
+    """Parameter counts of one pipeline stage, before TP: tp-sharded matrices, replicated norms."""
+
+    layers: list[range]
+    sharded: int = 0
+    replicated: int = 0
+    factored: int = 0  # Adafactor state elements: rows + cols per matrix, numel per vector
+    largest_unit: int = 0  # largest FSDP unit (a block, or the root's embed/norm/output)
+
+    def per_device(self, tp: int) -> int:
+        return self.sharded // tp + self.replicated
+
+
+def _count(st: StageParams, params) -> int:
+    total = 0
+    for p in params:
+        total += p.numel()
+        if p.dim() > 1:
+            st.sharded += p.numel()
+            st.factored += p.shape[0] + p.shape[1]
+        else:
+            st.replicated += p.numel()
+            st.factored += p.numel()
+    return total
+
+
+def stage_params(args: ModelArgs, pp: int, v: int = 1) -> list[StageParams]:
+    """Count each stage's parameters on a meta-device model (no memory is allocated)."""
+    with torch.device("meta"):
+        model = Llama(args)
+    stages = [StageParams(chunks) for chunks in layer_map(args.n_layers, pp, v)]
+    for i, st in enumerate(stages):
+        for chunk in st.layers:
+            for layer in chunk:
+                st.largest_unit = max(st.largest_unit, _count(st, model.layers[str(layer)].parameters()))
+        root = []
+        if i == 0:
+            root.append(model.tok_embeddings.weight)
+        if i == pp - 1:
+            root += [model.norm.weight] + ([] if args.tie_embeddings and pp == 1 else [model.output.weight])
+        st.largest_unit = max(st.largest_unit, _count(st, root))
+    return stages
+
+
+def _describe(i: int, st: StageParams, pp: int) -> str:
+    parts = ["embed"] if i == 0 else []
+    parts += [f"layers {c.start}-{c.stop - 1}" if len(c) > 1 else f"layer {c.start}" for c in st.layers if len(c)]
+    if i == pp - 1:
+        parts.append("norm + output")
+    return " + ".join(parts) or "(nothing)"
+
+
+def estimate(cfg, plan: Plan, seq_len: int) -> dict:
+    """Per-stage memory parts in bytes, keyed by activation-checkpointing mode, plus the step numbers."""
+    args, p, pr = model_args(cfg), cfg.parallel, cfg.precision
+    dp, tp, pp, v = plan.dp, plan.tp, plan.pp, p.pp_virtual_stages
+    c = 2 if PrecisionName(pr.name) in (PrecisionName.bf16, PrecisionName.fp16) else 4
+    z3, z2 = (dp if p.zero_stage == 3 else 1), (dp if p.zero_stage >= 2 else 1)
+    # The pipeline splits each micro-batch into pp_microbatches (default pp) chunks; grad_accum rounds follow.
+    m = (p.pp_microbatches or pp) if pp > 1 else 1
+    b = plan.micro_batch / m
+    sp = tp if p.sequence_parallel else 1
+    h, kvd, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    act_layer = seq_len * b * c * (4 * h / sp + (3 * h + 3 * kvd + 4 * f) / tp)
+    act_input = seq_len * b * c * h / sp
+    schedule = p.pp_schedule if pp > 1 else "none"
+    stages = stage_params(args, pp, v)
+    rows = []
+    for i, st in enumerate(stages):
+        P = st.per_device(tp)
+        opt = {OptimName.adamw: 8 * P, OptimName.sgd: 4 * P if cfg.optim.momentum > 0 else 0,
+               OptimName.adafactor: 4 * st.factored / tp}[OptimName(cfg.optim.name)]
+        if dp > 1 and p.zero_stage == 3:
+            copies = 2 * st.largest_unit / tp * c
+        elif dp > 1 and p.zero_stage == 2:
+            copies = P * c
+        else:
+            copies = P * 2 if c == 2 else 0
+        if pp == 1:
+            flight = 1.0
+        elif schedule == "gpipe":
+            flight = float(m)
+        else:
+            flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        idx = [j for chunk in st.layers for j in chunk]
+        n, acts = len(idx), {}
+        for mode in ActCkpt:  # selective checkpoints blocks whose global index is a multiple of ac_every
+            ck = 0 if mode == ActCkpt.none else n if mode == ActCkpt.full else sum(j % p.ac_every == 0 for j in idx)
+            acts[mode.value] = flight * (ck * act_input + (n - ck) * act_layer) + (act_layer if ck else 0)
+        logits = flight * seq_len * b * args.vocab_size / tp * 4 if i == pp - 1 else 0
+        off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
+        rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P,
+                     "params": off * 4 * P / z3, "grads": off * 4 * P / z2, "optim": off * opt / z2, "copies": copies,
+                     "acts": acts, "logits": logits, "flight": flight})
+    bubble = (pp - 1) / (m * v + pp - 1)
+    flops = flops_per_token(args, seq_len) * plan.global_batch * seq_len
+    return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
+            "flops": flops, "args": args, "c": c}
+
+
+def total(row: dict, mode: str) -> float:
+    return row["params"] + row["grads"] + row["optim"] + row["copies"] + row["acts"][mode] + row["logits"]
+
+
+def _peak_tflops(cfg) -> float | None:
+    if cfg.cluster.peak_tflops:
+        return cfg.cluster.peak_tflops
+    gpu = OmegaConf.select(cfg, "gpu")  # optional `+gpu=H100`
+    table = PEAK_TFLOPS.get(str(gpu)) if gpu else None
+    return table[str(PrecisionName(cfg.precision.name).value)] if table else None
+
+
+def report(cfg, plan: Plan, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
+    """The printed plan and the verdict (None when cluster.gpu_mem_gb is unset)."""
+    e = estimate(cfg, plan, seq_len)
+    p, args, rows = cfg.parallel, e["args"], e["rows"]
+    mode = ActCkpt(p.activation_checkpointing).value
+    out = [f"model {cfg.model.name}: {sum(s.sharded + s.replicated for s in e['stages']) / 1e9:.3f}B parameters "
+           f"(counted on the meta device); layout pp×dp×tp = {plan.pp}×{plan.dp}×{plan.tp} = {plan.world} devices",
+           f"batch: global {plan.global_batch} = micro {plan.micro_batch} × accum {plan.grad_accum} × dp {plan.dp}"
+           f", seq_len {seq_len}; precision {PrecisionName(cfg.precision.name).value}, zero_stage {p.zero_stage}"
+           f", sequence_parallel {p.sequence_parallel}, activation_checkpointing {mode}"]
+    out += [f"note: {n}" for n in notes]
+    out.append(f"\nlayer-to-stage map ({plan.pp} stage(s) × {p.pp_virtual_stages} virtual):")
+    out += [f"  stage {r['stage']}: {r['desc']}  ({r['params_per_device'] / 1e6:.1f}M params per device)" for r in rows]
+    gib = lambda x: f"{x / GiB:8.2f}"  # noqa: E731
+    out.append("\nper-device memory, GiB (one column per stage):")
+    out.append(f"  {'':28}" + "".join(f"{'stage ' + str(r['stage']):>10}" for r in rows))
+    lines = [("parameters (fp32)", "params"), ("gradients (fp32)", "grads"),
+             (f"optimizer ({OptimName(cfg.optim.name).value})", "optim"),
+             (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"), ("logits (fp32)", "logits")]
+    for label, key in lines:
+        out.append(f"  {label:28}" + "".join(f"{gib(r[key]):>10}" for r in rows))
+    for m in dict.fromkeys(["none", "full", mode]):
+        out.append(f"  {'activations, ckpt=' + m:28}" + "".join(f"{gib(r['acts'][m]):>10}" for r in rows))
+    for m in dict.fromkeys(["none", "full", mode]):
+        out.append(f"  {'TOTAL, ckpt=' + m:28}" + "".join(f"{gib(total(r, m)):>10}" for r in rows))
+    flight = ", ".join(f"{r['flight']:g}" for r in rows)
+    out.append(f"  micro-batches in flight: {flight} "
+               f"(schedule {e['schedule']}, m={e['m']} micro-batches of {e['b']:g} sample(s))")
+    pp, v, m = plan.pp, p.pp_virtual_stages, e["m"]
+    out.append(f"\npipeline bubble: (pp−1)/(m·v + pp−1) = ({pp}−1)/({m}·{v} + {pp}−1) = {e['bubble']:.1%} "
+               "of each micro-batch's schedule (m = pp_microbatches, v = virtual stages)")
+    line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
+    peak = _peak_tflops(cfg)
+    if peak:
+        line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
+                 f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")
+    out.append(line)
+    worst = {k: max(total(r, k) for r in rows) for k in ("none", "full", mode)}
+    cap = cfg.cluster.gpu_mem_gb
+    if not cap:
+        out.append(f"\nworst stage needs {worst[mode] / GiB:.2f} GiB per device (ckpt={mode}): "
+                   "set cluster.gpu_mem_gb to check fit")
+        return "\n".join(out), None
+    usable = cap * HEADROOM * GiB
+    fits = worst[mode] <= usable
+    out.append(f"\nworst stage needs {worst[mode] / GiB:.2f} GiB per device (ckpt={mode}); usable "
+               f"{HEADROOM:.0%} of cluster.gpu_mem_gb={cap:g}: {usable / GiB:.1f} GiB -> "
+               f"{'FITS' if fits else 'DOES NOT FIT'}")
+    if not fits:
+        out.append("suggestion: " + _suggest(cfg, plan, worst, usable, args))
+    return "\n".join(out), fits
+
+
+def _suggest(cfg, plan: Plan, worst: dict, usable: float, args: ModelArgs) -> str:
+    p, tips = cfg.parallel, []
+    if ActCkpt(p.activation_checkpointing) != ActCkpt.full and worst["full"] <= usable:
+        return "set parallel.activation_checkpointing=full (fits then)"
+    if ActCkpt(p.activation_checkpointing) != ActCkpt.full:
+        tips.append("parallel.activation_checkpointing=full")
+    if plan.dp > 1 and p.zero_stage < 3:
+        tips.append("parallel.zero_stage=3")
+    elif plan.dp == 1:
+        tips.append("shard over data parallel: parallel.dp=N with parallel.zero_stage=3")
+    if plan.tp < 8 and args.kv_heads % (plan.tp * 2) == 0:
+        tips.append(f"raise parallel.tp to {plan.tp * 2}")
+    if not p.sequence_parallel and plan.tp > 1:
+        tips.append("parallel.sequence_parallel=true")
+    tips.append("raise parallel.pp or lower train.micro_batch")
+    return "; ".join(tips)
+
+
+def main(cfg) -> int:
+    """Validate like a run would, then print the plan; returns 0 (or exits 2 on a config error)."""
+    notes, world = [], layout_world(cfg)
+    if cfg.parallel.dp == "auto":
+        notes.append(f"parallel.dp=auto: planned for dp={world // (cfg.parallel.tp * cfg.parallel.pp)} "
+                     "(this node's devices); set parallel.dp to plan another size")
+    try:
+        plan = resolve(cfg, world)  # the same checks, and one-line errors, as a run
+    except ConfigError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    seq_len = cfg.train.seq_len
+    if seq_len is None:
+        seq_len = cfg.model.max_seq_len
+        notes.append(f"train.seq_len unset: planned for model.max_seq_len={seq_len}")
+    text, _ = report(cfg, plan, seq_len, notes)
+    print(text)
+    return 0
