@@ -104,7 +104,7 @@ def _truncate_after(path: str, step: int) -> None:
         return
     with open(path) as f:
         lines = f.readlines()
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    kept = [line for line, s in zip(lines, map(_step_of, lines)) if s is not None and s <= step]
     if len(kept) != len(lines):
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
