@@ -1,4 +1,5 @@
-"""`python -m hpctrain [overrides]`: the Hydra entry point; `python -m hpctrain plan [overrides]`: the planner."""
+"""`python -m hpctrain [overrides]`: the Hydra entry point (trains here, or submits with hydra/launcher=slurm);
+`python -m hpctrain plan [overrides]`: the planner; `python -m hpctrain preflight`: a cluster health check."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config import register
 
@@ -21,14 +23,26 @@ def main(cfg: DictConfig) -> dict | None:
     from hpctrain.checkpoint import CheckpointError
     from hpctrain.config import ConfigError
     from hpctrain.data import DataError
+    from hpctrain.job import Stopped, quiet_other_ranks
     from hpctrain.train import TrainingError, train
 
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.RUN and str(hc.launcher.get("_target_", "")).startswith("hpctrain.launcher."):
+        # `python -m hpctrain hydra/launcher=slurm ...`: submit this one run instead of training here.
+        from hydra.utils import instantiate
+
+        launcher = instantiate(hc.launcher)
+        return launcher.submit_run(cfg, hc.runtime.output_dir, OmegaConf.to_container(hc.job_logging, resolve=True))
+    quiet_other_ranks()
     try:
-        return train(cfg, HydraConfig.get().runtime.output_dir)
+        return train(cfg, hc.runtime.output_dir)
     except (ConfigError, DataError, TrainingError, CheckpointError) as e:
         # Bad input is one line naming the fix, not a traceback.
         print(f"hpctrain: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as e:
+        print(f"hpctrain: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 def plan_main(overrides: list[str]) -> int:
@@ -56,4 +70,8 @@ def plan_main(overrides: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "plan":
         sys.exit(plan_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "preflight":
+        from hpctrain.preflight import main as preflight
+
+        sys.exit(preflight(sys.argv[2:]))
     main()

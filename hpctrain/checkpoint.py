@@ -94,6 +94,11 @@ def complete_checkpoints(run_dir: str) -> list[str]:
     return [os.path.join(r, name) for _, name in steps if os.path.isfile(os.path.join(r, name, STATE_FILE))]
 
 
+def step_of(path: str) -> int:
+    """The step a checkpoint directory holds (from its name)."""
+    return int(_STEP_DIR.match(os.path.basename(os.path.normpath(path))).group(1))
+
+
 def latest(run_dir: str) -> str | None:
     link = os.path.join(root(run_dir), "latest")
     if os.path.isfile(os.path.join(link, STATE_FILE)):

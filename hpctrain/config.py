@@ -7,6 +7,7 @@ that names the numbers and the fix.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -138,9 +139,18 @@ class TrainConfig:
     tensorboard: bool = True
 
 
+def _nccl_defaults() -> dict[str, str | None]:
+    # Exported before the process group starts (None: leave the environment as it is). IB_TIMEOUT 22
+    # (~17 s per retry) rides out fabric hiccups that the default 18 (~1 s) turns into hard failures.
+    return {"NCCL_IB_TIMEOUT": "22", "NCCL_IB_HCA": None, "NCCL_SOCKET_IFNAME": None,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": None}
+
+
 @dataclass
 class ClusterConfig:
     gpus_per_node: int = 0
+    tasks_per_node: int = 1  # ranks per node without GPUs (with GPUs: one rank per GPU)
+    nodes: int | None = None  # None: dp·tp·pp / ranks per node; required with parallel.dp=auto
     cpus_per_task: int | None = None
     num_threads: int | None = None  # torch intra-op threads per rank; None: torch's default (local ranks: cores/N)
     pg_timeout_s: float = 600.0  # every process group, sub-groups included: a dead or stalled rank fails the rest
@@ -149,6 +159,14 @@ class ClusterConfig:
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
+    constraint: str | None = None
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)  # more #SBATCH options, e.g. {exclusive: true}
+    signal: str = "USR2"  # preemption/time-limit warning; not USR1, which NCCL claims
+    signal_lead_s: int = 120  # seconds before the time limit (Slurm may send it up to 60 s earlier)
+    max_timeouts: int = 10  # requeues after hitting the time limit (submitit's max_num_timeout)
+    max_stalled_restarts: int = 3  # requeues in a row that reach no new checkpoint before the run gives up
+    wait: bool = False  # hydra/launcher=slurm|local single run: block until the job ends
+    nccl: dict[str, str | None] = field(default_factory=_nccl_defaults)
     peak_tflops: float | None = None  # per device; for MFU where the device is not in the table
     gpu_mem_gb: float | None = None
 
@@ -172,6 +190,18 @@ def register() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
     if not OmegaConf.has_resolver("demo_data_dir"):
         OmegaConf.register_new_resolver("demo_data_dir", default_out_dir)
+    if not OmegaConf.has_resolver("hpctrain_slurm"):
+        from hpctrain.launcher import resolver
+
+        OmegaConf.register_new_resolver("hpctrain_slurm", resolver)
+
+
+def signal_number(name: str) -> signal.Signals:
+    """`cluster.signal` (USR2, SIGUSR2, usr2) as a signal."""
+    try:
+        return signal.Signals["SIG" + str(name).upper().removeprefix("SIG")]
+    except KeyError:
+        raise ConfigError(f"cluster.signal={name!r} is not a signal name: use e.g. USR2") from None
 
 
 def model_args(cfg) -> ModelArgs:
@@ -275,6 +305,7 @@ def _check_pipeline(m, p) -> int:
 def resolve(cfg, world: int = 1) -> Plan:
     """Derive and check the numbers a run needs; raise ConfigError on the first problem."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    signal_number(cfg.cluster.signal)
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     kv = m.n_kv_heads or m.n_heads

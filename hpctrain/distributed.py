@@ -37,9 +37,10 @@ def launched_world() -> int | None:
 
 
 def _slurm_env() -> None:
-    """Map srun's task variables onto the ones torch reads (hook for the Slurm launcher work)."""
+    """Map an srun task's variables onto the ones torch reads: rank, world, local rank, and the master at
+    the allocation's first node on a port derived from the job id (same on every node, differs per job)."""
     e = os.environ
-    if "RANK" in e or "SLURM_PROCID" not in e:
+    if "RANK" in e or launched_world() is None:  # a plain batch script is not a rank, even with --ntasks
         return
     e["RANK"], e["WORLD_SIZE"] = e["SLURM_PROCID"], e["SLURM_NTASKS"]
     e.setdefault("LOCAL_RANK", e.get("SLURM_LOCALID", "0"))
@@ -51,6 +52,19 @@ def _slurm_env() -> None:
             host = (out.stdout.split() or [host])[0]
         e["MASTER_ADDR"] = host
     e.setdefault("MASTER_PORT", str(20000 + int(e.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def apply_env(settings: dict[str, str | None] | None) -> dict[str, str]:
+    """Export cluster.nccl before the process group starts (NCCL reads its variables then). A variable the
+    job's environment already sets (a site module, the sbatch script) is kept. Returns {key: "value (source)"}."""
+    effective = {}
+    for key, value in (settings or {}).items():
+        if key in os.environ:
+            effective[key] = f"{os.environ[key]} (environment)"
+        elif value is not None:
+            os.environ[key] = str(value)
+            effective[key] = f"{value} (cluster.nccl)"
+    return effective
 
 
 def init(timeout_s: float = 600.0) -> Env:

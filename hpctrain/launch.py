@@ -43,10 +43,12 @@ def _child(rank: int, env: dict[str, str], threads: int, fn: Callable, args: tup
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with a non-zero status
-        print(f"hpctrain: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
-        if not isinstance(e, quiet):
-            traceback.print_exc()
-        code = 1
+        code = getattr(e, "exit_code", None)  # a deliberate stop (e.g. preemption): the parent reports it
+        if code is None:
+            print(f"hpctrain: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+            if not isinstance(e, quiet):
+                traceback.print_exc()
+            code = 1
     finally:
         logging.shutdown()
         sys.stdout.flush()
@@ -64,8 +66,10 @@ def _describe(exitcode: int) -> str:
 
 
 def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None, grace_s: float = 5.0,
-          quiet: tuple[type[BaseException], ...] = (KeyboardInterrupt,)) -> None:
-    """Run fn(*args) in `world` forked ranks; return when all succeeded, else raise LaunchError.
+          quiet: tuple[type[BaseException], ...] = (KeyboardInterrupt,), ok_codes: tuple[int, ...] = (0,),
+          forward: tuple[signal.Signals, ...] = ()) -> None:
+    """Run fn(*args) in `world` forked ranks; return when all exited with an `ok_codes` status, else raise
+    LaunchError. Signals in `forward` that reach the parent are passed on to every rank.
 
     A rank that raises prints one line naming itself (plus a traceback unless the error is `quiet`).
     """
@@ -81,14 +85,23 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
         procs.append(p)
     running = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
     failed = None
+
+    def pass_on(signum, frame):
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in forward}
     try:
         while running and failed is None:
             for sentinel in wait(list(running)):
                 rank, p = running.pop(sentinel)
                 p.join()
-                if p.exitcode != 0 and failed is None:
+                if p.exitcode not in ok_codes and failed is None:
                     failed = (rank, p.exitcode)
     finally:  # a failed rank, or the parent interrupted: stop the rest
+        for sig, prev in previous.items():
+            signal.signal(sig, prev)
         _stop([p for _, p in running.values()], grace_s)
     if failed is not None:
         rank, code = failed

@@ -10,14 +10,15 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from hpctrain import checkpoint, distributed
-from hpctrain.config import Plan, PrecisionName, layout_world, model_args, resolve
+from hpctrain import checkpoint, distributed, job
+from hpctrain.config import Plan, PrecisionName, layout_world, model_args, resolve, signal_number
 from hpctrain.data import ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.metrics import MetricsLogger, memory_gb, peak_flops
 from hpctrain.model import Llama, flops_per_token, num_params
@@ -147,21 +148,38 @@ def train(cfg, run_dir: str) -> dict:
 
             launch.spawn(plan.world, _rank_main, (cfg, run_dir, plan, data_dir, seq_len),
                          threads=cfg.cluster.num_threads,
-                         quiet=(ConfigError, DataError, TrainingError, CheckpointError, KeyboardInterrupt))
+                         quiet=(ConfigError, DataError, TrainingError, CheckpointError, KeyboardInterrupt),
+                         ok_codes=(0, job.EXIT_PREEMPTED, job.EXIT_TERMINATED),
+                         forward=(signal_number(cfg.cluster.signal), signal.SIGTERM))
         except launch.LaunchError as e:
             raise TrainingError(str(e)) from None
         with open(os.path.join(run_dir, "result.json")) as f:
-            return json.load(f)
+            result = json.load(f)
+        kind = {"preempted": job.PREEMPT, "terminated": job.TERMINATE}.get(result["status"])
+        if kind:
+            raise job.Stopped(kind, result["steps"], "SIGTERM" if kind == job.TERMINATE else
+                              signal_number(cfg.cluster.signal).name)
+        return result
     return _rank_main(cfg, run_dir, plan, data_dir, seq_len)
 
 
 def _rank_main(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int) -> dict:
+    nccl = distributed.apply_env(cfg.cluster.nccl)
     env = distributed.init(cfg.cluster.pg_timeout_s)
+    if env.is_main and env.device.type == "cuda":
+        log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
     try:
-        if env.world > 1:  # Hydra's default run dir has a timestamp: ranks started apart could disagree
-            shared = [run_dir]
+        # Hydra's default run dir has a timestamp: ranks started apart could disagree; rank 0 decides.
+        shared = [run_dir, None]
+        if env.is_main:
+            last = checkpoint.latest(run_dir) if cfg.train.resume == "auto" else None
+            shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
+                                           cfg.cluster.max_stalled_restarts)
+        if env.world > 1:
             torch.distributed.broadcast_object_list(shared, src=0)
-            run_dir = shared[0]
+        run_dir, stalled = shared
+        if stalled:
+            raise TrainingError(stalled)
         return _train(cfg, run_dir, plan, data_dir, seq_len, env)
     finally:
         distributed.shutdown()
@@ -239,6 +257,8 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
     first_step = state.step + 1  # always logged: the loss curve's starting point
     started_at = [time.time()]
     status, error = "running", None
+    signals = job.StopSignals(cfg.cluster.signal)
+    stop = 0
     window = {"steps": 0, "time": 0.0, "data": 0.0}
     redirect = contextlib.nullcontext()
     if metrics.bar is not None:
@@ -286,13 +306,20 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                     window = {"steps": 0, "time": 0.0, "data": 0.0}
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.max_steps):
                     run_eval()
-                if (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps:
+                saved = (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps
+                if saved:
                     save()
-        status = "completed"
+                stop = signals.agreed()  # every rank stops after the same step
+                if stop:
+                    if not saved:
+                        save()
+                    break
+        status = "completed" if not stop else "preempted" if stop == job.PREEMPT else "terminated"
     except BaseException as e:
         status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
         raise
     finally:
+        signals.restore()
         metrics.close()
         state.wall_time_s += time.time() - started_at[0]
         result_doc = {
@@ -312,6 +339,11 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
         }
         if env.is_main:
             _write_json(os.path.join(run_dir, "result.json"), result_doc)
+    if stop:
+        log.warning("stopped by %s after step %d; checkpoint written", signals.name(stop), state.step)
+        if stop == job.PREEMPT and env.is_main:
+            signals.requeue()
+        raise job.Stopped(stop, state.step, signals.name(stop))
     return result_doc
 
 

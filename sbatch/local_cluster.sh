@@ -6,11 +6,11 @@
 #
 #   sbatch/local_cluster.sh up|down|status        (make slurm-up / make slurm-down)
 #
-# Settings (environment): SLURM_LOCAL_NODES (2), SLURM_LOCAL_CPUS (CPUs per node: nproc),
+# Settings (environment): SLURM_LOCAL_NODES (3: a 2-node job plus a spare for node-failure tests), SLURM_LOCAL_CPUS (CPUs per node: nproc),
 # SLURM_LOCAL_DIR (/var/lib/hpctrain-slurm).
 set -euo pipefail
 
-NODES=${SLURM_LOCAL_NODES:-2}
+NODES=${SLURM_LOCAL_NODES:-3}
 CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}
 DIR=${SLURM_LOCAL_DIR:-/var/lib/hpctrain-slurm}
 CONF=/etc/slurm
@@ -51,6 +51,7 @@ write_config() {
   for n in $(names); do mkdir -p "$DIR/spool/$n"; done
   chown mysql:mysql "$DIR/mysql" /run/mysqld
   local last=$((17000 + NODES))
+  [ -f "$CONF/slurm.conf" ] && cp "$CONF/slurm.conf" "$DIR/run/slurm.conf.before"
   cat > "$CONF/slurm.conf" <<EOF
 # Written by hpctrain sbatch/local_cluster.sh: $NODES nodes on this machine.
 ClusterName=$CLUSTER
@@ -74,6 +75,9 @@ SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 MinJobAge=600
 KillWait=5
+# A node whose slurmd stops answering is DOWN after 20 s (default 300) and its jobs requeue: the
+# node-failure test waits for this.
+SlurmdTimeout=20
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobAcctGatherType=jobacct_gather/none
@@ -119,6 +123,16 @@ start_mariadb() {
               GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;"
 }
 
+restart_if_reconfigured() {  # daemons started with another slurm.conf (e.g. another node count) must restart
+  if [ -f "$DIR/run/slurm.conf.before" ] && ! cmp -s "$DIR/run/slurm.conf.before" "$CONF/slurm.conf" \
+     && alive "$DIR/run/slurmctld.pid"; then
+    say "slurm.conf changed: restarting slurmctld and slurmd"
+    local f
+    for f in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid"; do stop_pidfile "$f"; done
+  fi
+  rm -f "$DIR/run/slurm.conf.before"
+}
+
 start_slurm() {
   if ! alive "$DIR/run/slurmdbd.pid"; then
     slurmdbd
@@ -146,22 +160,25 @@ up() {
   write_config
   start_munge
   start_mariadb
+  restart_if_reconfigured
   start_slurm
   say "up: $NODES nodes ($(sinfo -h -N -o '%N:%t' | sort -u | paste -sd' ')), $CPUS CPUs each, state in $DIR"
 }
 
+stop_pidfile() {  # stop_pidfile FILE: stop the daemon in FILE (a stopped one too), wait, then insist
+  alive "$1" || { rm -f "$1"; return 0; }
+  local pid; pid=$(cat "$1")
+  kill "$pid" 2>/dev/null || true; kill -CONT "$pid" 2>/dev/null || true
+  rm -f "$1"  # daemons may remove their own PID file before they are gone: track the PID instead
+  for _ in $(seq 50); do [ -d "/proc/$pid" ] && ! grep -q '^State:.*Z' "/proc/$pid/status" 2>/dev/null || return 0
+                          sleep 0.1; done
+  kill -9 "$pid" 2>/dev/null || true
+}
+
 down() {
-  local f pids=()
-  for f in $(names | sed "s|^|$DIR/run/slurmd-|; s|$|.pid|") "$DIR/run/slurmctld.pid" "$DIR/run/slurmdbd.pid" \
-           "$MARIADB_PID" "$MUNGE_PID"; do
-    if alive "$f"; then pids+=("$(cat "$f")"); kill "${pids[-1]}" 2>/dev/null || true; fi
-    rm -f "$f"  # daemons may remove their own PID file before they are gone: track the PIDs instead
-  done
-  local pid
-  for pid in "${pids[@]}"; do  # give each a moment to exit, then insist
-    for _ in $(seq 50); do [ -d "/proc/$pid" ] && ! grep -q '^State:.*Z' "/proc/$pid/status" 2>/dev/null || break
-                            sleep 0.1; done
-    [ -d "/proc/$pid" ] && ! grep -q '^State:.*Z' "/proc/$pid/status" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
+  local f
+  for f in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/slurmdbd.pid" "$MARIADB_PID" "$MUNGE_PID"; do
+    stop_pidfile "$f"
   done
   say "down"
 }

@@ -1,0 +1,139 @@
+"""Inside a batch job: stop cleanly on the preemption signal, requeue, and refuse endless restart loops.
+
+Slurm (or the user) signals every rank, but each rank notices at a different moment: the ranks agree at
+each step boundary (one tiny all-reduce), so all of them stop after the same step, checkpoint together,
+and rank 0 requeues the job. The requeued job starts in the same run directory and resumes from that
+checkpoint. None of this knows about the parallel layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.config import signal_number
+
+log = logging.getLogger("hpctrain")
+
+PREEMPT, TERMINATE = 1, 2  # TERMINATE wins when both arrive: a cancelled job must not requeue itself
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, run the same command again to resume
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Stopped(RuntimeError):
+    """The run stopped at a step boundary on a signal, after writing a checkpoint."""
+
+    def __init__(self, kind: int, step: int, signame: str):
+        self.kind, self.step = kind, step
+        then = "the job was requeued" if kind == PREEMPT and in_slurm_job() else "rerun the same command to resume"
+        super().__init__(f"stopped by {signame} after step {step}; checkpoint written; {then}")
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_PREEMPTED if self.kind == PREEMPT else EXIT_TERMINATED
+
+
+def in_slurm_job() -> bool:
+    return "SLURM_JOB_ID" in os.environ
+
+
+class StopSignals:
+    """Note the preemption signal and SIGTERM in handlers; act on them only at step boundaries."""
+
+    def __init__(self, signame: str):
+        self.preempt_sig = signal_number(signame)
+        self.noted = 0
+        self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may handle signals (e.g. train() called from a worker thread)
+        for sig, kind in ((self.preempt_sig, PREEMPT), (signal.SIGTERM, TERMINATE)):
+            self._previous[sig] = signal.signal(sig, self._handler(kind))
+
+    def _handler(self, kind: int):
+        def note(signum, frame):
+            self.noted = max(self.noted, kind)
+        return note
+
+    def name(self, kind: int) -> str:
+        return (self.preempt_sig if kind == PREEMPT else signal.SIGTERM).name
+
+    def agreed(self) -> int:
+        """0, PREEMPT or TERMINATE: the strongest request noted on any rank (collective when world > 1)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.noted
+        flag = torch.tensor([self.noted], dtype=torch.int32)  # CPU tensor: gloo, no device sync
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def requeue(self) -> None:
+        """Rank 0, after the checkpoint: put the job back in the queue (under submitit, its own handler does
+        that and counts time-limit requeues against max_num_timeout; it exits the process)."""
+        prev = self._previous.get(self.preempt_sig)
+        if callable(prev) and getattr(prev, "__module__", "").startswith("submitit"):
+            prev(self.preempt_sig, None)
+            return
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job:
+            return
+        p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        if p.returncode == 0:
+            log.info("requeued Slurm job %s", job)
+        else:
+            log.error("could not requeue Slurm job %s (%s): resubmit it to resume", job, p.stderr.strip())
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+
+
+def quiet_other_ranks() -> None:
+    """Under srun/torchrun every rank configures logging: only rank 0 writes train.log and INFO lines."""
+    from hpctrain.distributed import launched_world
+
+    rank = os.environ.get("RANK") or (os.environ.get("SLURM_PROCID") if launched_world() else None)
+    if not rank or rank == "0":
+        return
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+    log.setLevel(logging.WARNING)
+
+
+def record_attempt(run_dir: str, latest_step: int, max_stalled: int) -> str | None:
+    """Write <run_dir>/slurm.json for this job attempt; return an error when restarts stopped making progress.
+
+    A job that keeps failing before its next checkpoint (a bad node, a crash on resume) would otherwise be
+    requeued forever: after `max_stalled` restarts in a row with no new checkpoint the run gives up.
+    """
+    e = os.environ
+    if "SLURM_JOB_ID" not in e:
+        return None
+    path = os.path.join(run_dir, "slurm.json")
+    prev = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            prev = json.load(f)
+    restarts = int(e.get("SLURM_RESTART_COUNT", 0))
+    stalled = 0
+    if restarts and prev.get("job_id") == e["SLURM_JOB_ID"] and restarts > prev.get("restart_count", 0):
+        stalled = prev.get("stalled_restarts", 0) + 1 if latest_step <= prev.get("start_step", -1) else 0
+    doc = {"job_id": e["SLURM_JOB_ID"], "array_job_id": e.get("SLURM_ARRAY_JOB_ID"),
+           "array_task_id": e.get("SLURM_ARRAY_TASK_ID"), "nodelist": e.get("SLURM_JOB_NODELIST"),
+           "restart_count": restarts, "start_step": latest_step, "stalled_restarts": stalled}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    if stalled > max_stalled:
+        return (f"Slurm job {doc['job_id']} was restarted {stalled} times in a row without reaching a new "
+                f"checkpoint (still at step {latest_step}): see the job's logs for the cause, fix it and "
+                f"resubmit (or raise cluster.max_stalled_restarts)")
+    return None

@@ -1,0 +1,197 @@
+"""`hydra/launcher=slurm|local`: where runs go. hydra-submitit-launcher does the submitting; this adds
+
+- job resources derived from the parallel layout (tasks = dp·tp·pp, one per GPU or cluster.tasks_per_node);
+- every sweep point validated (config, layout, data) before anything is submitted;
+- one run submitted without `-m` (`python -m hpctrain hydra/launcher=slurm ...`), into its own run dir;
+- no blocking on the login node unless cluster.wait=true, and then jobs that end without a result
+  (cancelled, node failure, timeout) are reported with their Slurm state instead of raised.
+"""
+
+from __future__ import annotations
+
+import logging.config
+import os
+import sys
+from pathlib import Path
+
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
+from omegaconf import DictConfig, OmegaConf
+
+from hpctrain.config import ConfigError
+
+log = logging.getLogger("hpctrain")
+_INIT_KEYS = {"submitit_folder", "max_num_timeout"}
+
+
+def resources(cfg) -> dict[str, int | None]:
+    """Slurm shape of a run: nodes, tasks per node (= ranks), GPUs per node; ConfigError if it cannot fit."""
+    p, c = cfg.parallel, cfg.cluster
+    per_node = c.gpus_per_node or c.tasks_per_node
+    what = "cluster.gpus_per_node" if c.gpus_per_node else "cluster.tasks_per_node"
+    if per_node < 1:
+        raise ConfigError(f"{what}={per_node} must be >= 1")
+    if p.dp == "auto":  # fill the nodes asked for
+        if not c.nodes:
+            raise ConfigError("parallel.dp=auto on Slurm needs cluster.nodes (or set parallel.dp)")
+        if per_node % (p.tp * p.pp):
+            raise ConfigError(f"parallel.dp=auto: {what}={per_node} is not a multiple of tp×pp={p.tp * p.pp}")
+        world = c.nodes * per_node
+    else:
+        world = int(p.dp) * p.tp * p.pp
+    nodes, tasks = (1, world) if world <= per_node else (world // per_node, per_node)
+    if nodes * tasks != world:
+        raise ConfigError(f"dp×tp×pp={world} ranks do not fill whole nodes of {per_node} ({what}): make the "
+                          f"layout a multiple of {per_node} ranks")
+    if c.nodes and c.nodes != nodes:
+        raise ConfigError(f"cluster.nodes={c.nodes} but the layout dp×tp×pp={world} needs {nodes} node(s) of "
+                          f"{per_node} ranks: drop cluster.nodes or change parallel.dp")
+    return {"nodes": nodes, "tasks_per_node": tasks, "gpus_per_node": tasks if c.gpus_per_node else None}
+
+
+def resolver(key: str, *, _root_: DictConfig):
+    """`${hpctrain_slurm:nodes}` etc. in the launcher configs (bad layouts are reported by `check`)."""
+    if key == "sbatch_extra":
+        return {"requeue": True, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
+    try:
+        return resources(_root_)[key]
+    except ConfigError:
+        return 1
+
+
+def check(cfg) -> None:
+    """Everything a job would check at its start, run on the login node before submitting."""
+    from hpctrain.config import resolve
+    from hpctrain.train import prepare_data
+
+    shape = resources(cfg)
+    plan = resolve(cfg, shape["nodes"] * shape["tasks_per_node"])
+    prepare_data(cfg, plan)
+
+
+class RunJob:
+    """The callable a single submitted run executes on every task (pickled by submitit)."""
+
+    def __init__(self, cfg: dict, run_dir: str, job_logging: dict | None):
+        self.cfg, self.run_dir, self.job_logging = cfg, run_dir, job_logging
+
+    def __call__(self) -> dict:
+        from hpctrain.config import Config
+        from hpctrain.job import quiet_other_ranks
+        from hpctrain.train import train
+
+        if self.job_logging:
+            logging.config.dictConfig(self.job_logging)  # train.log in the run dir, as in a local run
+        quiet_other_ranks()
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), self.cfg)
+        return train(cfg, self.run_dir)
+
+    def checkpoint(self):  # called by submitit on preemption: rerun as is; train() resumes from the run dir
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)
+
+
+class _Submitting:
+    """What the Slurm and local launchers share; `_EXECUTOR` comes from the plugin class."""
+
+    _EXECUTOR: str
+    params: dict
+
+    def executor(self, folder: str, cluster_cfg):
+        import submitit
+        from submitit.core import job_environment
+        from submitit.slurm import slurm
+
+        from hpctrain.config import signal_number
+
+        # submitit reads the signal name from the environment, here and (inherited) in the job.
+        sig = signal_number(cluster_cfg.signal).name.removeprefix("SIG")
+        os.environ["SUBMITIT_PREEMPT_SIGNAL"] = sig
+        job_environment.JobEnvironment.USR_SIG = slurm.SlurmJobEnvironment.USR_SIG = sig
+        init = {"folder": folder}
+        if "max_num_timeout" in self.params:
+            init[f"{self._EXECUTOR}_max_num_timeout"] = self.params["max_num_timeout"]
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+        base = set(OmegaConf.structured(plugin.BaseQueueConf).keys())
+        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v
+                                      for k, v in self.params.items() if k not in _INIT_KEYS})
+        return executor
+
+    def _shape(self) -> str:
+        return f"{self.params['nodes']} node(s) × {self.params['tasks_per_node']} task(s)"
+
+    def launch(self, job_overrides, initial_job_idx: int):
+        configs = [self.hydra_context.config_loader.load_sweep_config(self.config, list(o)) for o in job_overrides]
+        for i, cfg in enumerate(configs):
+            try:
+                check(cfg)
+                if resources(cfg) != resources(self.config):
+                    raise ConfigError("sweep points must share one layout (one job shape per array): "
+                                      "sweep parallel.*/cluster.* in separate commands")
+            except (ConfigError, OSError, ValueError) as e:
+                point = " ".join(filter_overrides(job_overrides[i])) or "(base config)"
+                _fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        executor = self.executor(self.params["submitit_folder"], self.config.cluster)
+        args = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
+                 plugin.Singleton.get_state()) for i, o in enumerate(job_overrides)]
+        jobs = executor.map_array(self, *zip(*args))
+        print(f"hpctrain: submitted {len(jobs)} job(s) {_ids(jobs)} ({self._shape()} each) -> {sweep_dir}\n"
+              f"hpctrain: progress: python -m hpctrain.sweep report {sweep_dir}", flush=True)
+        if self.config.cluster.wait:
+            _wait(jobs, str(sweep_dir))
+        return [JobReturn(overrides=list(o), cfg=c, return_value=j.job_id, working_dir=str(sweep_dir),
+                          task_name="hpctrain", status=JobStatus.COMPLETED)
+                for o, c, j in zip(job_overrides, configs, jobs)]
+
+    def submit_run(self, cfg: DictConfig, run_dir: str, job_logging: dict | None) -> None:
+        """One run (no -m): validate, submit one job running in `run_dir`, print where to look."""
+        try:
+            check(cfg)
+        except (ConfigError, OSError, ValueError) as e:
+            _fail(str(e))
+        folder = os.path.join(run_dir, ".submitit", "%j")
+        job = self.executor(folder, cfg.cluster).submit(RunJob(OmegaConf.to_container(cfg, resolve=True),
+                                                               run_dir, job_logging))
+        print(f"hpctrain: submitted job {job.job_id} ({self._shape()}) -> {run_dir}\nhpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
+              f"python -m hpctrain.sweep report {run_dir}", flush=True)
+        if cfg.cluster.wait:
+            _wait([job], run_dir)
+
+
+def _ids(jobs) -> str:
+    first = jobs[0].job_id.split("_")[0]
+    return f"array {first}" if "_" in jobs[0].job_id else ", ".join(j.job_id for j in jobs)
+
+
+def _wait(jobs, where: str) -> None:
+    """Block until every job ends; report the ones that ended without a result by their Slurm state."""
+    import submitit
+
+    bad = []
+    for job in jobs:
+        try:
+            job.results()
+        except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as e:
+            state = (job.state.split() or ["unknown"])[0].lower()  # e.g. "CANCELLED by 0"
+            bad.append(f"job {job.job_id} {state}")
+            log.debug("job %s: %s", job.job_id, e)
+    if bad:
+        _fail(f"{len(bad)} of {len(jobs)} job(s) did not complete ({'; '.join(bad)}): see "
+              f"python -m hpctrain.sweep report {where}", code=1)
+    print(f"hpctrain: {len(jobs)} job(s) completed", flush=True)
+
+
+def _fail(message: str, code: int = 2):
+    print(f"hpctrain: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+class SlurmLauncher(_Submitting, plugin.SlurmLauncher):
+    pass
+
+
+class LocalLauncher(_Submitting, plugin.LocalLauncher):
+    pass

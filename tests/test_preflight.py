@@ -1,0 +1,194 @@
+"""`hpctrain.preflight`: real local ranks, the pure verdict on measured numbers, and real Slurm jobs.
+
+The Slurm tests are skipped when no cluster answers; with HPCTRAIN_REQUIRE_SLURM=1 a missing cluster is a
+failure instead (the same rule as tests/test_slurm.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hpctrain.launch import free_port
+from hpctrain.preflight import main, ring_phases, verdict
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+SMALL = ["--size-mb", "1", "--gemm", "256", "--iters", "3"]
+
+
+def _local_env(**extra: str) -> dict[str, str]:
+    """Environment of a run outside any launcher, even when pytest itself runs inside a Slurm job."""
+    launcher = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    return dict(env, **extra)
+
+
+def _preflight(args: list[str], env: dict[str, str] | None = None, timeout: int = 120):
+    return subprocess.run([sys.executable, "-m", "hpctrain.preflight", *args], cwd=ROOT, env=env or _local_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("preflight") / "pf.json"
+    p = _preflight(["--ranks", "2", *SMALL, "--out", str(out)])
+    data = json.loads(out.read_text()) if out.exists() else None
+    return p, data
+
+
+@pytest.mark.timeout(120)
+def test_local_two_ranks_ok(local_run):
+    p, data = local_run
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split() for line in p.stdout.splitlines()]
+    assert [r[0] for r in rows[1:3]] == ["0", "1"] and rows[0][0] == "rank", p.stdout
+    assert "busbw" in p.stdout and "preflight: ok (2 ranks on 1 node)" in p.stdout, p.stdout
+    assert data["status"] == "ok" and data["world"] == 2 and len(data["ranks"]) == 2
+    for rank, r in enumerate(data["ranks"]):
+        assert r["rank"] == rank and r["problem"] is None
+        for key in ("gemm_tflops", "p2p_next_gbps", "algbw_gbps", "busbw_gbps"):
+            assert r[key] > 0, (key, r)
+        assert r["gemm_rel_err"] < 1e-3
+    assert data["allreduce"]["busbw_gbps"] == pytest.approx(data["allreduce"]["algbw_gbps"])  # 2(n-1)/n = 1
+
+
+@pytest.mark.timeout(120)
+def test_verdict_on_measured_numbers(local_run):
+    _, data = local_run
+    results = data["ranks"]
+    assert verdict(results, 0.7)[0] == "ok"
+    # Rank 1 at a fifth of its measured GEMM speed: slow, and only its node is named.
+    slow = copy.deepcopy(results)
+    for r, node in zip(slow, ("n1", "n2")):
+        r["node"] = node
+    slow[1]["gemm_tflops"] = slow[0]["gemm_tflops"] * 0.2
+    status, msg = verdict(slow, 0.7)
+    assert status == "slow" and msg.startswith("preflight: SLOW: n2 (rank 1: gemm") and "n1" not in msg, msg
+    assert verdict(slow, 0.0)[0] == "ok"  # --slow-frac 0 disables the speed check
+    broken = copy.deepcopy(slow)
+    broken[0]["problem"] = "gemm result not finite"
+    status, msg = verdict(broken, 0.7)
+    assert status == "broken" and msg == "preflight: BROKEN: n1 (rank 0: gemm result not finite)", msg
+
+
+@pytest.mark.timeout(120)
+def test_verdict_localises_slow_link_and_slow_rank(local_run):
+    """Four ranks built from the two measured ones, all links at rank 0's measured p2p speed but some."""
+    _, data = local_run
+    base = data["ranks"][0]
+    ranks = [dict(base, rank=i, node=f"n{i + 1}", p2p_next_gbps=base["p2p_next_gbps"]) for i in range(4)]
+    assert verdict(ranks, 0.7) == ("ok", "preflight: ok (4 ranks on 4 nodes)")
+    # Both links of rank 2 (1->2 and 2->3) slow: rank 2's node is the slow one, not its neighbours.
+    node_slow = copy.deepcopy(ranks)
+    node_slow[1]["p2p_next_gbps"] *= 0.3
+    node_slow[2]["p2p_next_gbps"] *= 0.3
+    status, msg = verdict(node_slow, 0.7)
+    assert status == "slow" and msg.startswith("preflight: SLOW: n3 (rank 2: p2p"), msg
+    # Only the link 3->0 slow: both ends are named, nobody else.
+    link_slow = copy.deepcopy(ranks)
+    link_slow[3]["p2p_next_gbps"] *= 0.3
+    status, msg = verdict(link_slow, 0.7)
+    assert status == "slow" and msg.startswith("preflight: SLOW: n1, n4 (rank 3: link to rank 0 (n1)"), msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_ring_phases_time_each_link_once_in_disjoint_pairs(n):
+    phases = ring_phases(n)
+    links = [link for phase in phases for link in phase]
+    want = [] if n == 1 else [(0, 1)] if n == 2 else [(r, (r + 1) % n) for r in range(n)]
+    assert sorted(links) == sorted(want)
+    for phase in phases:
+        ends = [r for link in phase for r in link]
+        assert len(ends) == len(set(ends)), phase
+    assert len(phases) <= 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [["--iters", "0"], ["--slow-frac", "1.5"], ["--ranks", "0"], ["--gemm", "-1"],
+                                  ["--size-mb", "x"], ["--no-such-flag"]])
+def test_bad_arguments_exit_2(args, capsys):
+    assert main(args) == 2
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_missing_rank_fails_fast_and_is_named():
+    """Rank 0 of a 2-rank world started alone: it must give up after --timeout and name rank 1."""
+    env = _local_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = _preflight([*SMALL, "--timeout", "3"], env=env, timeout=50)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "preflight: BROKEN: rank 1 of 2 never joined within 3s" in p.stderr, p.stderr
+
+
+# ---- on the Slurm cluster ----
+
+def _cluster_up() -> str | None:
+    if not shutil.which("srun") or not shutil.which("sinfo"):
+        return "no Slurm client (srun/sinfo) on PATH"
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if p.returncode != 0 or "idle" not in p.stdout:
+        return f"no idle Slurm nodes ({(p.stderr or p.stdout).strip()[:100]}): run `make slurm-up`"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    why = _cluster_up()
+    if why:
+        if os.environ.get("HPCTRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"HPCTRAIN_REQUIRE_SLURM=1 but {why}")
+        pytest.skip(why)
+
+
+def _srun(shell: str, timeout: int = 120):
+    """Two nodes, one task each; `shell` runs per task with $PY set to this interpreter."""
+    env = dict(os.environ, PY=sys.executable)
+    return subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "bash", "-c", shell],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(150)
+def test_slurm_two_nodes_ok(slurm, tmp_path):
+    out = tmp_path / "pf.json"
+    p = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", sys.executable, "-m",
+                        "hpctrain.preflight", *SMALL, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "preflight: ok (2 ranks on 2 nodes)" in p.stdout, p.stdout
+    data = json.loads(out.read_text())
+    assert data["nodes"] == ["n1", "n2"] and [r["node"] for r in data["ranks"]] == ["n1", "n2"]
+    assert all(r["gemm_tflops"] > 0 and r["p2p_next_gbps"] > 0 for r in data["ranks"])
+    assert data["allreduce"]["busbw_gbps"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_slurm_node_whose_rank_never_starts(slurm):
+    """The task on the second node exits before starting preflight: rank 0 names it after --timeout."""
+    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && exit 0; exec "$PY" -m hpctrain.preflight {" ".join(SMALL)} --timeout 5')
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "preflight: BROKEN: rank 1 of 2 never joined within 5s" in p.stderr, p.stderr
+
+
+@pytest.mark.timeout(150)
+def test_slurm_slow_node_detected(slurm, tmp_path):
+    """A real slow node: rank 1 (n2) shares its one pinned core with 6 busy loops started in its own session
+    (so the scheduler's per-session share does not shield it), leaving it a few tenths of rank 0's speed.
+    Each GEMM (1024^3, tens of ms) spans many scheduler slices, so the median iteration sees the slowdown."""
+    out = tmp_path / "pf.json"
+    hog = 'for i in 1 2 3 4 5 6; do timeout 60 taskset -c 1 "$PY" -c "while True: pass" & done'
+    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && {{ {hog}; }}; taskset -c "$SLURM_PROCID" "$PY" -m hpctrain.preflight '
+              f'--size-mb 1 --gemm 1024 --iters 3 --out {out}; rc=$?; kill $(jobs -p) 2>/dev/null; exit $rc')
+    assert p.returncode == 1, p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    assert data["status"] == "slow", p.stdout
+    assert data["message"].startswith("preflight: SLOW: n2 (rank 1: gemm"), p.stdout

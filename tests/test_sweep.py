@@ -1,0 +1,133 @@
+"""`python -m hpctrain.sweep report`: on a real 2x2 local multirun of tiny training runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+from conftest import SMALL_MODEL
+
+from hpctrain.sweep import main, report
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+COMBOS = ["optim.lr=0.01 train.global_batch=8", "optim.lr=0.01 train.global_batch=16",
+          "optim.lr=0.003 train.global_batch=8", "optim.lr=0.003 train.global_batch=16"]
+
+
+@pytest.fixture(scope="module")
+def sweep(demo_data, tmp_path_factory) -> str:
+    """One real multirun, shared: tests that change it work on a copy."""
+    out = str(tmp_path_factory.mktemp("sweep") / "multirun")
+    # Outside Slurm on purpose: a SLURM_JOB_ID inherited from a batch job would make runs look like Slurm jobs.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    cmd = [sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "train.global_batch=8,16",
+           f"hydra.sweep.dir={out}", f"data.path={demo_data}", "data.prepare_demo=false", "train.micro_batch=4",
+           "train.max_steps=4", "train.log_every=1", "train.eval_every=4", "train.eval_batches=2",
+           "train.ckpt_every=0", "optim.warmup_steps=2", "cluster.num_threads=1", *SMALL_MODEL]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture
+def sweep_copy(sweep, tmp_path) -> str:
+    dst = str(tmp_path / "multirun")
+    shutil.copytree(sweep, dst, ignore=shutil.ignore_patterns("checkpoints", "tb"))
+    return dst
+
+
+@pytest.mark.timeout(300)
+def test_report_of_real_sweep(sweep, tmp_path, capsys):
+    rows = report(sweep)
+    assert [r["job"] for r in rows] == [0, 1, 2, 3]
+    # Job numbers follow the cartesian product in command-line order; values as Hydra typed them.
+    assert [" ".join(r["overrides"]) for r in rows] == COMBOS
+    for r in rows:
+        with open(os.path.join(sweep, str(r["job"]), "result.json")) as f:
+            result = json.load(f)
+        assert r["status"] == "completed"
+        assert r["final_loss"] == result["final_loss"] and r["final_val_loss"] == result["final_val_loss"]
+        assert r["steps"] == 4 and r["wall_time_s"] == result["wall_time_s"]
+        assert r["tokens_per_s"] > 0 and [s for s, _ in r["curve"]] == [1, 2, 3, 4]
+    assert {(r["params"]["optim.lr"], r["params"]["train.global_batch"]) for r in rows} == \
+        {(0.01, 8), (0.01, 16), (0.003, 8), (0.003, 16)}
+
+    png = str(tmp_path / "report.png")
+    assert main(["report", sweep, "--plot", png, "--sort", "loss"]) == 0
+    out = capsys.readouterr().out
+    for combo in COMBOS:
+        assert combo in out
+    best = min(rows, key=lambda r: r["final_val_loss"])
+    assert "4 points: 4 completed" in out and f"best: job {best['job']} " in out
+    assert out.splitlines()[1].split()[0] == str(best["job"])  # --sort loss: best row first
+    assert f"plot: {png}" in out
+    with open(png, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+@pytest.mark.timeout(300)
+def test_missing_point_dir_is_not_started(sweep_copy, capsys):
+    shutil.rmtree(os.path.join(sweep_copy, "2"))
+    rows = report(sweep_copy)
+    assert len(rows) == 4  # the grid in multirun.yaml still lists it
+    assert rows[2]["status"] == "not started" and rows[2]["dir"] is None
+    assert " ".join(rows[2]["overrides"]) == COMBOS[2] and rows[2]["final_loss"] is None
+    assert main(["report", sweep_copy]) == 0
+    out = capsys.readouterr().out
+    assert "3 completed, 1 not started" in out
+    assert os.path.getsize(os.path.join(sweep_copy, "sweep_report.png")) > 0  # default plot path
+
+
+@pytest.mark.timeout(300)
+def test_point_without_result_is_not_completed(sweep_copy):
+    os.remove(os.path.join(sweep_copy, "3", "result.json"))
+    row = report(sweep_copy)[3]
+    # No result.json and no Slurm job: a run that has logged metrics but not finished.
+    assert row["status"] == "running"
+    # Losses, steps and wall time then come from metrics.jsonl.
+    with open(os.path.join(sweep_copy, "3", "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert row["final_loss"] == [r for r in records if "loss" in r][-1]["loss"]
+    assert row["final_val_loss"] == records[-1]["val_loss"]
+    assert row["steps"] == 4 and row["wall_time_s"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_slurm_state_from_sacct(sweep_copy, tmp_path, monkeypatch):
+    # A stand-in sacct: job 100 was requeued after preemption, the never-started array task 200_2 is pending.
+    fake = tmp_path / "bin" / "sacct"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$*" in *"-j 100 "*) echo REQUEUED;; *"-j 200_2 "*) echo PENDING;; '
+                    '*) exit 1;; esac\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    with open(os.path.join(sweep_copy, "1", "result.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(sweep_copy, "1", "result.json"), "w") as f:
+        json.dump(result | {"status": "preempted"}, f)
+    with open(os.path.join(sweep_copy, "1", "slurm.json"), "w") as f:
+        json.dump({"job_id": "100", "array_job_id": None, "array_task_id": None, "nodelist": "n1",
+                   "restart_count": 1}, f)
+    shutil.rmtree(os.path.join(sweep_copy, "2"))
+    os.makedirs(os.path.join(sweep_copy, ".submitit", "200_2"))
+    os.remove(os.path.join(sweep_copy, "3", "result.json"))
+    with open(os.path.join(sweep_copy, "3", "slurm.json"), "w") as f:
+        json.dump({"job_id": "300"}, f)  # sacct fails for it: fall back on metrics.jsonl
+    rows = report(sweep_copy)
+    assert [r["status"] for r in rows] == ["completed", "requeued", "pending", "running"]
+    assert rows[2]["slurm_job_id"] == "200_2"
+
+
+@pytest.mark.timeout(60)
+def test_bad_path_is_one_line_exit_2(tmp_path):
+    for path in (str(tmp_path / "missing"), str(tmp_path)):
+        proc = subprocess.run([sys.executable, "-m", "hpctrain.sweep", "report", path], cwd=ROOT,
+                              capture_output=True, text=True, timeout=50)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith("hpctrain.sweep: error: ") and len(proc.stderr.strip().splitlines()) == 1
