@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> dict | None:
     from hpctrain.train import TrainingError, train
 
     hc = HydraConfig.get()
-    if hc.mode == RunMode.RUN and str(hc.launcher.get("_target_", "")).startswith("hpctrain.launcher."):
+    if hc.mode == RunMode.RUN and str(hc.launcher.get("_target_", "")).startswith("hydra_plugins.hpctrain_launcher."):
         # `python -m hpctrain hydra/launcher=slurm ...`: submit this one run instead of training here.
         from hydra.utils import instantiate
 

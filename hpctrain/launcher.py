@@ -77,14 +77,18 @@ class RunJob:
 
     def __call__(self) -> dict:
         from hpctrain.config import Config
-        from hpctrain.job import quiet_other_ranks
+        from hpctrain.job import Stopped, quiet_other_ranks
         from hpctrain.train import train
 
         if self.job_logging:
             logging.config.dictConfig(self.job_logging)  # train.log in the run dir, as in a local run
         quiet_other_ranks()
         cfg = OmegaConf.merge(OmegaConf.structured(Config), self.cfg)
-        return train(cfg, self.run_dir)
+        try:
+            return train(cfg, self.run_dir)
+        except Stopped as e:  # not a failure: no result for submitit to collect, the job is requeued or over
+            log.warning("%s", e)
+            sys.exit(e.exit_code)
 
     def checkpoint(self):  # called by submitit on preemption: rerun as is; train() resumes from the run dir
         import submitit
@@ -92,7 +96,7 @@ class RunJob:
         return submitit.helpers.DelayedSubmission(self)
 
 
-class _Submitting:
+class Submitting:
     """What the Slurm and local launchers share; `_EXECUTOR` comes from the plugin class."""
 
     _EXECUTOR: str
@@ -142,7 +146,7 @@ class _Submitting:
               f"hpctrain: progress: python -m hpctrain.sweep report {sweep_dir}", flush=True)
         if self.config.cluster.wait:
             _wait(jobs, str(sweep_dir))
-        return [JobReturn(overrides=list(o), cfg=c, return_value=j.job_id, working_dir=str(sweep_dir),
+        return [JobReturn(overrides=list(o), cfg=c, _return_value=j.job_id, working_dir=str(sweep_dir),
                           task_name="hpctrain", status=JobStatus.COMPLETED)
                 for o, c, j in zip(job_overrides, configs, jobs)]
 
@@ -170,12 +174,14 @@ def _wait(jobs, where: str) -> None:
     """Block until every job ends; report the ones that ended without a result by their Slurm state."""
     import submitit
 
+    from hpctrain.sweep import sacct_state
+
     bad = []
     for job in jobs:
         try:
             job.results()
         except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as e:
-            state = (job.state.split() or ["unknown"])[0].lower()  # e.g. "CANCELLED by 0"
+            state = sacct_state(job.job_id) or (job.state.split() or ["unknown"])[0].lower()
             bad.append(f"job {job.job_id} {state}")
             log.debug("job %s: %s", job.job_id, e)
     if bad:
@@ -187,11 +193,3 @@ def _wait(jobs, where: str) -> None:
 def _fail(message: str, code: int = 2):
     print(f"hpctrain: error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-class SlurmLauncher(_Submitting, plugin.SlurmLauncher):
-    pass
-
-
-class LocalLauncher(_Submitting, plugin.LocalLauncher):
-    pass

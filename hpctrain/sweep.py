@@ -43,11 +43,12 @@ def sacct_state(job_id: str) -> str | None:
 
 
 def point_status(result: dict | None, job_id: str | None, has_metrics: bool, started: bool) -> str:
-    """A point's status: result.json's, unless it is missing or "preempted" and Slurm knows better."""
+    """A point's status: result.json's, unless it is missing, "preempted" or "terminated" and Slurm knows better."""
     status = (result or {}).get("status")
-    if status and status != "preempted":
+    if status and status not in ("preempted", "terminated"):
         return status
-    # A preempted job is requeued by Slurm: it may be pending or running again by now.
+    # A preempted job is requeued by Slurm: it may be pending or running again by now. A terminated one was
+    # cancelled, timed out or lost a node: only Slurm knows which.
     state = sacct_state(job_id) if job_id else None
     if state:
         return state

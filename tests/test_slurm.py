@@ -6,11 +6,13 @@ cluster is a failure instead.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -215,3 +217,119 @@ def test_submitted_run_preempted_requeues_and_matches(slurm, data_env, make_cfg,
     assert slurm_doc["restart_count"] == 1, (slurm_doc, _job_logs(run))
     assert "stopped by SIGUSR2" in _read(run / "train.log")
     _assert_same_run(run, ref, steps)
+
+
+@pytest.mark.timeout(240)
+def test_cancelled_job_is_reported_cancelled(slurm, data_env, tmp_path):
+    """scancel while the submitting command waits: it ends with one line naming the cancelled job (no hang),
+    and the report says cancelled."""
+    from hpctrain.sweep import report
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpctrain", "hydra/launcher=slurm", f"run_dir={run}",
+           f"data.path={os.environ['HPCTRAIN_TEST_DATA']}", "data.prepare_demo=false", *SMALL_MODEL, "parallel=ddp",
+           "cluster.nodes=2", "cluster.cpus_per_task=1", "cluster.wait=true", "train.max_steps=5000", *COMMON]
+    waiting = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _until("the job to train", lambda: _last_step(run) >= 3, 150)
+        job = json.loads(_read(run / "slurm.json"))["job_id"]
+        subprocess.run(["scancel", job], check=True, timeout=30)
+        out, err = waiting.communicate(timeout=120)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 1, out + err
+    assert f"job {job} cancelled" in err, err
+    assert report(str(run))[0]["status"] == "cancelled"
+
+
+def _pids_on_node(node: str, job: str) -> list[int]:
+    """Processes of `job` running on local-cluster node `node` (its tasks, then their slurmstepd)."""
+    tasks = []
+    for env_file in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(env_file, "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"SLURMD_NODENAME") == node.encode() and env.get(b"SLURM_JOB_ID") == job.encode():
+            tasks.append(int(env_file.split("/")[2]))
+    parents = set()
+    for pid in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
+    stepds = [p for p in parents if p not in tasks and "slurmstepd" in _read(f"/proc/{p}/cmdline")]
+    return tasks + stepds
+
+
+@pytest.mark.timeout(420)
+def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, cleanup_jobs):
+    """A node of a running 2-node job stops answering (its slurmd and the job's processes there frozen, as in
+    a hung or crashed node): Slurm marks it DOWN, requeues the job onto the spare node, and the job resumes
+    from its last checkpoint and finishes with the loss of an uninterrupted run."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], capture_output=True, text=True).stdout
+    if len(set(nodes.split())) < 3:
+        pytest.skip("needs 3 idle nodes (make slurm-up starts n1..n3)")
+    steps, run = 150, tmp_path / "run"
+    job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=10"))
+    cleanup_jobs.append(job)
+    ref = _reference(make_cfg, tmp_path, steps)
+    _until("a checkpoint", lambda: _last_step(run) >= 25, 150)
+    victim = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True)
+    victim = subprocess.run(["scontrol", "show", "hostnames", victim.stdout.strip()], capture_output=True,
+                            text=True).stdout.split()[-1]
+    slurmd = int(_read(f"/var/lib/hpctrain-slurm/run/slurmd-{victim}.pid"))
+    frozen = [slurmd, *_pids_on_node(victim, job)]
+    assert len(frozen) >= 3, frozen  # slurmd, the rank, its slurmstepd
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        _until(f"{victim} DOWN", lambda: "down" in subprocess.run(
+            ["sinfo", "-h", "-n", victim, "-o", "%t"], capture_output=True, text=True).stdout, 90, every=1)
+        for pid in frozen[1:]:  # the node "reboots": its old processes are gone
+            os.kill(pid, signal.SIGKILL)
+        _until("the requeued job to finish", lambda: _job_gone(job) and (run / "result.json").exists()
+               and json.loads(_read(run / "result.json"))["status"] != "preempted", 240, every=1)
+    finally:
+        os.kill(slurmd, signal.SIGCONT)
+        for _ in range(60):  # the node answers again and returns to service
+            subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+            if "idle" in subprocess.run(["sinfo", "-h", "-n", victim, "-o", "%t"], capture_output=True,
+                                        text=True).stdout:
+                break
+            time.sleep(1)
+    attempt = json.loads(_read(run / "slurm.json"))
+    assert attempt["restart_count"] >= 1 and victim not in attempt["nodelist"], attempt
+    assert "resumed from" in _read(run / "train.log")
+    _assert_same_run(run, ref, steps)
+
+
+@pytest.mark.timeout(300)
+def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path):
+    """`python -m hpctrain -m optim.lr=… train.global_batch=… hydra/launcher=slurm`: one job array; the
+    report lists every point with its final losses and writes the plot."""
+    from hpctrain.sweep import report
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "train.global_batch=8,16",
+           "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}", f"data.path={demo_data}", "data.prepare_demo=false",
+           *SMALL_MODEL, "train.micro_batch=4", "train.max_steps=8", "train.eval_every=8", "train.eval_batches=2",
+           "train.ckpt_every=0", "optim.warmup_steps=2", "cluster.num_threads=1", "cluster.cpus_per_task=1",
+           "cluster.wait=true"]
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    turnaround = time.time() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    array = p.stdout.split("array ")[1].split()[0]
+    print(f"2x2 sweep on the local cluster: submit -> all 4 points done in {turnaround:.1f}s (array {array})")
+    rows = report(str(sweep))
+    assert [r["status"] for r in rows] == ["completed"] * 4, rows
+    assert {(r["params"]["optim.lr"], r["params"]["train.global_batch"]) for r in rows} == {
+        (lr, b) for lr in (1e-2, 3e-3) for b in (8, 16)}
+    for r in rows:
+        result = json.loads(_read(os.path.join(r["dir"], "result.json")))
+        assert r["final_val_loss"] == result["final_val_loss"] and result["steps"] == 8
+        assert json.loads(_read(os.path.join(r["dir"], "slurm.json")))["array_job_id"] == array
+    out = subprocess.run([sys.executable, "-m", "hpctrain.sweep", "report", str(sweep)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "4 completed" in out.stdout, out.stdout + out.stderr
+    assert (sweep / "sweep_report.png").stat().st_size > 10_000
