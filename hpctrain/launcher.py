@@ -134,7 +134,8 @@ class Submitting:
                     raise ConfigError("sweep points must share one layout (one job shape per array): "
                                       "sweep parallel.*/cluster.* in separate commands")
             except (ConfigError, OSError, ValueError) as e:
-                point = " ".join(filter_overrides(job_overrides[i])) or "(base config)"
+                common = set.intersection(*map(set, job_overrides)) if len(job_overrides) > 1 else set()
+                point = " ".join(o for o in filter_overrides(job_overrides[i]) if o not in common)
                 _fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ def _cluster_up() -> str | None:
         p = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:
         return "sinfo timed out"
-    if p.returncode != 0 or "idle" not in p.stdout:
+    if p.returncode != 0 or not any(s in p.stdout for s in ("idle", "mix")):
         return f"no idle Slurm nodes ({(p.stderr or p.stdout).strip()[:100]}): run `make slurm-up`"
     return None
 

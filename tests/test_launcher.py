@@ -1,0 +1,144 @@
+"""Launch glue without a Slurm cluster: job shapes from layouts, checks before submitting, the local
+launcher, preemption of a local run, and the cap on restart loops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import SMALL_MODEL
+
+from hpctrain.config import ConfigError
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+@pytest.mark.parametrize("overrides, want", [
+    (["parallel=single"], (1, 1, None)),
+    (["parallel=ddp", "cluster.nodes=2"], (2, 1, None)),
+    (["parallel=dp2_tp2_pp2", "cluster.tasks_per_node=4"], (2, 4, None)),
+    (["parallel=dp2_tp2_pp2", "cluster.gpus_per_node=4"], (2, 4, 4)),
+    (["parallel=tp2", "cluster.gpus_per_node=8"], (1, 2, 2)),
+    (["parallel=fsdp", "cluster.nodes=4", "cluster.gpus_per_node=8"], (4, 8, 8)),
+])
+def test_job_shape_from_layout(make_cfg, overrides, want):
+    from hpctrain.launcher import resources
+
+    got = resources(make_cfg(*overrides))
+    assert (got["nodes"], got["tasks_per_node"], got["gpus_per_node"]) == want
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.dp=3", "cluster.tasks_per_node=2"], "do not fill whole nodes"),
+    (["parallel=ddp"], "needs cluster.nodes"),
+    (["parallel.dp=2", "cluster.nodes=3"], "needs 1 node"),
+])
+def test_impossible_job_shape_is_one_line(make_cfg, overrides, words):
+    from hpctrain.launcher import resources
+
+    with pytest.raises(ConfigError, match=words):
+        resources(make_cfg(*overrides, "cluster.tasks_per_node=2"))
+
+
+@pytest.mark.timeout(60)
+def test_bad_submission_is_refused_before_sbatch(demo_data, tmp_path):
+    """Checked on the login node: no job, no sbatch call, one line."""
+    env = dict(os.environ, PATH="/usr/bin/nonexistent")  # an sbatch call would fail differently
+    p = subprocess.run([sys.executable, "-m", "hpctrain", "hydra/launcher=slurm", f"run_dir={tmp_path / 'r'}",
+                        f"data.path={demo_data}", *SMALL_MODEL, "parallel.dp=3", "cluster.tasks_per_node=2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "do not fill whole nodes" in p.stderr
+    assert not (tmp_path / "r" / ".submitit").exists()
+
+
+@pytest.mark.timeout(60)
+def test_bad_sweep_point_is_refused_before_submitting(demo_data, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "train.global_batch=8,7", "hydra/launcher=local",
+                        f"hydra.sweep.dir={tmp_path / 's'}", f"data.path={demo_data}", *SMALL_MODEL,
+                        "train.micro_batch=4"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "sweep point #1 (train.global_batch=7)" in p.stderr and "not divisible" in p.stderr
+    assert not (tmp_path / "s" / ".submitit").exists()
+
+
+@pytest.mark.timeout(240)
+def test_local_launcher_runs_a_sweep(demo_data, tmp_path):
+    """hydra/launcher=local (submitit_local): the same sweep command, on this machine."""
+    from hpctrain.sweep import report
+
+    sweep = tmp_path / "s"
+    p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "hydra/launcher=local",
+                        f"hydra.sweep.dir={sweep}", f"data.path={demo_data}", "data.prepare_demo=false",
+                        *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=4",
+                        "train.eval_every=0", "cluster.num_threads=1", "cluster.wait=true"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = report(str(sweep))
+    assert [r["status"] for r in rows] == ["completed", "completed"], rows
+    assert rows[0]["final_loss"] != rows[1]["final_loss"]
+
+
+def _losses(run) -> dict[int, float]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+@pytest.mark.timeout(300)
+def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_path):
+    """USR2 to a local 2-rank run: both ranks stop after the same step, checkpoint, exit 75 (EX_TEMPFAIL);
+    the same command resumes and ends where an uninterrupted run ends."""
+    from hpctrain.train import train
+
+    steps = 200
+    common = ["parallel=ddp", "parallel.dp=2", "data.lanes=2", "cluster.num_threads=1", f"train.max_steps={steps}",
+              "train.ckpt_every=0", "train.eval_every=0", "train.log_every=1"]
+    train(make_cfg(*common), str(tmp_path / "ref"))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}", "data.prepare_demo=false",
+           *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "optim.lr=1e-2", "optim.warmup_steps=2",
+           *common]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(run / "metrics.jsonl") and len(_losses(run)) >= 5):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "preempted" and 5 <= result["steps"] < steps, (result, err)
+    assert "stopped by SIGUSR2" in err and "checkpoint written" in err
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0, p.stderr
+    got, ref = _losses(run), _losses(tmp_path / "ref")
+    assert sorted(got) == sorted(ref)
+    assert max(abs(got[s] - ref[s]) for s in ref) <= 1e-5
+
+
+def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
+    """A job requeued again and again without reaching a new checkpoint gives up after max_stalled_restarts."""
+    from hpctrain.job import record_attempt
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    for restart, step, want_error in [(0, 0, False), (1, 30, False), (2, 30, False), (3, 30, False),
+                                      (4, 40, False), (5, 40, False), (6, 40, False), (7, 40, False),
+                                      (8, 40, True)]:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        error = record_attempt(str(tmp_path), step, max_stalled=3)
+        assert bool(error) == want_error, (restart, error)
+    assert "restarted 4 times in a row without reaching a new checkpoint (still at step 40)" in error
+    doc = json.loads((tmp_path / "slurm.json").read_text())
+    assert doc["job_id"] == "42" and doc["restart_count"] == 8 and doc["stalled_restarts"] == 4
+
+
+def test_no_record_outside_slurm(tmp_path, monkeypatch):
+    from hpctrain.job import record_attempt
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert record_attempt(str(tmp_path), 0, 3) is None and not (tmp_path / "slurm.json").exists()
