@@ -160,7 +160,7 @@ class ClusterConfig:
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
-    sbatch_extra: dict[str, Any] = field(default_factory=dict)  # more #SBATCH options, e.g. {exclusive: true}
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)  # more #SBATCH options: +cluster.sbatch_extra.exclusive=true
     signal: str = "USR2"  # preemption/time-limit warning; not USR1, which NCCL claims
     signal_lead_s: int = 120  # seconds before the time limit (Slurm may send it up to 60 s earlier)
     max_timeouts: int = 10  # requeues after hitting the time limit (submitit's max_num_timeout)
