@@ -95,7 +95,7 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
     the same command resumes and ends where an uninterrupted run ends."""
     from hpctrain.train import train
 
-    steps = 200
+    steps = 120
     common = ["parallel=ddp", "parallel.dp=2", "data.lanes=2", "cluster.num_threads=1", f"train.max_steps={steps}",
               "train.ckpt_every=0", "train.eval_every=0", "train.log_every=1"]
     train(make_cfg(*common), str(tmp_path / "ref"))
