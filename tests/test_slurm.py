@@ -354,3 +354,17 @@ def test_time_limit_requeues_and_finishes(slurm, data_env, tmp_path, cleanup_job
     with open(run / "metrics.jsonl") as f:
         logged = [r["step"] for r in map(json.loads, f) if "loss" in r]
     assert logged == sorted(set(logged)) and logged[-1] == 3500
+
+
+@pytest.mark.timeout(120)
+def test_plain_python_in_a_batch_script_is_not_a_rank(slurm, demo_data, tmp_path):
+    """`python -m hpctrain` in an sbatch script without srun (SLURM_PROCID/NTASKS set, no step): one
+    process trains alone instead of waiting for ranks that will never come."""
+    run = tmp_path / "run"
+    cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
+                    "data.prepare_demo=false", *SMALL_MODEL, "train.max_steps=2", "train.eval_every=0",
+                    "train.global_batch=8", "train.micro_batch=4", "cluster.pg_timeout_s=30"])
+    _sbatch_wait(["-N1", "--ntasks=2", "--cpus-per-task=1", "-o", str(tmp_path / "out-%j.txt"), "--wrap", cmd],
+                 cwd=ROOT, timeout=100)
+    result = json.loads(_read(run / "result.json"))
+    assert result["status"] == "completed" and result["world"] == 1, result
