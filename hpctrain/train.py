@@ -306,13 +306,10 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                     window = {"steps": 0, "time": 0.0, "data": 0.0}
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.max_steps):
                     run_eval()
-                saved = (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps
-                if saved:
-                    save()
                 stop = signals.agreed()  # every rank stops after the same step
+                if stop or (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps:
+                    save()
                 if stop:
-                    if not saved:
-                        save()
                     break
         status = "completed" if not stop else "preempted" if stop == job.PREEMPT else "terminated"
     except BaseException as e:
