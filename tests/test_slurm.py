@@ -339,7 +339,8 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path)
 def test_time_limit_requeues_and_finishes(slurm, data_env, tmp_path, cleanup_jobs):
     """A run longer than its 1-minute limit: USR2 arrives `signal_lead_s` before the limit, the job
     checkpoints and requeues as a timeout (counted against cluster.max_timeouts) until it is done.
-    3000 steps take ~65 s of training here (Slurm signals within ~35 s), so even a machine twice as fast needs a requeue."""
+    3000 steps take ~65 s of training here and Slurm signals within ~35 s: even a machine twice as fast
+    needs a requeue."""
     run = tmp_path / "run"
     p = _submit(tmp_path, run, "parallel=single", "cluster.nodes=1", "cluster.time_min=1", "cluster.signal_lead_s=55",
                 "train.max_steps=3000", "train.ckpt_every=0", "train.log_every=50", "cluster.wait=true",
