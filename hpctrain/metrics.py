@@ -9,8 +9,6 @@ import os
 import resource
 import sys
 
-import torch
-
 log = logging.getLogger("hpctrain")
 
 # Dense peak TFLOPS per device by compute dtype (vendor datasheets, no sparsity).
@@ -29,12 +27,14 @@ PEAK_TFLOPS = {
 }
 
 
-def peak_flops(device: torch.device, precision: str, override_tflops: float | None) -> float | None:
+def peak_flops(device, precision: str, override_tflops: float | None) -> float | None:
     """Peak FLOP/s of one device, or None when unknown (then MFU is reported as null)."""
     if override_tflops:
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
+    import torch  # here, not at the top: reading metrics (the sweep report) must not pay for importing torch
+
     name = torch.cuda.get_device_name(device)
     for key, table in PEAK_TFLOPS.items():  # most specific names first
         if key in name:
@@ -42,7 +42,9 @@ def peak_flops(device: torch.device, precision: str, override_tflops: float | No
     return None
 
 
-def memory_gb(device: torch.device) -> float:
+def memory_gb(device) -> float:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # Peak resident set size of this process (Linux reports KiB).
