@@ -69,6 +69,14 @@ def check(cfg) -> None:
     prepare_data(cfg, plan)
 
 
+def _bad_input() -> tuple[type[Exception], ...]:
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.data import DataError
+    from hpctrain.train import TrainingError
+
+    return ConfigError, DataError, TrainingError, CheckpointError, OSError
+
+
 class RunJob:
     """The callable a single submitted run executes on every task (pickled by submitit)."""
 
@@ -133,7 +141,7 @@ class Submitting:
                 if resources(cfg) != resources(self.config):
                     raise ConfigError("sweep points must share one layout (one job shape per array): "
                                       "sweep parallel.*/cluster.* in separate commands")
-            except (ConfigError, OSError, ValueError) as e:
+            except _bad_input() as e:
                 common = set.intersection(*map(set, job_overrides)) if len(job_overrides) > 1 else set()
                 point = " ".join(o for o in filter_overrides(job_overrides[i]) if o not in common)
                 _fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
@@ -155,12 +163,13 @@ class Submitting:
         """One run (no -m): validate, submit one job running in `run_dir`, print where to look."""
         try:
             check(cfg)
-        except (ConfigError, OSError, ValueError) as e:
+        except _bad_input() as e:
             _fail(str(e))
         folder = os.path.join(run_dir, ".submitit", "%j")
         job = self.executor(folder, cfg.cluster).submit(RunJob(OmegaConf.to_container(cfg, resolve=True),
                                                                run_dir, job_logging))
-        print(f"hpctrain: submitted job {job.job_id} ({self._shape()}) -> {run_dir}\nhpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
+        print(f"hpctrain: submitted job {job.job_id} ({self._shape()}) -> {run_dir}\n"
+              f"hpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
               f"python -m hpctrain.sweep report {run_dir}", flush=True)
         if cfg.cluster.wait:
             _wait([job], run_dir)

@@ -46,14 +46,18 @@ def test_impossible_job_shape_is_one_line(make_cfg, overrides, words):
 
 
 @pytest.mark.timeout(60)
-def test_bad_submission_is_refused_before_sbatch(demo_data, tmp_path):
+@pytest.mark.parametrize("bad, words", [
+    (["parallel.dp=3", "cluster.tasks_per_node=2"], "do not fill whole nodes"),
+    (["data.path=/nonexistent/shards", "data.prepare_demo=false"], "does not exist"),
+])
+def test_bad_submission_is_refused_before_sbatch(demo_data, tmp_path, bad, words):
     """Checked on the login node: no job, no sbatch call, one line."""
     env = dict(os.environ, PATH="/usr/bin/nonexistent")  # an sbatch call would fail differently
     p = subprocess.run([sys.executable, "-m", "hpctrain", "hydra/launcher=slurm", f"run_dir={tmp_path / 'r'}",
-                        f"data.path={demo_data}", *SMALL_MODEL, "parallel.dp=3", "cluster.tasks_per_node=2"],
+                        f"data.path={demo_data}", *SMALL_MODEL, *bad],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2
-    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "do not fill whole nodes" in p.stderr
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and words in p.stderr, p.stderr
     assert not (tmp_path / "r" / ".submitit").exists()
 
 
