@@ -107,8 +107,10 @@ def quiet_other_ranks() -> None:
     log.setLevel(logging.WARNING)
 
 
-def record_attempt(run_dir: str, latest_step: int, max_stalled: int) -> str | None:
-    """Write <run_dir>/slurm.json for this job attempt; return an error when restarts stopped making progress.
+def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
+                   nccl: dict[str, str] | None = None) -> str | None:
+    """Write <run_dir>/slurm.json for this job attempt (with the NCCL settings in effect and their source);
+    return an error when restarts stopped making progress.
 
     A job that keeps failing before its next checkpoint (a bad node, a crash on resume) would otherwise be
     requeued forever: after `max_stalled` restarts in a row with no new checkpoint the run gives up.
@@ -127,7 +129,8 @@ def record_attempt(run_dir: str, latest_step: int, max_stalled: int) -> str | No
         stalled = prev.get("stalled_restarts", 0) + 1 if latest_step <= prev.get("start_step", -1) else 0
     doc = {"job_id": e["SLURM_JOB_ID"], "array_job_id": e.get("SLURM_ARRAY_JOB_ID"),
            "array_task_id": e.get("SLURM_ARRAY_TASK_ID"), "nodelist": e.get("SLURM_JOB_NODELIST"),
-           "restart_count": restarts, "start_step": latest_step, "stalled_restarts": stalled}
+           "restart_count": restarts, "start_step": latest_step, "stalled_restarts": stalled,
+           "nccl": nccl or {}}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)

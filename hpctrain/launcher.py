@@ -188,10 +188,16 @@ def _wait(jobs, where: str) -> None:
 
     bad = []
     for job in jobs:
+        job.wait()  # a result file, or Slurm says the job ended
+        state = sacct_state(job.job_id) if isinstance(job, submitit.SlurmJob) else None  # local: a PID
+        if state not in (None, "completed") and not job.paths.result_pickle.exists():
+            # Cancelled, timed out, node failure: no result will come; submitit would wait 15 s for one.
+            bad.append(f"job {job.job_id} {state}")
+            continue
         try:
             job.results()
         except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as e:
-            state = sacct_state(job.job_id) or (job.state.split() or ["unknown"])[0].lower()
+            state = state or (job.state.split() or ["unknown"])[0].lower()
             bad.append(f"job {job.job_id} {state}")
             log.debug("job %s: %s", job.job_id, e)
     if bad:

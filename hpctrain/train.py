@@ -174,7 +174,7 @@ def _rank_main(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int) -> di
         if env.is_main:
             last = checkpoint.latest(run_dir) if cfg.train.resume == "auto" else None
             shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
-                                           cfg.cluster.max_stalled_restarts)
+                                           cfg.cluster.max_stalled_restarts, nccl)
         if env.world > 1:
             torch.distributed.broadcast_object_list(shared, src=0)
         run_dir, stalled = shared

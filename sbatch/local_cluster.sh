@@ -75,9 +75,11 @@ SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 MinJobAge=600
 KillWait=5
-# A node whose slurmd stops answering is DOWN after 20 s (default 300) and its jobs requeue: the
-# node-failure test waits for this.
-SlurmdTimeout=20
+# A node whose slurmd stops answering is DOWN at the second failed ping, each failing after
+# MessageTimeout: ~11 s here (defaults 300 s / 10 s), then its jobs requeue; the node-failure test waits
+# for this. Local RPCs answer in milliseconds, so 5 s is ample.
+SlurmdTimeout=10
+MessageTimeout=5
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 JobAcctGatherType=jobacct_gather/none

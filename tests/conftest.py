@@ -1,8 +1,11 @@
-"""Shared fixtures: one small real shard set per session and a composer for small, fast run configs."""
+"""Shared fixtures: one small real shard set per session, a composer for small, fast run configs, and the
+gate of the tests that need a Slurm cluster."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -45,3 +48,36 @@ def make_cfg(demo_data):
             return compose(config_name="config", overrides=base + list(overrides))
 
     return make
+
+
+def _slurm_missing() -> str | None:
+    """Why no Slurm job can run here, or None when a cluster answers with usable nodes."""
+    if not shutil.which("sbatch") or not shutil.which("srun"):
+        return "no Slurm client (sbatch/srun) on PATH"
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if p.returncode != 0 or not any(s in p.stdout for s in ("idle", "mix")):
+        return f"no available Slurm nodes ({(p.stderr or p.stdout).strip()[:100]}): run `make slurm-up`"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """Tests on a real cluster (`make slurm-up`) skip without one; with HPCTRAIN_REQUIRE_SLURM=1 (CI, after
+    `make slurm-up`) a missing cluster is a failure instead."""
+    why = _slurm_missing()
+    if why:
+        if os.environ.get("HPCTRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"HPCTRAIN_REQUIRE_SLURM=1 but {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def slurm_jobs():
+    """Append the ids of the jobs a test submits: they are cancelled after it, whatever happened."""
+    ids: list[str] = []
+    yield ids
+    for job in ids:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)

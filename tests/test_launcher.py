@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import SMALL_MODEL
+from helpers import losses
 
 from hpctrain.config import ConfigError
 
@@ -88,11 +89,6 @@ def test_local_launcher_runs_a_sweep(demo_data, tmp_path):
     assert rows[0]["final_loss"] != rows[1]["final_loss"]
 
 
-def _losses(run) -> dict[int, float]:
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
-
-
 @pytest.mark.timeout(300)
 def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_path):
     """USR2 to a local 2-rank run: both ranks stop after the same step, checkpoint, exit 75 (EX_TEMPFAIL);
@@ -109,7 +105,7 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
            *common]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(run / "metrics.jsonl") and len(_losses(run)) >= 5):
+    while time.time() < deadline and not (os.path.exists(run / "metrics.jsonl") and len(losses(run)) >= 5):
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR2)
     _, err = proc.communicate(timeout=120)
@@ -119,7 +115,7 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
     assert "stopped by SIGUSR2" in err and "checkpoint written" in err
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert p.returncode == 0, p.stderr
-    got, ref = _losses(run), _losses(tmp_path / "ref")
+    got, ref = losses(run), losses(tmp_path / "ref")
     assert sorted(got) == sorted(ref)
     assert max(abs(got[s] - ref[s]) for s in ref) <= 1e-5
 
@@ -146,3 +142,39 @@ def test_no_record_outside_slurm(tmp_path, monkeypatch):
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert record_attempt(str(tmp_path), 0, 3) is None and not (tmp_path / "slurm.json").exists()
+
+
+def test_srun_task_environment_becomes_torch_rank(monkeypatch):
+    """An srun task: rank, world and local rank from SLURM_*, master = the allocation's first node, port from
+    the job id (the same on every node, different per job)."""
+    import shutil
+
+    from hpctrain.distributed import _slurm_env, launched_world
+
+    monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
+                                        "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-10]"})
+    assert launched_world() == 8
+    _slurm_env()
+    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")} == {
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_PORT": "21234"}
+    if shutil.which("scontrol"):  # Slurm's own hostlist expansion
+        assert os.environ["MASTER_ADDR"] == "gpu07"
+
+
+def test_plain_batch_script_is_not_a_rank(monkeypatch):
+    """The batch shell of an allocation with --ntasks=4 (no srun step): not a rank; the layout forks its own."""
+    from hpctrain.distributed import _slurm_env, launched_world
+
+    monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
+    assert launched_world() is None
+    _slurm_env()
+    assert "RANK" not in os.environ
+
+
+def test_nccl_settings_exported_unless_the_job_sets_them(monkeypatch):
+    from hpctrain.distributed import apply_env
+
+    monkeypatch.setattr(os, "environ", {"NCCL_IB_HCA": "mlx5_0"})  # e.g. from a site module
+    got = apply_env({"NCCL_IB_TIMEOUT": "22", "NCCL_IB_HCA": "mlx5_1", "NCCL_DEBUG": None})
+    assert os.environ == {"NCCL_IB_HCA": "mlx5_0", "NCCL_IB_TIMEOUT": "22"}  # None: left unset
+    assert got == {"NCCL_IB_TIMEOUT": "22 (cluster.nccl)", "NCCL_IB_HCA": "mlx5_0 (environment)"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -128,27 +127,6 @@ def test_missing_rank_fails_fast_and_is_named():
 
 
 # ---- on the Slurm cluster ----
-
-def _cluster_up() -> str | None:
-    if not shutil.which("srun") or not shutil.which("sinfo"):
-        return "no Slurm client (srun/sinfo) on PATH"
-    try:
-        p = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return "sinfo timed out"
-    if p.returncode != 0 or "idle" not in p.stdout:
-        return f"no idle Slurm nodes ({(p.stderr or p.stdout).strip()[:100]}): run `make slurm-up`"
-    return None
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    why = _cluster_up()
-    if why:
-        if os.environ.get("HPCTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"HPCTRAIN_REQUIRE_SLURM=1 but {why}")
-        pytest.skip(why)
-
 
 def _srun(shell: str, timeout: int = 120):
     """Two nodes, one task each; `shell` runs per task with $PY set to this interpreter."""

@@ -9,14 +9,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 from conftest import SMALL_MODEL
+from helpers import job_gone, last_step, losses, read, records, sacct_states, sbatch_run, until
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 ENV = dict(os.environ, PYTHON=sys.executable)
@@ -26,142 +25,71 @@ TINY = ["train.global_batch=8", "train.micro_batch=4", "train.log_every=1", "tra
         "optim.lr=1e-2", "optim.warmup_steps=2", "cluster.num_threads=1"]
 
 
-def _cluster_up() -> str | None:
-    if not shutil.which("sbatch"):
-        return "no Slurm client (sbatch) on PATH"
-    try:
-        p = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return "sinfo timed out"
-    if p.returncode != 0 or not any(s in p.stdout for s in ("idle", "mix")):
-        return f"no available Slurm nodes ({(p.stderr or p.stdout).strip()[:100]}): run `make slurm-up`"
-    return None
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    why = _cluster_up()
-    if why:
-        if os.environ.get("HPCTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"HPCTRAIN_REQUIRE_SLURM=1 but {why}")
-        pytest.skip(why)
-
-
-@pytest.fixture
-def jobs():
-    """Job ids to scancel after the test, whatever happened."""
-    ids: list[str] = []
-    yield ids
-    for job in ids:
-        subprocess.run(["scancel", job], capture_output=True, timeout=30)
-
-
-def _read(path) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _records(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
-
-
-def _last_step(run_dir) -> int:
-    try:
-        return max(_losses(run_dir), default=0)
-    except (OSError, ValueError):  # not there yet, or a line being written
-        return 0
-
-
-def _until(what: str, check, timeout: float, every: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _job_gone(job: str) -> bool:
-    p = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30)
-    return p.returncode != 0 or not p.stdout.strip()
-
-
-def _sacct_states(job: str) -> list[str]:
-    p = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True,
-                       timeout=30)
-    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
-
-
 def _logs(run_dir) -> str:
-    return "".join(_read(f) for f in sorted(glob.glob(os.path.join(run_dir, "slurm-*.out"))))
+    return "".join(read(f) for f in sorted(glob.glob(os.path.join(run_dir, "slurm-*.out"))))
 
 
-def _train_cmd(run, *overrides, demo_data, wait=False) -> list[str]:
-    return ["sbatch", "--parsable", *(["--wait"] if wait else []), *TWO_NODES, "-o", f"{run}.sbatch-%j.out", "sbatch/train.sbatch",
-            *SMALL_MODEL, f"data.path={demo_data}", "data.prepare_demo=false", "parallel=ddp",
-            "cluster.pg_timeout_s=60", "data.lanes=2", *TINY, *overrides, f"run_dir={run}"]
+def _train_args(run, *overrides, demo_data) -> list[str]:
+    """sbatch arguments of a 2-node train.sbatch run."""
+    return [*TWO_NODES, "-o", f"{run}.sbatch-%j.out", "sbatch/train.sbatch", *SMALL_MODEL, f"data.path={demo_data}",
+            "data.prepare_demo=false", "parallel=ddp", "cluster.pg_timeout_s=60", "data.lanes=2", *TINY, *overrides,
+            f"run_dir={run}"]
 
 
 # --- sbatch/train.sbatch ------------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(300)
-def test_train_sbatch_two_nodes(slurm, demo_data, tmp_path, jobs):
+def test_train_sbatch_two_nodes(slurm, demo_data, tmp_path, slurm_jobs):
     run = tmp_path / "run"
-    p = subprocess.run(_train_cmd(run, "train.max_steps=3", demo_data=demo_data, wait=True), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
-    job = p.stdout.strip().split(";")[0]
-    jobs.append(job)
+    job, state = sbatch_run(_train_args(run, "train.max_steps=3", demo_data=demo_data), cwd=ROOT, env=ENV)
+    slurm_jobs.append(job)
     log = run / f"slurm-{job}.out"
-    assert p.returncode == 0, p.stdout + p.stderr + (_read(log) if log.exists() else "")
-    assert f"logs in {log}" in _read(f"{run}.sbatch-{job}.out")
-    text = _read(log)
+    assert state == "COMPLETED", read(log) if log.exists() else state
+    assert f"logs in {log}" in read(f"{run}.sbatch-{job}.out")
+    text = read(log)
     assert f"job {job} restart 0" in text and "step 3" in text and "loss" in text, text
-    result = json.loads(_read(run / "result.json"))
+    result = json.loads(read(run / "result.json"))
     assert result["status"] == "completed" and result["world"] == 2 and result["steps"] == 3, text
-    assert sorted(_losses(run)) == [1, 2, 3]
+    assert sorted(losses(run)) == [1, 2, 3]
 
 
 @pytest.mark.timeout(420)
-def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg, tmp_path, jobs):
+def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg, tmp_path, slurm_jobs):
     """USR2 mid-run: the ranks checkpoint, the job requeues itself and resumes in the same run dir, appending
     to the same log; the final loss equals an uninterrupted run's."""
     from hpctrain.train import train
 
-    steps, run = 300, tmp_path / "run"
+    steps, run = 150, tmp_path / "run"
     # ckpt_every=0: the only checkpoint is the one the signal writes, so the resume must use it.
-    p = subprocess.run(_train_cmd(run, f"train.max_steps={steps}", "train.ckpt_every=0", demo_data=demo_data),
+    p = subprocess.run(["sbatch", "--parsable", *_train_args(run, f"train.max_steps={steps}", "train.ckpt_every=0",
+                                                            demo_data=demo_data)],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     job = p.stdout.strip().split(";")[0]
-    jobs.append(job)
-    _until("step 10 of the job", lambda: _last_step(run) >= 10, 180, every=0.2)
+    slurm_jobs.append(job)
+    until("step 10 of the job", lambda: last_step(run) >= 10, 180, every=0.2)
     subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
-    _until("the job to be requeued", lambda: "restart 1" in _logs(run) or _job_gone(job), 120)
+    until("the job to be requeued", lambda: "restart 1" in _logs(run) or job_gone(job), 120)
     # The reference while the requeued job runs: 2 local ranks, since 2 ranks and 1 process drift apart by
     # float summation order alone (~1e-5 over 100+ steps), which would hide what a resume gets wrong.
     train(make_cfg(*TINY, f"train.max_steps={steps}", "train.ckpt_every=0", "data.lanes=2", "parallel=ddp",
                    "parallel.dp=2"), str(tmp_path / "ref"))
-    ref = _losses(tmp_path / "ref")
-    _until("the job to end", lambda: _job_gone(job), 240, every=1)
+    ref = losses(tmp_path / "ref")
+    until("the job to end", lambda: job_gone(job), 240, every=1)
     full = _logs(run)
     logs = full[-4000:]
-    assert _sacct_states(job)[:1] == ["COMPLETED"], (_sacct_states(job), logs)
-    assert json.loads(_read(run / "slurm.json"))["restart_count"] == 1, logs
+    assert sacct_states(job)[:1] == ["COMPLETED"], (sacct_states(job), logs)
+    assert json.loads(read(run / "slurm.json"))["restart_count"] == 1, logs
     # One log for both attempts (--open-mode=append), and it shows the requeue.
     assert f"job {job} restart 0" in full and f"job {job} restart 1" in full, logs
     assert "stopped by SIGUSR2" in full and f"requeued Slurm job {job}" in full, logs
     assert full.index("stopped by SIGUSR2") < full.index(f"job {job} restart 1") < full.index("resumed from")
-    result = json.loads(_read(run / "result.json"))
+    result = json.loads(read(run / "result.json"))
     assert result["status"] == "completed" and result["steps"] == steps, (result, logs)
-    logged = [r["step"] for r in _records(run) if "loss" in r]
+    logged = [r["step"] for r in records(run) if "loss" in r]
     assert logged == list(range(1, steps + 1)), "each step once: records after the resume step were dropped"
-    got = _losses(run)
+    got = losses(run)
     worst = max(abs(got[s] - ref[s]) for s in ref)
     assert worst <= 1e-5 and abs(result["final_loss"] - ref[steps]) <= 1e-5, (worst, result, ref[steps])
 
@@ -170,7 +98,7 @@ def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg,
 
 
 @pytest.mark.timeout(420)
-def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, jobs):
+def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, slurm_jobs):
     from omegaconf import OmegaConf
 
     from hpctrain.sweep import report
@@ -184,9 +112,9 @@ def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, jobs
                         *common], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "submitted sweep array" in p.stdout, p.stdout + p.stderr
     job = p.stdout.split("submitted sweep array ")[1].split(":")[0]
-    jobs.append(job)
+    slurm_jobs.append(job)
     assert f"python -m hpctrain.sweep report {sweep}" in p.stdout
-    _until("every array task to end", lambda: _job_gone(job), 300, every=1)
+    until("every array task to end", lambda: job_gone(job), 300, every=1)
     logs = "".join(_logs(d)[-2000:] for d in sorted(glob.glob(str(sweep / "*"))))
 
     rep = subprocess.run([sys.executable, "-m", "hpctrain.sweep", "report", str(sweep), "--no-plot"], cwd=ROOT,
@@ -202,8 +130,8 @@ def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, jobs
         assert [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")] == [f"run_dir={run}", *point,
                                                                                        *common]
         assert (run / f"slurm-{job}_{i}.out").exists(), logs
-        result = json.loads(_read(run / "result.json"))
-        slurm_doc = json.loads(_read(run / "slurm.json"))
+        result = json.loads(read(run / "result.json"))
+        slurm_doc = json.loads(read(run / "slurm.json"))
         assert (slurm_doc["array_job_id"], slurm_doc["array_task_id"]) == (job, str(i))
         assert row["final_loss"] == result["final_loss"] and row["slurm_job_id"] == slurm_doc["job_id"]
         # The point is the run its overrides describe: the same final loss as training it in-process.

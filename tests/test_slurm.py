@@ -11,7 +11,7 @@ import glob
 import hashlib
 import json
 import os
-import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -19,45 +19,9 @@ import time
 
 import pytest
 from conftest import SMALL_MODEL
+from helpers import job_gone, last_step, losses, read, records, sbatch_run, until
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-
-
-def _cluster_up() -> str | None:
-    if not shutil.which("sbatch"):
-        return "no Slurm client (sbatch) on PATH"
-    try:
-        p = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return "sinfo timed out"
-    if p.returncode != 0 or not any(s in p.stdout for s in ("idle", "mix")):
-        return f"no idle Slurm nodes ({(p.stderr or p.stdout).strip()[:100]}): run `make slurm-up`"
-    return None
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    why = _cluster_up()
-    if why:
-        if os.environ.get("HPCTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"HPCTRAIN_REQUIRE_SLURM=1 but {why}")
-        pytest.skip(why)
-
-
-def _sbatch_wait(args: list[str], cwd: str, timeout: int = 240) -> None:
-    p = subprocess.run(["sbatch", "--wait", "--parsable", *args], cwd=cwd, capture_output=True, text=True,
-                       timeout=timeout)
-    assert p.returncode == 0, f"sbatch failed: {p.stdout}{p.stderr}"
-
-
-def _read(path) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _losses(run_dir) -> dict[int, float]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 @pytest.mark.timeout(300)
@@ -70,12 +34,20 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
     run = tmp_path / "job"
     cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
                     "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
-                    "train.log_every=1", "parallel=ddp", "cluster.pg_timeout_s=60", *common])
-    _sbatch_wait(["-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(tmp_path / "slurm-%j.out"),
-                  "--wrap", f"srun {cmd}"], cwd=ROOT)
-    ref, got = _losses(tmp_path / "ref"), _losses(run)
-    assert sorted(got) == [1, 2, 3], _read(glob.glob(str(tmp_path / "slurm-*.out"))[0])
-    assert json.loads(_read(run / "result.json"))["world"] == 2
+                    "train.log_every=1", "parallel=ddp", "cluster.pg_timeout_s=60",
+                    "cluster.nccl.NCCL_SOCKET_IFNAME=ib0", *common])
+    # A site setting in the job's environment wins over cluster.nccl; the rest of cluster.nccl is exported.
+    # (Submitted without what the in-process reference run exported into this process.)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "TORCH_NCCL_"))}
+    _, state = sbatch_run(["-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(tmp_path / "slurm-%j.out"),
+                           "--export=ALL,NCCL_IB_TIMEOUT=20", "--wrap", f"srun {cmd}"], cwd=ROOT, env=env)
+    assert state == "COMPLETED", read(glob.glob(str(tmp_path / "slurm-*.out"))[0])
+    assert json.loads(read(run / "slurm.json"))["nccl"] == {
+        "NCCL_IB_TIMEOUT": "20 (environment)", "NCCL_SOCKET_IFNAME": "ib0 (cluster.nccl)",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1 (cluster.nccl)"}
+    ref, got = losses(tmp_path / "ref"), losses(run)
+    assert sorted(got) == [1, 2, 3], read(glob.glob(str(tmp_path / "slurm-*.out"))[0])
+    assert json.loads(read(run / "result.json"))["world"] == 2
     for s in ref:
         assert abs(ref[s] - got[s]) <= 1e-5, (s, ref[s], got[s])
 
@@ -116,7 +88,7 @@ def test_preprocess_sbatch_array_and_merge(slurm, tmp_path):
                    timeout=240, check=True)
     state = subprocess.run(["sacct", "-n", "-X", "-j", merge_id, "-o", "state"], capture_output=True,
                            text=True).stdout.split()
-    logs = "".join(_read(f) for f in glob.glob(str(tmp_path / "prep-*.out")))
+    logs = "".join(read(f) for f in glob.glob(str(tmp_path / "prep-*.out")))
     assert state and state[0] == "COMPLETED", (state, logs)
     assert _tree_digest(out) == _tree_digest(tmp_path / "local"), logs
 
@@ -141,43 +113,13 @@ def _job_id(p: subprocess.CompletedProcess) -> str:
     return p.stdout.split("submitted job ")[1].split()[0]
 
 
-def _until(what: str, check, timeout: float, every: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _last_step(run) -> int:
-    try:
-        return max(_losses(run), default=0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _job_gone(job: str) -> bool:
-    p = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
-    return p.returncode != 0 or not p.stdout.strip()
-
-
 def _job_logs(run) -> str:
-    return "".join(_read(f)[-3000:] for f in sorted(glob.glob(str(run / ".submitit" / "*" / "*_log.*"))))
+    return "".join(read(f)[-3000:] for f in sorted(glob.glob(str(run / ".submitit" / "*" / "*_log.*"))))
 
 
 @pytest.fixture
 def data_env(demo_data, monkeypatch):
     monkeypatch.setenv("HPCTRAIN_TEST_DATA", demo_data)
-
-
-@pytest.fixture
-def cleanup_jobs():
-    jobs = []
-    yield jobs
-    for job in jobs:
-        subprocess.run(["scancel", job], capture_output=True)
 
 
 def _reference(make_cfg, tmp_path, steps: int) -> dict[int, float]:
@@ -187,35 +129,35 @@ def _reference(make_cfg, tmp_path, steps: int) -> dict[int, float]:
 
     train(make_cfg(*COMMON, f"train.max_steps={steps}", "train.ckpt_every=0", "parallel=ddp", "parallel.dp=2"),
           str(tmp_path / "ref"))
-    return _losses(tmp_path / "ref")
+    return losses(tmp_path / "ref")
 
 
 def _assert_same_run(run, ref: dict[int, float], steps: int) -> None:
-    result = json.loads(_read(run / "result.json"))
+    result = json.loads(read(run / "result.json"))
     assert result["status"] == "completed" and result["steps"] == steps, (result, _job_logs(run))
     with open(run / "metrics.jsonl") as f:
         logged = [r["step"] for r in map(json.loads, f) if "loss" in r]
     assert logged == sorted(set(logged)), "metrics.jsonl continues without duplicated steps after the resume"
-    got = _losses(run)
+    got = losses(run)
     assert sorted(got) == sorted(ref)
     worst = max(abs(got[s] - ref[s]) for s in ref)
     assert worst <= 1e-5, (worst, got[steps], ref[steps])
 
 
 @pytest.mark.timeout(300)
-def test_submitted_run_preempted_requeues_and_matches(slurm, data_env, make_cfg, tmp_path, cleanup_jobs):
+def test_submitted_run_preempted_requeues_and_matches(slurm, data_env, make_cfg, tmp_path, slurm_jobs):
     """USR2 mid-run: every rank stops at a step boundary, checkpoints, the job requeues and resumes in the
     same run dir; the final loss equals an uninterrupted one-process run."""
     steps, run = 120, tmp_path / "run"
     job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=0"))
-    cleanup_jobs.append(job)
-    ref = _reference(make_cfg, tmp_path, steps)
-    _until("step 10 of the job", lambda: _last_step(run) >= 10, 150)
+    slurm_jobs.append(job)
+    until("step 10 of the job", lambda: last_step(run) >= 10, 150, every=0.2)
     subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
-    _until("the job to end", lambda: _job_gone(job), 200, every=1)
-    slurm_doc = json.loads(_read(run / "slurm.json"))
+    ref = _reference(make_cfg, tmp_path, steps)  # after the signal: the job must not finish before it
+    until("the job to end", lambda: job_gone(job), 200, every=1)
+    slurm_doc = json.loads(read(run / "slurm.json"))
     assert slurm_doc["restart_count"] == 1, (slurm_doc, _job_logs(run))
-    assert "stopped by SIGUSR2" in _read(run / "train.log")
+    assert "stopped by SIGUSR2" in read(run / "train.log")
     _assert_same_run(run, ref, steps)
 
 
@@ -231,8 +173,8 @@ def test_cancelled_job_is_reported_cancelled(slurm, data_env, tmp_path):
            "cluster.nodes=2", "cluster.cpus_per_task=1", "cluster.wait=true", "train.max_steps=5000", *COMMON]
     waiting = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _until("the job to train", lambda: _last_step(run) >= 3, 150)
-        job = json.loads(_read(run / "slurm.json"))["job_id"]
+        until("the job to train", lambda: last_step(run) >= 3, 150)
+        job = json.loads(read(run / "slurm.json"))["job_id"]
         subprocess.run(["scancel", job], check=True, timeout=30)
         out, err = waiting.communicate(timeout=120)
     finally:
@@ -257,12 +199,12 @@ def _pids_on_node(node: str, job: str) -> list[int]:
     for pid in tasks:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
             parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
-    stepds = [p for p in parents if p not in tasks and "slurmstepd" in _read(f"/proc/{p}/cmdline")]
+    stepds = [p for p in parents if p not in tasks and "slurmstepd" in read(f"/proc/{p}/cmdline")]
     return tasks + stepds
 
 
 @pytest.mark.timeout(420)
-def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, cleanup_jobs):
+def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, slurm_jobs):
     """A node of a running 2-node job stops answering (its slurmd and the job's processes there frozen, as in
     a hung or crashed node): Slurm marks it DOWN, requeues the job onto the spare node, and the job resumes
     from its last checkpoint and finishes with the loss of an uninterrupted run."""
@@ -271,24 +213,24 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
         pytest.skip("needs 3 idle nodes (make slurm-up starts n1..n3)")
     steps, run = 150, tmp_path / "run"
     job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=10"))
-    cleanup_jobs.append(job)
-    ref = _reference(make_cfg, tmp_path, steps)
-    _until("a checkpoint", lambda: _last_step(run) >= 25, 150)
+    slurm_jobs.append(job)
+    until("the checkpoint at step 10", lambda: last_step(run) >= 12, 150, every=0.2)
     victim = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True)
     victim = subprocess.run(["scontrol", "show", "hostnames", victim.stdout.strip()], capture_output=True,
                             text=True).stdout.split()[-1]
-    slurmd = int(_read(f"/var/lib/hpctrain-slurm/run/slurmd-{victim}.pid"))
+    slurmd = int(read(f"/var/lib/hpctrain-slurm/run/slurmd-{victim}.pid"))
     frozen = [slurmd, *_pids_on_node(victim, job)]
     assert len(frozen) >= 3, frozen  # slurmd, the rank, its slurmstepd
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     try:
-        _until(f"{victim} DOWN", lambda: "down" in subprocess.run(
+        ref = _reference(make_cfg, tmp_path, steps)  # while Slurm finds the node dead; the job is frozen
+        until(f"{victim} DOWN", lambda: "down" in subprocess.run(
             ["sinfo", "-h", "-n", victim, "-o", "%t"], capture_output=True, text=True).stdout, 90, every=1)
         for pid in frozen[1:]:  # the node "reboots": its old processes are gone
             os.kill(pid, signal.SIGKILL)
-        _until("the requeued job to finish", lambda: _job_gone(job) and (run / "result.json").exists()
-               and json.loads(_read(run / "result.json"))["status"] != "preempted", 240, every=1)
+        until("the requeued job to finish", lambda: job_gone(job) and (run / "result.json").exists()
+               and json.loads(read(run / "result.json"))["status"] != "preempted", 240, every=1)
     finally:
         os.kill(slurmd, signal.SIGCONT)
         for _ in range(60):  # the node answers again and returns to service
@@ -297,9 +239,9 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
                                         text=True).stdout:
                 break
             time.sleep(1)
-    attempt = json.loads(_read(run / "slurm.json"))
+    attempt = json.loads(read(run / "slurm.json"))
     assert attempt["restart_count"] >= 1 and victim not in attempt["nodelist"], attempt
-    assert "resumed from" in _read(run / "train.log")
+    assert "resumed from" in read(run / "train.log")
     _assert_same_run(run, ref, steps)
 
 
@@ -326,35 +268,41 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path)
     assert {(r["params"]["optim.lr"], r["params"]["train.global_batch"]) for r in rows} == {
         (lr, b) for lr in (1e-2, 3e-3) for b in (8, 16)}
     for r in rows:
-        result = json.loads(_read(os.path.join(r["dir"], "result.json")))
+        result = json.loads(read(os.path.join(r["dir"], "result.json")))
         assert r["final_val_loss"] == result["final_val_loss"] and result["steps"] == 8
-        assert json.loads(_read(os.path.join(r["dir"], "slurm.json")))["array_job_id"] == array
+        assert json.loads(read(os.path.join(r["dir"], "slurm.json")))["array_job_id"] == array
     out = subprocess.run([sys.executable, "-m", "hpctrain.sweep", "report", str(sweep)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "4 completed" in out.stdout, out.stdout + out.stderr
     assert (sweep / "sweep_report.png").stat().st_size > 10_000
 
 
-@pytest.mark.timeout(300)
-def test_time_limit_requeues_and_finishes(slurm, data_env, tmp_path, cleanup_jobs):
-    """A run longer than its 1-minute limit: USR2 arrives `signal_lead_s` before the limit, the job
-    checkpoints and requeues as a timeout (counted against cluster.max_timeouts) until it is done.
-    3000 steps take ~65 s of training here and Slurm signals within ~35 s: even a machine twice as fast
-    needs a requeue."""
+@pytest.mark.timeout(240)
+def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, slurm_jobs):
+    """A run longer than its 1-minute limit: USR2 arrives `signal_lead_s` before the limit (Slurm checks
+    limits every 30 s, so within ~35 s of the start), the job checkpoints, submitit requeues it as a timeout
+    (counted against cluster.max_timeouts) and the rerun resumes from that checkpoint. The run is endless, so
+    no machine is fast enough to finish before the limit; the test cancels it once the rerun has trained on
+    (that a resumed run ends with an uninterrupted run's loss is what the preemption tests check)."""
     run = tmp_path / "run"
-    p = _submit(tmp_path, run, "parallel=single", "cluster.nodes=1", "cluster.time_min=1", "cluster.signal_lead_s=55",
-                "train.max_steps=3000", "train.ckpt_every=0", "train.log_every=50", "cluster.wait=true",
-                timeout=280)
-    assert p.returncode == 0, p.stdout + p.stderr + _job_logs(run)
-    cleanup_jobs.append(_job_id(p))
-    attempt = json.loads(_read(run / "slurm.json"))
-    assert attempt["restart_count"] >= 1, attempt
+    job = _job_id(_submit(tmp_path, run, "parallel=single", "cluster.nodes=1", "cluster.time_min=1",
+                          "cluster.signal_lead_s=55", "train.max_steps=100000000", "train.ckpt_every=0",
+                          "train.log_every=50"))
+    slurm_jobs.append(job)
+
+    def resumed_at() -> int | None:
+        log = run / "train.log"
+        found = re.search(r"resumed from \S+ at step (\d+)", read(log)) if log.exists() else None
+        return int(found.group(1)) if found and last_step(run) > int(found.group(1)) else None
+
+    step = until("the time limit, the requeue and steps after the resume", resumed_at, 180, every=1)
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    until("the cancelled job to end", lambda: job_gone(job), 60)
     assert "this job is timed-out" in _job_logs(run)  # submitit's verdict: a timeout, not a preemption
-    result = json.loads(_read(run / "result.json"))
-    assert result["status"] == "completed" and result["steps"] == 3000, result
-    with open(run / "metrics.jsonl") as f:
-        logged = [r["step"] for r in map(json.loads, f) if "loss" in r]
-    assert logged == sorted(set(logged)) and logged[-1] == 3000
+    assert f"stopped by SIGUSR2 after step {step}; checkpoint written" in read(run / "train.log")
+    assert json.loads(read(run / "slurm.json"))["restart_count"] >= 1
+    logged = [r["step"] for r in records(run) if "loss" in r]
+    assert logged == sorted(set(logged)) and logged[-1] > step, "metrics.jsonl continues past the resume step"
 
 
 @pytest.mark.timeout(120)
@@ -365,7 +313,8 @@ def test_plain_python_in_a_batch_script_is_not_a_rank(slurm, demo_data, tmp_path
     cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
                     "data.prepare_demo=false", *SMALL_MODEL, "train.max_steps=2", "train.eval_every=0",
                     "train.global_batch=8", "train.micro_batch=4", "cluster.pg_timeout_s=30"])
-    _sbatch_wait(["-N1", "--ntasks=2", "--cpus-per-task=1", "-o", str(tmp_path / "out-%j.txt"), "--wrap", cmd],
-                 cwd=ROOT, timeout=100)
-    result = json.loads(_read(run / "result.json"))
+    _, state = sbatch_run(["-N1", "--ntasks=2", "--cpus-per-task=1", "-o", str(tmp_path / "out-%j.txt"), "--wrap",
+                           cmd], cwd=ROOT, timeout=100)
+    assert state == "COMPLETED", read(glob.glob(str(tmp_path / "out-*.txt"))[0])
+    result = json.loads(read(run / "result.json"))
     assert result["status"] == "completed" and result["world"] == 1, result
