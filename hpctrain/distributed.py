@@ -74,7 +74,9 @@ def init(timeout_s: float = 600.0) -> Env:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        # One GPU per local rank; a site that binds GPUs per task (--gpus-per-task, --gpu-bind) shows each
+        # rank only its own, as cuda:0.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"  # gloo for CPU-side collectives (e.g. checkpoint planning)
     else:

@@ -216,9 +216,10 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
     tokens_per_step = plan.global_batch * seq_len
     if env.is_main:
         log.info("model %s: %.2fM parameters, %.3g training FLOPs/token; layout pp×dp×tp=%d×%d×%d; "
-                 "global batch %d = micro %d × accum %d × dp %d, seq_len %d; lr %.3g; run dir %s",
-                 cfg.model.name, n_params / 1e6, flops_tok, plan.pp, plan.dp, plan.tp, plan.global_batch,
-                 plan.micro_batch, plan.grad_accum, plan.dp, seq_len, lr, run_dir)
+                 "global batch %d = micro %d × accum %d × dp %d, seq_len %d; lr %.3g; %d CPU threads/rank; "
+                 "run dir %s", cfg.model.name, n_params / 1e6, flops_tok, plan.pp, plan.dp, plan.tp,
+                 plan.global_batch, plan.micro_batch, plan.grad_accum, plan.dp, seq_len, lr,
+                 torch.get_num_threads(), run_dir)
 
     manifest = read_manifest(data_dir)
     if state.tokenizer_sha256 not in (None, manifest.tokenizer.sha256):

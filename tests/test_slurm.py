@@ -255,8 +255,7 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path)
     cmd = [sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "train.global_batch=8,16",
            "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}", f"data.path={demo_data}", "data.prepare_demo=false",
            *SMALL_MODEL, "train.micro_batch=4", "train.max_steps=8", "train.eval_every=8", "train.eval_batches=2",
-           "train.ckpt_every=0", "optim.warmup_steps=2", "cluster.num_threads=1", "cluster.cpus_per_task=1",
-           "cluster.wait=true"]
+           "train.ckpt_every=0", "optim.warmup_steps=2", "cluster.cpus_per_task=1", "cluster.wait=true"]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     turnaround = time.time() - t0
@@ -271,6 +270,8 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path)
         result = json.loads(read(os.path.join(r["dir"], "result.json")))
         assert r["final_val_loss"] == result["final_val_loss"] and result["steps"] == 8
         assert json.loads(read(os.path.join(r["dir"], "slurm.json")))["array_job_id"] == array
+        # No cluster.num_threads: torch threads per rank = the task's CPUs (OMP_NUM_THREADS from the job).
+        assert "1 CPU threads/rank" in read(os.path.join(r["dir"], "train.log"))
     out = subprocess.run([sys.executable, "-m", "hpctrain.sweep", "report", str(sweep)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "4 completed" in out.stdout, out.stdout + out.stderr
