@@ -7,6 +7,8 @@ import os
 import subprocess
 import time
 
+from hpctrain.sweep import sacct_state
+
 
 def read(path) -> str:
     with open(path) as f:
@@ -46,20 +48,14 @@ def job_gone(job: str) -> bool:
     return p.returncode != 0 or not p.stdout.strip()
 
 
-def sacct_states(job: str) -> list[str]:
-    p = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True,
-                       timeout=30)
-    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
-
-
 def sbatch_run(args: list[str], cwd, env=None, timeout: float = 240) -> tuple[str, str]:
-    """Submit a batch job, wait for it to end and return (job id, Slurm's final state). Polls: `sbatch --wait`
-    sleeps 2, 8, then 32 s between its checks."""
+    """Submit a batch job, wait for it to end and return (job id, Slurm's final state, lowercased). Polls:
+    `sbatch --wait` sleeps 2, 8, then 32 s between its checks."""
     p = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, f"sbatch failed: {p.stdout}{p.stderr}"
     job = p.stdout.strip().split(";")[0]
     until(f"job {job} to end", lambda: job_gone(job), timeout, every=0.3)
-    ended = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")  # sacct can lag squeue by a moment
+    active = (None, "pending", "running", "requeued", "completing")  # sacct can lag squeue by a moment
     state = until(f"sacct to record the end of job {job}",
-                  lambda: next((s for s in sacct_states(job)[:1] if s not in ended), None), 30)
+                  lambda: (s := sacct_state(job)) not in active and s, 30)
     return job, state

@@ -15,7 +15,9 @@ import uuid
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import job_gone, last_step, losses, read, records, sacct_states, sbatch_run, until
+from helpers import job_gone, last_step, losses, read, records, sbatch_run, until
+
+from hpctrain.sweep import sacct_state
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 ENV = dict(os.environ, PYTHON=sys.executable)
@@ -45,7 +47,7 @@ def test_train_sbatch_two_nodes(slurm, demo_data, tmp_path, slurm_jobs):
     job, state = sbatch_run(_train_args(run, "train.max_steps=3", demo_data=demo_data), cwd=ROOT, env=ENV)
     slurm_jobs.append(job)
     log = run / f"slurm-{job}.out"
-    assert state == "COMPLETED", read(log) if log.exists() else state
+    assert state == "completed", read(log) if log.exists() else state
     assert f"logs in {log}" in read(f"{run}.sbatch-{job}.out")
     text = read(log)
     assert f"job {job} restart 0" in text and "step 3" in text and "loss" in text, text
@@ -79,7 +81,7 @@ def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg,
     until("the job to end", lambda: job_gone(job), 240, every=1)
     full = _logs(run)
     logs = full[-4000:]
-    assert sacct_states(job)[:1] == ["COMPLETED"], (sacct_states(job), logs)
+    assert sacct_state(job) == "completed", (sacct_state(job), logs)
     assert json.loads(read(run / "slurm.json"))["restart_count"] == 1, logs
     # One log for both attempts (--open-mode=append), and it shows the requeue.
     assert f"job {job} restart 0" in full and f"job {job} restart 1" in full, logs

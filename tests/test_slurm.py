@@ -41,7 +41,7 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "TORCH_NCCL_"))}
     _, state = sbatch_run(["-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(tmp_path / "slurm-%j.out"),
                            "--export=ALL,NCCL_IB_TIMEOUT=20", "--wrap", f"srun {cmd}"], cwd=ROOT, env=env)
-    assert state == "COMPLETED", read(glob.glob(str(tmp_path / "slurm-*.out"))[0])
+    assert state == "completed", read(glob.glob(str(tmp_path / "slurm-*.out"))[0])
     assert json.loads(read(run / "slurm.json"))["nccl"] == {
         "NCCL_IB_TIMEOUT": "20 (environment)", "NCCL_SOCKET_IFNAME": "ib0 (cluster.nccl)",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1 (cluster.nccl)"}
@@ -316,6 +316,6 @@ def test_plain_python_in_a_batch_script_is_not_a_rank(slurm, demo_data, tmp_path
                     "train.global_batch=8", "train.micro_batch=4", "cluster.pg_timeout_s=30"])
     _, state = sbatch_run(["-N1", "--ntasks=2", "--cpus-per-task=1", "-o", str(tmp_path / "out-%j.txt"), "--wrap",
                            cmd], cwd=ROOT, timeout=100)
-    assert state == "COMPLETED", read(glob.glob(str(tmp_path / "out-*.txt"))[0])
+    assert state == "completed", read(glob.glob(str(tmp_path / "out-*.txt"))[0])
     result = json.loads(read(run / "result.json"))
     assert result["status"] == "completed" and result["world"] == 1, result
