@@ -48,14 +48,17 @@ def job_gone(job: str) -> bool:
     return p.returncode != 0 or not p.stdout.strip()
 
 
-def sbatch_run(args: list[str], cwd, env=None, timeout: float = 240) -> tuple[str, str]:
-    """Submit a batch job, wait for it to end and return (job id, Slurm's final state, lowercased). Polls:
+def wait_job(job: str, timeout: float = 240) -> str:
+    """Wait for a Slurm job to end; return its final state, lowercased ("completed", "failed", ...). Polls:
     `sbatch --wait` sleeps 2, 8, then 32 s between its checks."""
+    until(f"job {job} to end", lambda: job_gone(job), timeout, every=0.3)
+    active = (None, "pending", "running", "requeued", "completing")  # sacct can lag squeue by a moment
+    return until(f"sacct to record the end of job {job}", lambda: (s := sacct_state(job)) not in active and s, 30)
+
+
+def sbatch_run(args: list[str], cwd, env=None, timeout: float = 240) -> tuple[str, str]:
+    """Submit a batch job and wait for it to end: (job id, final state as `wait_job` returns it)."""
     p = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, f"sbatch failed: {p.stdout}{p.stderr}"
     job = p.stdout.strip().split(";")[0]
-    until(f"job {job} to end", lambda: job_gone(job), timeout, every=0.3)
-    active = (None, "pending", "running", "requeued", "completing")  # sacct can lag squeue by a moment
-    state = until(f"sacct to record the end of job {job}",
-                  lambda: (s := sacct_state(job)) not in active and s, 30)
-    return job, state
+    return job, wait_job(job, timeout)

@@ -8,11 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import losses
+from helpers import last_step, losses, until
 
 from hpctrain.config import ConfigError
 
@@ -104,9 +103,7 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
            *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "optim.lr=1e-2", "optim.warmup_steps=2",
            *common]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(run / "metrics.jsonl") and len(losses(run)) >= 5):
-        time.sleep(0.2)
+    until("step 5 of the run", lambda: last_step(run) >= 5, 120, every=0.2)
     proc.send_signal(signal.SIGUSR2)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err

@@ -15,9 +15,7 @@ import uuid
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import job_gone, last_step, losses, read, records, sbatch_run, until
-
-from hpctrain.sweep import sacct_state
+from helpers import job_gone, last_step, losses, read, records, sbatch_run, until, wait_job
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 ENV = dict(os.environ, PYTHON=sys.executable)
@@ -78,10 +76,10 @@ def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg,
     train(make_cfg(*TINY, f"train.max_steps={steps}", "train.ckpt_every=0", "data.lanes=2", "parallel=ddp",
                    "parallel.dp=2"), str(tmp_path / "ref"))
     ref = losses(tmp_path / "ref")
-    until("the job to end", lambda: job_gone(job), 240, every=1)
+    state = wait_job(job)
     full = _logs(run)
     logs = full[-4000:]
-    assert sacct_state(job) == "completed", (sacct_state(job), logs)
+    assert state == "completed", (state, logs)
     assert json.loads(read(run / "slurm.json"))["restart_count"] == 1, logs
     # One log for both attempts (--open-mode=append), and it shows the requeue.
     assert f"job {job} restart 0" in full and f"job {job} restart 1" in full, logs

@@ -19,7 +19,7 @@ import time
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import job_gone, last_step, losses, read, records, sbatch_run, until
+from helpers import job_gone, last_step, losses, read, records, sbatch_run, until, wait_job
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -83,13 +83,9 @@ def test_preprocess_sbatch_array_and_merge(slurm, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "merge job" in p.stdout, p.stdout + p.stderr
     merge_id = p.stdout.split("merge job ")[1].split()[0]
-    # Wait for the merge job (it starts only after every array task succeeded).
-    subprocess.run(["bash", "-c", f"while squeue -h -j {merge_id} 2>/dev/null | grep -q .; do sleep 0.5; done"],
-                   timeout=240, check=True)
-    state = subprocess.run(["sacct", "-n", "-X", "-j", merge_id, "-o", "state"], capture_output=True,
-                           text=True).stdout.split()
+    state = wait_job(merge_id)  # the merge job starts only after every array task succeeded
     logs = "".join(read(f) for f in glob.glob(str(tmp_path / "prep-*.out")))
-    assert state and state[0] == "COMPLETED", (state, logs)
+    assert state == "completed", (state, logs)
     assert _tree_digest(out) == _tree_digest(tmp_path / "local"), logs
 
 
@@ -135,8 +131,7 @@ def _reference(make_cfg, tmp_path, steps: int) -> dict[int, float]:
 def _assert_same_run(run, ref: dict[int, float], steps: int) -> None:
     result = json.loads(read(run / "result.json"))
     assert result["status"] == "completed" and result["steps"] == steps, (result, _job_logs(run))
-    with open(run / "metrics.jsonl") as f:
-        logged = [r["step"] for r in map(json.loads, f) if "loss" in r]
+    logged = [r["step"] for r in records(run) if "loss" in r]
     assert logged == sorted(set(logged)), "metrics.jsonl continues without duplicated steps after the resume"
     got = losses(run)
     assert sorted(got) == sorted(ref)
