@@ -9,6 +9,26 @@ DEMO_DIR ?= outputs/demo
 DEMO_STEPS ?= 300
 PYTEST_ARGS ?=
 
+# --- shell quoting ------------------------------------------------------------------------------------------
+# Every user-supplied variable reaches the shell only through $(call arg,VAR) / $(call args,VAR): its text
+# exactly as given ($(value VAR): no make expansion, a `$` stays a `$`), single-quoted with each ' written
+# as '\'' and each newline as $'\n' (make would otherwise run the text after a newline as a shell command of
+# its own). So no value can run a command, and OUT='my shards' or OUT="bob's shards" is one path.
+# args is for the list variables (CORPUS, PREP_ARGS, PYTEST_ARGS): one literal word per whitespace-separated
+# item. make itself splits them on whitespace, so an item cannot contain a space: a glob or a pytest -k
+# expression with a space cannot be expressed here (call the Python module / pytest directly for that).
+# VENV, PYTHON and TORCH_VERSION are toolchain settings, not input: they must be plain words.
+define nl
+
+
+endef
+shquote = '$(subst $(nl),'$$'\n'',$(subst ','\'',$(1)))'
+arg = $(call shquote,$(value $(1)))
+args = $(foreach w,$(value $(1)),$(call shquote,$(w)))
+given = $(strip $(value $(1)))
+# $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
+need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
+
 .PHONY: install demo demo-data test lint bench bench-data tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
@@ -24,15 +44,15 @@ install: $(STAMP)
 demo-data: install
 	$(PY) -m data_prep.demo
 
+# train.resume=never: a demo run already in DEMO_DIR is moved aside into DEMO_DIR/previous/ (never deleted).
 demo: install
-	rm -rf $(DEMO_DIR)
-	$(PY) -m hpctrain run_dir=$(DEMO_DIR) train.max_steps=$(DEMO_STEPS) train.log_every=20 \
-		train.eval_every=100 optim.lr=3e-3 optim.warmup_steps=30
-	$(PY) -m hpctrain.metrics $(DEMO_DIR)
-	$(PY) -m hpctrain.generate run_dir=$(DEMO_DIR) prompt="def " max_new_tokens=120
+	$(PY) -m hpctrain run_dir=$(call arg,DEMO_DIR) train.resume=never train.max_steps=$(call arg,DEMO_STEPS) \
+		train.log_every=20 train.eval_every=100 optim.lr=3e-3 optim.warmup_steps=30
+	$(PY) -m hpctrain.metrics $(call arg,DEMO_DIR)
+	$(PY) -m hpctrain.generate run_dir=$(call arg,DEMO_DIR) prompt="def " max_new_tokens=120
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(call args,PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -54,23 +74,32 @@ WORKERS ?=
 SHARD_MB ?= 64
 TEXT_FIELD ?= text
 PREP_ARGS ?=
-quote_globs = $(foreach g,$(CORPUS),'$(g)')
+PREP_SBATCH_ARGS ?=
+# Not exported to recipes (after the ?= defaults: unexport defines a variable, empty): make would expand
+# their values to build the recipes' environment (a $(shell ...) in one would run); the recipes pass them as
+# quoted arguments instead.
+unexport CORPUS OUT TOKENIZER VOCAB SEQ_LEN WORKERS SHARD_MB TEXT_FIELD PREP_ARGS PREP_SBATCH_ARGS \
+  DEMO_DIR DEMO_STEPS PYTEST_ARGS
 
 tokenizer: install
-	@test -n "$(CORPUS)" -a -n "$(OUT)" || { echo "usage: make tokenizer CORPUS='raw/*.jsonl' VOCAB=32000 OUT=DIR [TEXT_FIELD=text]" >&2; exit 2; }
-	$(PY) -m data_prep.tokenizer --corpus $(quote_globs) --vocab $(VOCAB) --out '$(OUT)' --text-field '$(TEXT_FIELD)'
+	@$(call need,CORPUS OUT) || { echo "usage: make tokenizer CORPUS='raw/*.jsonl' VOCAB=32000 OUT=DIR [TEXT_FIELD=text]" >&2; exit 2; }
+	$(PY) -m data_prep.tokenizer --corpus $(call args,CORPUS) --vocab $(call arg,VOCAB) --out $(call arg,OUT) \
+		--text-field $(call arg,TEXT_FIELD)
 
 shards: install
-	@test -n "$(CORPUS)" -a -n "$(OUT)" || { echo "usage: make shards CORPUS='raw/*.jsonl' OUT=DIR [TOKENIZER=DIR | VOCAB=N] [SEQ_LEN= WORKERS= SHARD_MB= TEXT_FIELD= PREP_ARGS=]" >&2; exit 2; }
-	$(PY) -m data_prep.shards --corpus $(quote_globs) --out '$(OUT)' \
-		$(if $(TOKENIZER),--tokenizer '$(TOKENIZER)',--vocab-size $(VOCAB)) --seq-len $(SEQ_LEN) \
-		--shard-mb $(SHARD_MB) --text-field '$(TEXT_FIELD)' $(if $(WORKERS),--workers $(WORKERS)) $(PREP_ARGS)
+	@$(call need,CORPUS OUT) || { echo "usage: make shards CORPUS='raw/*.jsonl' OUT=DIR [TOKENIZER=DIR | VOCAB=N] [SEQ_LEN= WORKERS= SHARD_MB= TEXT_FIELD= PREP_ARGS=]" >&2; exit 2; }
+	$(PY) -m data_prep.shards --corpus $(call args,CORPUS) --out $(call arg,OUT) \
+		$(if $(call given,TOKENIZER),--tokenizer $(call arg,TOKENIZER),--vocab-size $(call arg,VOCAB)) \
+		--seq-len $(call arg,SEQ_LEN) --shard-mb $(call arg,SHARD_MB) --text-field $(call arg,TEXT_FIELD) \
+		$(if $(call given,WORKERS),--workers $(call arg,WORKERS)) $(call args,PREP_ARGS)
 
 # Slurm job array + dependent merge job (run on a login node; needs TOKENIZER, e.g. from `make tokenizer`).
 shards-slurm: install
-	@test -n "$(CORPUS)" -a -n "$(OUT)" -a -n "$(TOKENIZER)" || { echo "usage: make shards-slurm CORPUS='raw/*.jsonl' OUT=DIR TOKENIZER=DIR [SEQ_LEN= SHARD_MB= PREP_ARGS=] [PREP_SBATCH_ARGS='--array=0-63 --cpus-per-task=32']" >&2; exit 2; }
-	PYTHON=$(PY) bash sbatch/preprocess.sbatch --corpus $(quote_globs) --out '$(OUT)' --tokenizer '$(TOKENIZER)' \
-		--seq-len $(SEQ_LEN) --shard-mb $(SHARD_MB) --text-field '$(TEXT_FIELD)' $(PREP_ARGS)
+	@$(call need,CORPUS OUT TOKENIZER) || { echo "usage: make shards-slurm CORPUS='raw/*.jsonl' OUT=DIR TOKENIZER=DIR [SEQ_LEN= SHARD_MB= PREP_ARGS=] [PREP_SBATCH_ARGS='--array=0-63 --cpus-per-task=32']" >&2; exit 2; }
+	PYTHON=$(PY) PREP_SBATCH_ARGS=$(call arg,PREP_SBATCH_ARGS) bash sbatch/preprocess.sbatch \
+		--corpus $(call args,CORPUS) --out $(call arg,OUT) --tokenizer $(call arg,TOKENIZER) \
+		--seq-len $(call arg,SEQ_LEN) --shard-mb $(call arg,SHARD_MB) --text-field $(call arg,TEXT_FIELD) \
+		$(call args,PREP_ARGS)
 
 # A local multi-node Slurm cluster (root + apt; Debian/Ubuntu). Never started implicitly by `make test`.
 slurm-up:

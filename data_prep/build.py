@@ -114,6 +114,33 @@ def _write_json_atomic(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def make_out_dir(out_dir: str) -> None:
+    """Create the output directory (and parents): a one-line DataError naming the obstacle when it cannot be
+    created or written to (checked up front, not as a traceback halfway through the build)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        blocker = _file_in_path(out_dir)
+        why = f"{blocker} is a file, not a directory" if blocker else e.strerror
+        raise DataError(f"cannot create the output directory {out_dir} ({why}): choose an --out path under a "
+                        "directory you can write to") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise DataError(f"the output directory {out_dir} is not writable: fix its permissions or choose "
+                        "another --out")
+
+
+def _file_in_path(path: str) -> str | None:
+    """`path` itself or the parent of it that is an existing non-directory, if any."""
+    path = os.path.abspath(path)
+    while True:
+        if os.path.exists(path) and not os.path.isdir(path):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
 def _read_json(path: str) -> Any | None:
     try:
         with open(path, encoding="utf-8") as f:
@@ -332,7 +359,7 @@ def build(
             raise DataError(f"{out_dir} already holds a shard set ({MANIFEST_NAME}) built from other inputs or "
                             "settings: choose another output directory or pass --overwrite")
         _remove_manifest(out_dir)  # first: from here on a crash leaves no manifest over changing shards
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     lustre.set_striping(out_dir, stripe_count, stripe_size)
     if old is not None and not same and num_tasks == 1:
         _wipe_stale(out_dir)

@@ -48,6 +48,23 @@ def stdlib_files(max_bytes: int, root: str | None = None) -> tuple[str, list[str
     return root, files, total
 
 
+MARKER = ".hpctrain-demo"  # written first into a directory the demo build owns
+
+
+def _check_owned(out_dir: str) -> None:
+    """The demo build replaces what is in `out_dir`: only ever a new or empty directory, or an earlier demo
+    build (marked, or with a demo manifest), never a user's shard set or anything else."""
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir) or os.path.exists(os.path.join(out_dir, MARKER)):
+        return
+    try:
+        if read_manifest(out_dir).created_by.get("tool") == "data_prep.demo":
+            return
+    except DataError:
+        pass
+    raise DataError(f"{out_dir} is not empty and holds no demo build: the demo corpus is only built into a new "
+                    "or empty directory (or its own cache): choose another --out")
+
+
 def _cached(out_dir: str, created_by: dict) -> Manifest | None:
     try:
         m = read_manifest(out_dir)
@@ -76,9 +93,16 @@ def build_demo(out_dir: str, max_bytes: int = 8_000_000, vocab_size: int = 4096,
     if m is not None:
         print(f"demo data: cached in {out_dir} ({_summary(m)})")
         return m
+    _check_owned(out_dir)
     root, files, total = stdlib_files(max_bytes)
     if not files:
         raise DataError(f"no readable .py files under {root}: pass --max-bytes > 0 or use `make shards`")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        open(os.path.join(out_dir, MARKER), "a").close()
+    except OSError as e:
+        raise DataError(f"cannot create the demo data directory {out_dir} ({e.strerror}): choose another "
+                        "--out or set HPCTRAIN_CACHE") from None
     m = build_from_files(files, out_dir, seq_len, vocab_size=vocab_size, val_fraction=val_fraction,
                          shard_mb=shard_mb, root=root,
                          sources=[{"kind": "python-stdlib", "root": root, "files": len(files), "bytes": total}],

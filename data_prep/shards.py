@@ -4,6 +4,7 @@
         [--seq-len N] [--workers N] [--shard-mb N] [--text-field text] [--val-fraction F]
         [--task-index I --num-tasks N] [--stripe-count N --stripe-size S] [--overwrite]
     python -m data_prep.shards merge --out DIR      # after the array tasks of a Slurm job array
+    python -m data_prep.shards verify --out DIR [--quick]   # = python -m data_prep.verify DIR
 
 The machinery (work units, journal, merge) is in `data_prep.build`; input readers in `data_prep.sources`;
 tokenise/pack/write in `data_prep.packing`.
@@ -20,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from data_prep import lustre
-from data_prep.build import BUILD_DIR, DEFAULT_SHARD_MB, BuildConfig, build, merge
+from data_prep.build import BUILD_DIR, DEFAULT_SHARD_MB, BuildConfig, build, make_out_dir, merge
 from data_prep.packing import DEFAULT_BATCH_CHARS, pack_tokens, split_names, write_unit
 from data_prep.shard_format import (
     MANIFEST_NAME,
@@ -60,7 +61,7 @@ def prepare_out_dir(out_dir: str, overwrite: bool = False) -> None:
     if os.path.exists(manifest) and not overwrite:
         raise DataError(f"{out_dir} already holds a shard set ({MANIFEST_NAME}): "
                         "choose another output directory or pass overwrite=True / --overwrite")
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     if os.path.exists(manifest):
         os.remove(manifest)
         fsync_dir(out_dir)
@@ -149,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data_prep.shards",
         description="Corpus -> tokenized WebDataset shards + manifest.json (parallel, restartable, "
-                    "deterministic). `python -m data_prep.shards merge --out DIR` finishes an array build.")
+                    "deterministic). `python -m data_prep.shards merge --out DIR` finishes an array build; "
+                    "`python -m data_prep.shards verify --out DIR` checks a shard set.")
     p.add_argument("--corpus", nargs="+", metavar="GLOB",
                    help="quoted globs: text files (one document each), *.jsonl[.gz|.zst], *.parquet")
     p.add_argument("--out", required=True, help="output data directory")
@@ -179,6 +181,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "verify":
+        from data_prep import verify
+
+        return verify.main(argv[1:])
     merging = bool(argv) and argv[0] == "merge"
     a = _parser().parse_args(argv[1:] if merging else argv)
     t0 = time.perf_counter()

@@ -8,8 +8,12 @@ rename, so a crash at any point leaves the previous checkpoint as the one resume
 
 from __future__ import annotations
 
+import enum
+import functools
+import importlib
 import io
 import json
+import logging
 import os
 import pickle
 import re
@@ -20,43 +24,154 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from hpctrain.rundir import free_name
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+log = logging.getLogger("hpctrain")
+_FIX = "resume from another checkpoint (train.resume=PATH) or train.resume=never"
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """One line: what is wrong, where, and the fix. `reason` alone (the what) words load_newest's fallbacks."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+def _cannot_load(path: str, reason: str) -> CheckpointError:
+    return CheckpointError(f"cannot load checkpoint {path} ({reason}): {_FIX}", reason)
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as a short line: DCP and torch.load messages run to paragraphs, a truncated file's to none."""
+    if isinstance(e, EOFError):
+        return "EOFError: a file ends early (truncated)"
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.strerror or type(e).__name__}: {e.filename}"
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    text = lines[0].split(". ")[0][:200]
+    if text.startswith("Weights only load failed") and len(lines) > 1:  # the refused global is on the next line
+        text += ": " + lines[1].split(". ")[0][:200]
+    return f"{type(e).__name__}: {text}"
+
+
+# Exactly the globals DCP's .metadata pickle is made of, found by listing the GLOBAL/STACK_GLOBAL opcodes of the
+# checkpoints every layout of this suite writes (single, ddp, zero2, fsdp, tp2_sp, dp2_tp2, pp, dp2_tp2_pp2;
+# fp32/bf16/fp16; adamw/adafactor/sgd) with torch 2.13; torch 2.11's DCP pickles the same classes. Exact pairs
+# only: pickle resolves a dotted name by walking attributes, so a module prefix or a dotted name would reach
+# anything those modules import (os.system) or define (functions that load or write files). A pair missing from
+# some torch or Python version fails that load (one line), never the import.
+_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta",
+        "_MEM_FORMAT_ENCODING",  # TensorProperties' memory format: an Enum, called only to look up a member
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # storage_data: file name, offset, length
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup of a layout by its name
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib._local", "PosixPath"),  # the same, as Python 3.13 pickles it
+})
+# torch.dtype pickles as ("torch", "<name>"): the dtypes a checkpoint can hold, by name, if this torch has them.
+_DTYPES = frozenset(name for name in (
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "int64", "int32", "int16", "int8", "uint8", "bool",
+) if isinstance(getattr(torch, name, None), torch.dtype))
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata file is a pickle: allow only the plain classes it is made of."""
-
-    _ALLOWED_PREFIXES = ("torch.distributed.checkpoint.",)
-    _ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("pathlib", "PosixPath"),
-                ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset"),
-                ("builtins", "slice"), ("builtins", "bytearray")}
+    """DCP's .metadata file is a pickle: it may name only the classes DCP metadata is made of."""
 
     def find_class(self, module, name):
-        if module.startswith(self._ALLOWED_PREFIXES) or (module, name) in self._ALLOWED or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        if (module, name) not in _METADATA_GLOBALS and not (module == "torch" and name in _DTYPES):
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return getattr(importlib.import_module(module), name)
+
+
+@functools.cache
+def _allowed_objects() -> list:
+    """The allowed classes and functions that exist here, plus the Enum's members (all process-wide objects)."""
+    found = []
+    for module, name in sorted(_METADATA_GLOBALS):
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        found += [obj, *(obj if isinstance(obj, type) and issubclass(obj, enum.Enum) else ())]
+    return [obj for obj in found if hasattr(obj, "__dict__")]
+
+
+_UNSET = object()
+
+
+def _undo_changes(saved: list[tuple[object, dict]]) -> bool:
+    """Put back what a pickle changed on the allowed objects (its BUILD opcode sets attributes on any object it
+    holds, a class or function included: a later load would see them); True when it changed any."""
+    changed = False
+    for obj, before in saved:
+        now = dict(vars(obj))
+        for key in before.keys() | now.keys():
+            if now.get(key, _UNSET) is not before.get(key, _UNSET):
+                changed = True
+                setattr(obj, key, before[key]) if key in before else delattr(obj, key)
+    return changed
+
+
+def _read_metadata(path: str, file: str) -> Metadata:
+    """Unpickle DCP's .metadata through the allow-list; whatever is wrong with it is one CheckpointError."""
+    saved = [(obj, dict(vars(obj))) for obj in _allowed_objects()]
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as e:
+        raise _cannot_load(path, _describe(e)) from None
+    except Exception as e:  # noqa: BLE001 - a damaged or hostile pickle raises anything at all
+        raise _cannot_load(path, f"bad .metadata: {_describe(e)}") from None
+    finally:
+        tampered = _undo_changes(saved)
+    if tampered:
+        raise _cannot_load(path, "bad .metadata: it modifies the classes it names")
+    return _checked(metadata, path)
+
+
+def _checked(metadata, path: str) -> Metadata:
+    """What this module and the reader use outside DCP (whose own failures become one line anyway)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # private: imported only when used
+
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)
+            and isinstance(metadata.storage_meta, StorageMeta | None)
+            and all(isinstance(info, _StorageInfo) for info in metadata.storage_data.values())):
+        raise _cannot_load(path, "bad .metadata: not DCP checkpoint metadata")
+    for info in metadata.storage_data.values():  # data files are read from path/relative_path
+        rel = info.relative_path
+        if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] == "..":
+            raise _cannot_load(path, f"bad .metadata: data file {rel!r} is outside the checkpoint")
+    return metadata
 
 
 class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        storage_meta = getattr(metadata, "storage_meta", None)
-        if storage_meta is not None:
-            storage_meta.load_id = self.load_id
-        return metadata
+    """Reads .metadata once, through the allow-list, when made: DCP gets that copy, so a bad file is one
+    CheckpointError here and never reaches DCP's own fallback (per-rank metadata files, logged tracebacks)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.metadata = _read_metadata(path, str(self._get_metadata_path()))
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -65,7 +180,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
+            from torch.distributed.checkpoint._traverse import set_element
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -101,9 +216,11 @@ def step_of(path: str) -> int:
 
 def latest(run_dir: str) -> str | None:
     link = os.path.join(root(run_dir), "latest")
-    if os.path.isfile(os.path.join(link, STATE_FILE)):
+    if os.path.islink(link) and os.path.isfile(os.path.join(link, STATE_FILE)):
         return os.path.realpath(link)
-    done = complete_checkpoints(run_dir)  # a stale or missing link: fall back to the newest complete one
+    # A stale or missing link, or a copy of the run made without symlinks (`cp -r`: `latest` is a directory
+    # then, named for no step): the newest complete checkpoint.
+    done = complete_checkpoints(run_dir)
     return done[-1] if done else None
 
 
@@ -138,8 +255,8 @@ def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: i
             os.remove(link_tmp)
         os.symlink(os.path.basename(final), link_tmp)
         link = os.path.join(root(run_dir), "latest")
-        if os.path.isdir(link) and not os.path.islink(link):  # a run copied without symlinks (cp -r)
-            shutil.rmtree(link)
+        if os.path.isdir(link) and not os.path.islink(link):  # a run copied without symlinks (cp -r): kept
+            os.rename(link, free_name(link + ".copy"))
         os.replace(link_tmp, link)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -147,31 +264,63 @@ def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: i
     return final
 
 
+def _agreed(check, collective: bool = True):
+    """check() on every rank; a CheckpointError on any rank is raised on all (they read shared files, which a
+    network filesystem can still show differently), so no rank goes on into a collective load alone."""
+    result, failure = None, None
+    try:
+        result = check()
+    except CheckpointError as e:
+        failure = (str(e), e.reason)
+    if collective and dist.is_initialized():
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        raise CheckpointError(*failure)
+    return result
+
+
+def _same_on_every_rank(value):
+    """Rank 0's value (directory listings, like file contents, can differ between nodes)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _read_trainer_state(path: str) -> dict:
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        raise _cannot_load(path, f"not a complete checkpoint: no {STATE_FILE}") from None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise _cannot_load(path, f"bad {STATE_FILE}: {_describe(e)}") from None
+    if not isinstance(state, dict):
+        raise _cannot_load(path, f"bad {STATE_FILE}: not a JSON object")
+    return state
+
+
 def _dcp_load(state: dict, path: str, reader: _SafeReader | None = None, **kwargs) -> None:
     """dcp.load through the safe reader/planner; a failure becomes one CheckpointError line."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    reader = reader or _SafeReader(path)
     try:
-        dcp.load(state, checkpoint_id=path, storage_reader=reader or _SafeReader(path),
-                 planner=_SafeLoadPlanner(), **kwargs)
+        dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=_SafeLoadPlanner(), **kwargs)
     except CheckpointException as e:  # a BaseException in DCP: it would escape `except Exception`
-        cause = next(iter(e.failures.values()), e)
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise CheckpointError(f"cannot load checkpoint {path}: {detail}: resume from another checkpoint "
-                              "(train.resume=PATH) or train.resume=never") from None
+        # DCP gathers every rank's failures and raises them on all ranks: each rank takes the same decision.
+        cause = next((exc for exc, _trace in e.failures.values()), e)
+        raise _cannot_load(path, _describe(cause)) from None
 
 
 def load(path: str, model, optimizer) -> dict:
-    """Load model and optimizer state in place (resharded to the current layout); return trainer_state."""
-    state_file = os.path.join(path, STATE_FILE)
-    if not os.path.isfile(state_file):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_FILE}): pass another train.resume")
-    reader = _SafeReader(path)
-    try:
-        present = reader.read_metadata().state_dict_metadata
-    except (OSError, pickle.UnpicklingError, EOFError) as e:
-        raise CheckpointError(f"cannot read checkpoint metadata in {path} ({e}): resume from another "
-                              "checkpoint (train.resume=PATH) or train.resume=never") from None
+    """Load model and optimizer state in place (resharded to the current layout); return trainer_state.
+    Collective when distributed: a damaged checkpoint raises the same CheckpointError on every rank."""
+    saved, reader = _agreed(lambda: (_read_trainer_state(path), _SafeReader(path)))
+    present = reader.metadata.state_dict_metadata
     state = _model_optim_state(model, optimizer)
     # RNG streams are per rank: a resume on more ranks than were saved starts the new ones fresh.
     state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in present}
@@ -183,8 +332,40 @@ def load(path: str, model, optimizer) -> dict:
             torch.set_rng_state(value)
         else:
             torch.cuda.set_rng_state(value)
-    with open(state_file) as f:
-        return json.load(f)
+    return saved
+
+
+def check_loadable(path: str) -> None:
+    """The checks that need no model, in this process alone: the trainer state is JSON and the metadata passes
+    the allow-list (before a run spawns or writes anything)."""
+    _read_trainer_state(path)
+    _SafeReader(path)
+
+
+def _newest_first(run_dir: str) -> list[str]:
+    """The checkpoint `latest` names, then the complete ones older than it, newest first."""
+    newest = latest(run_dir)
+    if newest is None:
+        return []
+    return [newest, *(p for p in reversed(complete_checkpoints(run_dir)) if step_of(p) < step_of(newest))]
+
+
+def load_newest(run_dir: str, model, optimizer) -> tuple[str, dict] | None:
+    """Resume from the newest complete checkpoint of run_dir that loads, falling back to older ones (one warning
+    each); return (its path, its trainer_state), or None when run_dir has none. Collective like `load`."""
+    candidates = _same_on_every_rank(_newest_first(run_dir))
+    first = None
+    for path, older in zip(candidates, [*candidates[1:], None]):
+        try:
+            return path, load(path, model, optimizer)
+        except CheckpointError as e:
+            first = first or e
+            if older and _is_main():
+                log.warning("checkpoint %s cannot be loaded (%s): falling back to %s", path, e.reason, older)
+    if first is None:
+        return None
+    raise CheckpointError(f"no checkpoint in {root(run_dir)} can be loaded (the newest, {candidates[0]}: "
+                          f"{first.reason}): pass train.resume=PATH or use a new run_dir", first.reason)
 
 
 def load_model(path: str, model) -> None:

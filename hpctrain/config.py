@@ -7,8 +7,10 @@ that names the numbers and the fix.
 
 from __future__ import annotations
 
+import difflib
+import math
 import signal
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
@@ -117,7 +119,7 @@ class DataConfig:
     pin_memory: bool | None = None  # None: when training on CUDA
     prefetch: int = 2  # shard reads in flight per loader worker
     on_corrupt: OnCorrupt = OnCorrupt.error  # error | skip (replace an unreadable shard, warn, count in metrics)
-    prepare_demo: bool = False  # build the stdlib demo shards at `path` when missing
+    prepare_demo: bool = False  # build the stdlib demo shards when `path` is the demo cache and has none
 
 
 @dataclass
@@ -302,9 +304,91 @@ def _check_pipeline(m, p) -> int:
     return n_mb
 
 
+def unknown_keys(cfg, schema: type = Config, prefix: str = "") -> list[str]:
+    """Keys of `cfg` the schema does not have. Hydra's `+key=value` (and `++`) adds keys to a structured
+    config without complaint, so a typo would otherwise be ignored silently."""
+    known = {f.name: f for f in fields(schema)}
+    bad = []
+    for key in cfg:
+        if key == "hydra" and not prefix:  # Hydra's own node, in the configs a launcher composes
+            continue
+        f = known.get(key)
+        if f is None:
+            bad.append(f"{prefix}{key}")
+        elif is_dataclass(f.default_factory) and cfg[key] is not None:  # a group: dict-typed fields are free
+            bad += unknown_keys(cfg[key], f.default_factory, f"{prefix}{key}.")
+    return bad
+
+
+def _all_keys(schema: type = Config, prefix: str = "") -> list[str]:
+    out = []
+    for f in fields(schema):
+        out += _all_keys(f.default_factory, f"{prefix}{f.name}.") if is_dataclass(f.default_factory) else [
+            f"{prefix}{f.name}"]
+    return out
+
+
+def check_keys(cfg) -> None:
+    bad = unknown_keys(cfg)
+    if bad:
+        close = difflib.get_close_matches(bad[0], _all_keys(), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown config key {bad[0]}{hint}: fix the spelling or drop it "
+                          "(`python -m hpctrain --cfg job` lists every key)")
+
+
+# Allowed ranges of numeric keys: (low, low included, high, high included), high None: unbounded. Keys set to
+# null (where the schema allows it) are not checked; every float must also be finite.
+_AT_LEAST_1, _AT_LEAST_0, _POSITIVE, _FRACTION = (1, True, None, False), (0, True, None, False), \
+    (0, False, None, False), (0, True, 1, False)
+_RANGES = {
+    **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                     "model.ffn_hidden", "model.max_seq_len", "parallel.tp", "parallel.pp", "parallel.pp_microbatches",
+                     "parallel.pp_virtual_stages", "parallel.ac_every", "precision.loss_scale_growth_interval",
+                     "optim.ref_global_batch", "data.lanes", "data.prefetch", "train.seq_len", "train.max_steps",
+                     "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",
+                     "cluster.tasks_per_node", "cluster.nodes", "cluster.cpus_per_task", "cluster.num_threads",
+                     "cluster.mem_gb", "cluster.time_min"), _AT_LEAST_1),
+    **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
+                     "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
+                     "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts"), _AT_LEAST_0),
+    **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "precision.loss_scale_init",
+                     "optim.eps", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb"), _POSITIVE),
+    **dict.fromkeys(("optim.beta1", "optim.beta2", "optim.momentum"), _FRACTION),
+    "optim.min_lr_ratio": (0, True, 1, True),
+    "optim.lr": (0, False, 1e3, True),  # far above any real LR; near fp32's max Adam's first step crashes
+}
+# What a key's zero or null means, where users may expect another value to mean it.
+_HINTS = {"train.seq_len": "null takes it from the shards", "train.eval_every": "0 disables evaluation",
+          "train.ckpt_every": "0 saves only at the end", "optim.grad_clip": "0 disables clipping"}
+
+
+def _interval(low, low_in, high, high_in) -> str:
+    if high is None:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"within {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def check_values(cfg) -> None:
+    """Every numeric key in its range and finite (`optim.lr=inf` would train to NaN weights)."""
+    for key, (low, low_in, high, high_in) in _RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        bad = isinstance(value, float) and not math.isfinite(value)
+        bad = bad or (low is not None and (value < low if low_in else value <= low))
+        bad = bad or (high is not None and (value > high if high_in else value >= high))
+        if bad:
+            hint = f" ({_HINTS[key]})" if key in _HINTS else ""
+            kind = "a finite number " if isinstance(value, float) else ""
+            raise ConfigError(f"{key}={value} must be {kind}{_interval(low, low_in, high, high_in)}{hint}")
+
+
 def resolve(cfg, world: int = 1) -> Plan:
     """Derive and check the numbers a run needs; raise ConfigError on the first problem."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    check_keys(cfg)
+    check_values(cfg)
     signal_number(cfg.cluster.signal)
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
@@ -314,8 +398,6 @@ def resolve(cfg, world: int = 1) -> Plan:
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(f"head_dim = model.dim/n_heads = {m.dim // m.n_heads} must be even for RoPE")
     tp, pp = p.tp, p.pp
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
     if p.dp == "auto":
         if world % (tp * pp):
             raise ConfigError(f"parallel.dp=auto: world size {world} is not divisible by tp×pp={tp}×{pp}")
@@ -352,8 +434,6 @@ def resolve(cfg, world: int = 1) -> Plan:
     if world > 1 and cfg.precision.name == PrecisionName.fp16:
         raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
                           f"(world {world}) yet: use precision=bf16")
-    if p.activation_checkpointing == ActCkpt.selective and p.ac_every < 1:
-        raise ConfigError(f"parallel.ac_every={p.ac_every} must be >= 1 for selective activation checkpointing")
     gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
     if pp > 1 and mb % pp_mb:
         raise ConfigError(f"local micro batch train.micro_batch={mb} is not divisible by parallel.pp_microbatches="
@@ -362,14 +442,5 @@ def resolve(cfg, world: int = 1) -> Plan:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: lower train.seq_len "
             f"or raise model.max_seq_len"
-        )
-    for key in ("max_steps", "log_every", "eval_batches", "ckpt_keep", "max_nonfinite"):
-        if t[key] < 1:
-            raise ConfigError(f"train.{key}={t[key]} must be >= 1")
-    o = cfg.optim
-    if o.lr <= 0 or o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError(
-            f"optim.lr={o.lr} must be > 0, optim.warmup_steps={o.warmup_steps} >= 0 and "
-            f"optim.min_lr_ratio={o.min_lr_ratio} within [0, 1]"
         )
     return Plan(world, dp, tp, pp, gb, mb, ga, t.seq_len)

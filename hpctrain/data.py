@@ -27,7 +27,10 @@ worker w reads visits w, w+W, ... and the main process merges them back, so work
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import io
+import itertools
 import logging
 import os
 from collections import deque
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import webdataset as wds
+from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from data_prep.shard_format import (
     BUILD_HINT,
@@ -89,19 +93,14 @@ def _octal(field: bytes) -> int | None:
         return None
 
 
-def _read_local_tar(path: str, manifest: Manifest, shard: ShardInfo) -> np.ndarray | None:
-    """Fast path for a local shard in the canonical layout (one regular `{key}.tokens` member per sample).
+def _parse_tar(buf: bytes, manifest: Manifest, shard: ShardInfo) -> np.ndarray | None:
+    """Fast path for a shard in the canonical layout (one regular `{key}.tokens` member per sample).
 
     Checks every ustar header (name, size, type, checksum) and the end-of-archive marker, then gathers all
     token blocks with one numpy index: several times faster than per-sample tar iteration. Returns None on
     anything unexpected; the caller then reads the shard with webdataset, which handles the general case
     and produces the error message.
     """
-    try:
-        with open(path, "rb") as f:
-            buf = f.read()
-    except OSError:
-        return None
     n, itemsize = shard.samples, np.dtype(manifest.dtype).itemsize
     nbytes = manifest.block_len * itemsize
     stride = 512 + -(-nbytes // 512) * 512
@@ -132,29 +131,79 @@ def _read_local_tar(path: str, manifest: Manifest, shard: ShardInfo) -> np.ndarr
     return flat[index].astype(manifest.dtype, copy=False)
 
 
+def _is_local(url: str) -> bool:
+    return "://" not in url and not url.startswith("pipe:")
+
+
+def _read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None  # webdataset then opens it again and words the error
+
+
+def _check_sha256(url: str, buf: bytes, shard: ShardInfo) -> None:
+    digest = hashlib.sha256(buf).hexdigest()
+    if digest != shard.sha256:
+        raise DataError(f"shard {url} checksum mismatch ({len(buf)} bytes, sha256 {digest[:12]}...; the "
+                        f"manifest says {shard.bytes} bytes, {shard.sha256[:12]}...): it changed after the "
+                        "build; restore it (rebuild or re-copy the shard set) or set data.on_corrupt=skip")
+
+
+def _samples(url: str, data: bytes | None = None) -> Iterator[dict]:
+    """webdataset's samples of the shard at `url`, or of its bytes `data` when already read."""
+    if data is None:
+        return wds.tarfile_samples([{"url": url}])
+    return group_by_keys(tar_file_expander([{"url": url, "stream": io.BytesIO(data)}]))
+
+
+def _check_token_range(url: str, blocks: np.ndarray, manifest: Manifest, data: bytes | None) -> None:
+    """Token ids >= vocab_size would index past the embedding (a device-side assert on GPU)."""
+    if not blocks.size or int(blocks.max()) < manifest.vocab_size:
+        return
+    row = int(np.flatnonzero((blocks >= manifest.vocab_size).any(1))[0])
+    token = int(blocks[row][blocks[row] >= manifest.vocab_size][0])
+    try:  # error path only: one more pass for the sample's key
+        key = next(itertools.islice(_samples(url, data), row, None))["__key__"]
+    except Exception:
+        key = "?"
+    raise DataError(f"shard {url} sample {row} (key {key}) holds token id {token} >= the manifest's vocab_size "
+                    f"{manifest.vocab_size}: the shard does not match its tokenizer; rebuild the shards "
+                    "or set data.on_corrupt=skip")
+
+
 def read_shard(url: str, shard: ShardInfo, manifest: Manifest) -> np.ndarray:
-    """All samples of one shard as a [samples, block_len] array in tar order.
+    """All samples of one shard as a [samples, block_len] array in tar order, token ids checked < vocab_size.
 
-    `url` is anything webdataset's gopen accepts (a local path, `pipe:cmd ...`, ...). Local files in the
-    canonical layout take a fast path; everything else (and every error) goes through webdataset.
+    `url` is anything webdataset's gopen accepts (a local path, `pipe:cmd ...`, ...). A local file is read
+    whole once: its bytes are checked against the manifest's sha256, then parsed by the fast path (or, when
+    not in the canonical layout, by webdataset from the same bytes). Non-local URLs (`pipe:`, `scheme://`)
+    stream through webdataset and are NOT checksum-verified (that would take a second pass over the
+    stream); their token range is still checked. Every problem is a one-line DataError naming the shard.
     """
-    if "://" not in url and not url.startswith("pipe:"):
-        fast = _read_local_tar(url, manifest, shard)
-        if fast is not None:
-            return fast
-    return read_shard_wds(url, shard, manifest)
+    data = _read_bytes(url) if _is_local(url) else None
+    blocks = None
+    if data is not None:
+        _check_sha256(url, data, shard)
+        blocks = _parse_tar(data, manifest, shard)
+    if blocks is None:
+        blocks = read_shard_wds(url, shard, manifest, data)
+    _check_token_range(url, blocks, manifest, data)
+    return blocks
 
 
-def read_shard_wds(url: str, shard: ShardInfo, manifest: Manifest) -> np.ndarray:
-    """`read_shard` through webdataset's per-sample tar iterator only (the general path)."""
+def read_shard_wds(url: str, shard: ShardInfo, manifest: Manifest, data: bytes | None = None) -> np.ndarray:
+    """`read_shard` through webdataset's per-sample tar iterator only (the general path; no checksum or
+    token range check). `data`: the shard's bytes when already read."""
     rows = []
     try:
-        for sample in wds.tarfile_samples([{"url": url}]):
-            data = sample.get(TOKENS_EXT)
-            if data is None:
+        for sample in _samples(url, data):
+            payload = sample.get(TOKENS_EXT)
+            if payload is None:
                 raise DataError(f"shard {url} sample {sample.get('__key__')} has no .{TOKENS_EXT} member: "
                                 f"rebuild the shards ({BUILD_HINT.format(dir=os.path.dirname(url))})")
-            tokens = decode_tokens(data, manifest.dtype)
+            tokens = decode_tokens(payload, manifest.dtype)
             if tokens.size != manifest.block_len:
                 raise DataError(f"shard {url} sample {sample['__key__']} has {tokens.size} tokens, manifest "
                                 f"block_len is {manifest.block_len}: rebuild the shards")
@@ -250,20 +299,20 @@ class _Plan:
             return None
         return min(self.lane_samples(lane, 0) * self.lanes + lane for lane in range(self.lanes))
 
-    def read(self, visit: _Visit, on_corrupt: str) -> tuple[np.ndarray, str | None]:
-        """The visit's samples in sequence order, and the name of the shard it replaced when corrupt.
+    def read(self, visit: _Visit, on_corrupt: str) -> tuple[np.ndarray, tuple[str, str] | None]:
+        """The visit's samples in sequence order, and (name, why) of the shard it replaced when corrupt.
 
-        on_corrupt="skip": an unreadable shard is replaced by the next readable shard in manifest order
+        on_corrupt="skip": an unreadable or corrupt shard (see `read_shard`) is replaced by the next readable shard in manifest order
         (permuted as this visit would have been, cycled to the same sample count), so batch shapes, lane
         positions and exact resume are kept; the caller counts and logs it.
         """
         shard = visit.shard
         try:
             blocks = read_shard(self.url(shard), self.shards[shard], self.manifest)
-        except DataError:
+        except DataError as e:
             if on_corrupt == "error":
                 raise
-            blocks = None
+            why, blocks = str(e), None
             for k in range(1, len(self.shards)):
                 sub = (shard + k) % len(self.shards)
                 if self.counts[sub] == 0:
@@ -279,7 +328,7 @@ class _Plan:
                                 ) from None
             order = sample_order(len(blocks), self.seed, visit.epoch, shard, self.shuffle)
             order = order[np.arange(self.counts[shard]) % len(order)]
-            return blocks[order[visit.offset:]], self.shards[shard].name
+            return blocks[order[visit.offset:]], (self.shards[shard].name, why)
         order = sample_order(len(blocks), self.seed, visit.epoch, shard, self.shuffle)
         return blocks[order[visit.offset:]], None
 
@@ -319,8 +368,9 @@ class ShardStream:
     samples (all of the split when lanes=1), dropping a final partial batch, with the same number of
     batches on every rank. Resuming with any start_sample yields exactly the uninterrupted tail.
 
-    on_corrupt="error": an unreadable shard raises a one-line DataError naming it. "skip": it is replaced
-    (see `_Plan.read`), logged as a warning, and counted in `corrupt_shards` / `corrupt_names`.
+    on_corrupt="error": an unreadable or corrupt shard (checksum mismatch, token id >= vocab_size) raises a
+    one-line DataError naming it. "skip": it is replaced (see `_Plan.read`), logged as a warning with the
+    reason, and counted in `corrupt_shards` / `corrupt_names`.
     `shards_read` counts shard visits consumed by this process. pin_memory pins the yielded batches
     (only where CUDA is available).
     """
@@ -385,7 +435,7 @@ class ShardStream:
         return max(0, self._plan.end() - self.start_sample) // (self.batch_size * self.dp_size)
 
     def _chunks(self) -> Iterator[tuple[int, np.ndarray, str | None]]:
-        """(lane, samples, replaced shard) per shard visit of this rank's lanes, in the merged order."""
+        """(lane, samples, (replaced shard, why) or None) per shard visit of this rank's lanes, in the merged order."""
         lanes = self.my_lanes
         if self.num_workers == 0:
             for visit in self._plan.visits(lanes, self.start_sample):
@@ -418,11 +468,11 @@ class ShardStream:
                     got_lane, chunk, replaced = next(chunks)
                     self.shards_read += 1
                     if replaced is not None:
+                        name, why = replaced
                         self.corrupt_shards += 1
-                        self.corrupt_names.append(replaced)
-                        log.warning("unreadable shard %s skipped (on_corrupt=skip; replaced by samples of "
-                                    "another shard); %d skipped so far",
-                                    os.path.join(self.data_dir, replaced), self.corrupt_shards)
+                        self.corrupt_names.append(name)
+                        log.warning("shard skipped (on_corrupt=skip; replaced by samples of another shard; "
+                                    "%d skipped so far): %s", self.corrupt_shards, why)  # `why` names it
                     if len(chunk):
                         buffers[got_lane].append(chunk)
                 chunk = buf[0]

@@ -36,6 +36,13 @@ def launched_world() -> int | None:
     return None
 
 
+def launched_rank() -> int:
+    """This process's rank under torchrun/srun (or our own launcher); 0 when started alone."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return int(os.environ["SLURM_PROCID"]) if launched_world() else 0
+
+
 def _slurm_env() -> None:
     """Map an srun task's variables onto the ones torch reads: rank, world, local rank, and the master at
     the allocation's first node on a port derived from the job id (same on every node, differs per job)."""

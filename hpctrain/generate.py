@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain import checkpoint
 from hpctrain.model import Llama
 
 USAGE = ("usage: python -m hpctrain.generate run_dir=DIR [prompt=TEXT] [max_new_tokens=N] [temperature=T] "
-         "[top_k=K] [seed=S] [checkpoint=DIR]")
+         "[top_k=K] [seed=S] [checkpoint=DIR]\nsamples from the run's latest checkpoint (or checkpoint=DIR); "
+         "temperature=0 is greedy, top_k=0 samples from the whole vocabulary, an empty prompt starts a new document")
 
 
 @torch.no_grad()
@@ -37,37 +40,82 @@ def sample(model: Llama, prompt: list[int], max_new_tokens: int, temperature: fl
     return tokens[0, len(prompt):].tolist()
 
 
+class GenerateError(ValueError):
+    """Bad arguments or an unusable run directory: one line naming the fix."""
+
+
 def load_run(run_dir: str, ckpt: str | None = None) -> tuple[Llama, object, str]:
     """The model of a run's latest (or the given) checkpoint, its config, and its data directory."""
     from hpctrain.config import model_args, register
 
     register()  # the saved config may use hpctrain's resolvers (e.g. the demo data path)
-    cfg = OmegaConf.load(os.path.join(run_dir, ".hydra", "config.yaml"))
+    config = os.path.join(run_dir, ".hydra", "config.yaml")
+    if not os.path.isfile(config):
+        what = "does not exist" if not os.path.exists(run_dir) else f"is not a run directory (no {config})"
+        raise GenerateError(f"run_dir={run_dir} {what}: pass the directory a training run wrote")
+    cfg = OmegaConf.load(config)
     ckpt = ckpt or checkpoint.latest(run_dir)
     if ckpt is None:
-        raise SystemExit(f"hpctrain.generate: error: no complete checkpoint in {run_dir}/checkpoints")
+        raise GenerateError(f"no complete checkpoint in {run_dir}/checkpoints: train longer (a checkpoint is "
+                            "written every train.ckpt_every steps and at the end) or pass checkpoint=DIR")
     model = Llama(model_args(cfg))
     checkpoint.load_model(ckpt, model)
     return model.eval(), cfg, os.path.expanduser(cfg.data.path)
 
 
-def main(argv: list[str]) -> None:
-    opts = dict(a.split("=", 1) for a in argv if "=" in a)
-    if "run_dir" not in opts or any("=" not in a for a in argv):
-        raise SystemExit(USAGE)
+# key=value options: type, default, and the smallest value allowed.
+OPTIONS = {"run_dir": (str, None, None), "prompt": (str, "def ", None), "max_new_tokens": (int, 100, 0),
+           "temperature": (float, 0.8, 0.0), "top_k": (int, 50, 0), "seed": (int, 0, 0),
+           "checkpoint": (str, None, None)}
+
+
+def parse(argv: list[str]) -> dict:
+    """`key=value` arguments checked against OPTIONS; raises GenerateError naming the bad one."""
+    opts = {k: default for k, (_, default, _) in OPTIONS.items()}
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq or key not in OPTIONS:
+            raise GenerateError(f"unknown argument {arg!r}: use key=value with keys {', '.join(OPTIONS)}")
+        kind, _, low = OPTIONS[key]
+        try:
+            opts[key] = kind(value)
+        except ValueError:
+            raise GenerateError(f"{key}={value} is not {'an integer' if kind is int else 'a number'}") from None
+        if low is not None and not opts[key] >= low or kind is float and not math.isfinite(opts[key]):
+            raise GenerateError(f"{key}={value} must be a finite number >= {low}")
+    if not opts["run_dir"]:
+        raise GenerateError("run_dir=DIR is required: the directory of a training run")
+    return opts
+
+
+def run(opts: dict) -> str:
     from data_prep.shard_format import read_manifest
     from data_prep.tokenizer import load_tokenizer
 
-    model, cfg, data_dir = load_run(opts["run_dir"], opts.get("checkpoint"))
+    model, cfg, data_dir = load_run(opts["run_dir"], opts["checkpoint"])
     manifest = read_manifest(data_dir)
     tok = load_tokenizer(os.path.join(data_dir, manifest.tokenizer.path))
-    prompt = opts.get("prompt", "def ")
-    ids = tok.encode(prompt)
-    gen = torch.Generator().manual_seed(int(opts.get("seed", 0)))
-    out = sample(model, ids, int(opts.get("max_new_tokens", 100)), float(opts.get("temperature", 0.8)),
-                 int(opts.get("top_k", 50)), manifest.eos_id, gen)
-    print(prompt + tok.decode(out, skip_special_tokens=True))
+    # An empty prompt samples from a document boundary: documents are joined by EOS in the shards.
+    ids = tok.encode(opts["prompt"]) or [manifest.eos_id]
+    gen = torch.Generator().manual_seed(opts["seed"])
+    out = sample(model, ids, opts["max_new_tokens"], opts["temperature"], opts["top_k"], manifest.eos_id, gen)
+    return opts["prompt"] + tok.decode(out, skip_special_tokens=True)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.data import DataError
+
+    try:
+        print(run(parse(argv)))
+    except (GenerateError, CheckpointError, DataError, OmegaConfBaseException) as e:
+        print(f"hpctrain.generate: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -95,10 +95,9 @@ class StopSignals:
 
 def quiet_other_ranks() -> None:
     """Under srun/torchrun every rank configures logging: only rank 0 writes train.log and INFO lines."""
-    from hpctrain.distributed import launched_world
+    from hpctrain.distributed import launched_rank
 
-    rank = os.environ.get("RANK") or (os.environ.get("SLURM_PROCID") if launched_world() else None)
-    if not rank or rank == "0":
+    if launched_rank() == 0:
         return
     root = logging.getLogger()
     for handler in list(root.handlers):

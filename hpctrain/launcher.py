@@ -60,13 +60,12 @@ def resolver(key: str, *, _root_: DictConfig):
 
 
 def check(cfg) -> None:
-    """Everything a job would check at its start, run on the login node before submitting."""
-    from hpctrain.config import resolve
-    from hpctrain.train import prepare_data
+    """Everything a job would check at its start, run on the login node before submitting (its memory is
+    not the compute nodes': the memory check is left to the job)."""
+    from hpctrain.train import prepare
 
     shape = resources(cfg)
-    plan = resolve(cfg, shape["nodes"] * shape["tasks_per_node"])
-    prepare_data(cfg, plan)
+    prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False)
 
 
 def _bad_input() -> tuple[type[Exception], ...]:
@@ -111,7 +110,13 @@ class Submitting:
     params: dict
 
     def executor(self, folder: str, cluster_cfg):
+        import shutil
+
         import submitit
+
+        if self._EXECUTOR == "slurm" and not shutil.which("sbatch"):
+            raise ConfigError("hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run on a Slurm "
+                              "login node, or use hydra/launcher=local (or no launcher) to run on this machine")
         from submitit.core import job_environment
         from submitit.slurm import slurm
 
@@ -146,11 +151,14 @@ class Submitting:
                 point = " ".join(o for o in filter_overrides(job_overrides[i]) if o not in common)
                 _fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        executor = self.executor(self.params["submitit_folder"], self.config.cluster)
         args = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
                  plugin.Singleton.get_state()) for i, o in enumerate(job_overrides)]
-        jobs = executor.map_array(self, *zip(*args))
+        try:
+            executor = self.executor(self.params["submitit_folder"], self.config.cluster)
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            jobs = _or_fail(lambda: executor.map_array(self, *zip(*args)))
+        except _bad_input() as e:
+            _fail(str(e))
         print(f"hpctrain: submitted {len(jobs)} job(s) {_ids(jobs)} ({self._shape()} each) -> {sweep_dir}\n"
               f"hpctrain: progress: python -m hpctrain.sweep report {sweep_dir}", flush=True)
         if self.config.cluster.wait:
@@ -159,15 +167,22 @@ class Submitting:
                           task_name="hpctrain", status=JobStatus.COMPLETED)
                 for o, c, j in zip(job_overrides, configs, jobs)]
 
-    def submit_run(self, cfg: DictConfig, run_dir: str, job_logging: dict | None) -> None:
-        """One run (no -m): validate, submit one job running in `run_dir`, print where to look."""
+    def submit_run(self, cfg: DictConfig, run_dir: str, job_logging: dict | None,
+                   started: float = float("inf")) -> None:
+        """One run (no -m): validate, submit one job running in `run_dir`, print where to look. On bad input
+        the run dir Hydra made for it (after `started`) is removed again."""
+        from hpctrain import rundir
+
+        folder = os.path.join(run_dir, ".submitit", "%j")
         try:
             check(cfg)
+            executor = self.executor(folder, cfg.cluster)
+            job = _or_fail(lambda: executor.submit(RunJob(OmegaConf.to_container(cfg, resolve=True), run_dir,
+                                                          job_logging)))
         except _bad_input() as e:
+            rundir.remove_if_fresh(run_dir, started)
             _fail(str(e))
-        folder = os.path.join(run_dir, ".submitit", "%j")
-        job = self.executor(folder, cfg.cluster).submit(RunJob(OmegaConf.to_container(cfg, resolve=True),
-                                                               run_dir, job_logging))
+        rundir.save_config(run_dir, cfg)
         print(f"hpctrain: submitted job {job.job_id} ({self._shape()}) -> {run_dir}\n"
               f"hpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
               f"python -m hpctrain.sweep report {run_dir}", flush=True)
@@ -204,6 +219,22 @@ def _wait(jobs, where: str) -> None:
         _fail(f"{len(bad)} of {len(jobs)} job(s) did not complete ({'; '.join(bad)}): see "
               f"python -m hpctrain.sweep report {where}", code=1)
     print(f"hpctrain: {len(jobs)} job(s) completed", flush=True)
+
+
+def _or_fail(submit):
+    """submit(); sbatch refusing the job (a bad partition, account, time limit...) becomes one line."""
+    import contextlib
+    import io
+
+    import submitit
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit also prints sbatch's whole refusal
+            return submit()
+    except submitit.core.utils.FailedJobError as e:
+        refusal = [line for line in str(e).splitlines() if "error" in line.lower()] or str(e).splitlines() or ["?"]
+        raise ConfigError(f"sbatch refused the job ({refusal[0].strip()}): check cluster.partition, "
+                          "cluster.account, cluster.qos, cluster.time_min and cluster.sbatch_extra") from None
 
 
 def _fail(message: str, code: int = 2):

@@ -161,6 +161,12 @@ def total(row: dict, mode: str) -> float:
     return row["params"] + row["grads"] + row["optim"] + row["copies"] + row["acts"][mode] + row["logits"]
 
 
+def worst_stage_bytes(cfg, plan: Plan, seq_len: int) -> float:
+    """Estimated memory of the most loaded device, with the run's activation checkpointing."""
+    mode = ActCkpt(cfg.parallel.activation_checkpointing).value
+    return max(total(row, mode) for row in estimate(cfg, plan, seq_len)["rows"])
+
+
 def _peak_tflops(cfg) -> float | None:
     if cfg.cluster.peak_tflops:
         return cfg.cluster.peak_tflops

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain import distributed
+from hpctrain.cmdline import Parser
 
 JOIN_KEY = "preflight/joined/{}"
 
@@ -33,7 +34,7 @@ def node_name() -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpctrain preflight", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m hpctrain preflight", description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=float, default=16.0, help="all-reduce / p2p message size in MiB")
     p.add_argument("--gemm", type=int, default=1024, help="GEMM size n (n x n @ n x n)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations of each check")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,19 @@ def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(inputs)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
+    """(item, is_last) pairs, looking one item ahead (FSDP reduces gradients only after the last)."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for nxt in it:
+        yield current, False
+        current = nxt
+    yield current, True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -102,12 +116,15 @@ class TrainStep:
         # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch.
         self.grad_sync = getattr(model, "set_requires_gradient_sync", None)
 
-    def __call__(self, micro_batches: list[torch.Tensor]) -> StepResult:
+    def __call__(self, micro_batches: Iterable[torch.Tensor], n_tokens: int | None = None) -> StepResult:
+        """One step over `micro_batches` (an iterator is consumed lazily: one micro-batch in memory at a time);
+        `n_tokens`: target tokens of the global batch, all dp ranks (computed from a list when not given)."""
         scaler = self.precision.scaler
         # Normalise by the global batch's token count, not per micro-batch: 8×1 accumulation then
         # yields exactly the gradients of 1×8.
-        # Every dp rank holds an equal share of the global batch.
-        n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches) * self.dp
+        if n_tokens is None:  # every dp rank holds an equal share of the global batch
+            micro_batches = list(micro_batches)
+            n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches) * self.dp
         self.optimizer.zero_grad(set_to_none=True)
         total = self._forward_backward(micro_batches, n_tokens)
         if self.dp > 1:  # tensor-parallel ranks hold the same (replicated) loss already
@@ -134,13 +151,13 @@ class TrainStep:
             status = "ok"
         return StepResult(loss_value, norm_value, status, scaler.get_scale() if scaler else None)
 
-    def _forward_backward(self, micro_batches: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
+    def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int) -> torch.Tensor:
         """Accumulate the gradients of all micro-batches; return this rank's share of the loss."""
         scaler = self.precision.scaler
         total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro_batches):
+        for batch, last in _with_last(micro_batches):
             if self.grad_sync is not None:
-                self.grad_sync(i == len(micro_batches) - 1)
+                self.grad_sync(last)
             batch = batch.to(self.device, non_blocking=True)
             with self.loss_ctx():
                 with self.precision.autocast():
@@ -202,7 +219,7 @@ class PipelineTrainStep(TrainStep):
             total += _local(loss.detach()).float()
         return total
 
-    def _forward_backward(self, micro_batches: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
+    def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int) -> torch.Tensor:
         self._denom = float(n_tokens)
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:

@@ -7,7 +7,6 @@ result.json, and from Slurm (sacct) where result.json cannot tell: missing, or a
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -401,7 +400,9 @@ def _order(v):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from hpctrain.cmdline import Parser
+
+    parser = Parser(
         prog="python -m hpctrain.sweep",
         description="Summarize a Hydra multirun sweep of hpctrain runs: status, losses, throughput per point.")
     sub = parser.add_subparsers(dest="command", required=True)

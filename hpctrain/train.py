@@ -6,6 +6,7 @@ The loop knows nothing of the parallel layout: it asks the layout for a model an
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hpctrain import checkpoint, distributed, job
+from hpctrain import checkpoint, distributed, job, rundir
 from hpctrain.config import Plan, PrecisionName, layout_world, model_args, resolve, signal_number
-from hpctrain.data import ShardStream, check_compat, choose_lanes, read_manifest
+from hpctrain.data import DataError, ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.metrics import MetricsLogger, memory_gb, peak_flops
 from hpctrain.model import Llama, flops_per_token, num_params
 from hpctrain.optim import build_optimizer, build_scheduler, scaled_lr
@@ -53,10 +54,40 @@ class RunState:
     tokenizer_sha256: str | None = None  # the token ids the weights were trained on
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A validated run: its plan, its data directory and sequence length."""
+
+    plan: Plan
+    data_dir: str
+    seq_len: int
+
+
+def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
+    """Every check a run makes before it spawns, submits or writes anything; one-line errors.
+
+    `world`: the job's ranks (else this launch's); `local`: the run will use this machine's memory.
+    """
+    plan = resolve(cfg, world or distributed.launched_world() or layout_world(cfg))
+    data_dir, seq_len = prepare_data(cfg, plan)
+    _check_resume(cfg.train.resume)
+    if local:
+        _check_memory(cfg, plan, seq_len)
+    return Prepared(plan, data_dir, seq_len)
+
+
+def _demo_requested(cfg, path: str) -> bool:
+    """The demo corpus is only ever built into its own cache directory: a mistyped data.path, or a shard set
+    whose merge has not run, must fail naming it, not be replaced by the demo."""
+    from data_prep.demo import default_out_dir
+
+    return bool(cfg.data.prepare_demo) and os.path.realpath(path) == os.path.realpath(default_out_dir())
+
+
 def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
     """Make sure the shards exist and fit the model; return (data dir, seq_len). Runs before any spawn."""
     path = os.path.expanduser(cfg.data.path)
-    if cfg.data.prepare_demo and not os.path.isfile(os.path.join(path, "manifest.json")):
+    if _demo_requested(cfg, path):
         from data_prep.demo import build_demo
 
         build_demo(path)
@@ -71,11 +102,71 @@ def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
     if cfg.parallel.sequence_parallel and seq_len % plan.tp:
         raise TrainingError(f"seq_len {seq_len} (from the shards in {path}) is not divisible by parallel.tp="
                             f"{plan.tp} with sequence_parallel: set train.seq_len to a multiple of {plan.tp}")
+    if plan.global_batch > manifest.num_samples("train"):
+        raise DataError(f"train.global_batch={plan.global_batch} is more than the {manifest.num_samples('train')} "
+                        f"samples of the train split in {path}: one step would repeat samples; lower "
+                        "train.global_batch or use more data")
     # Checks the lane/dp divisibility rules and that every shard is there, before any spawn.
     ShardStream(path, "train", plan.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
                 lanes=choose_lanes(cfg.data.lanes, plan.dp, manifest), dp_size=plan.dp,
                 global_batch=plan.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
+    if cfg.train.eval_every:
+        _check_val_split(path, plan.micro_batch, cfg.train.seed)
     return path, seq_len
+
+
+def _val_stream(data_dir: str, micro_batch: int, seed: int) -> ShardStream:
+    return ShardStream(data_dir, "val", micro_batch, seed, loop=False, shuffle=False)
+
+
+def _check_val_split(data_dir: str, micro_batch: int, seed: int) -> None:
+    try:
+        _val_stream(data_dir, micro_batch, seed)
+    except DataError as e:
+        raise DataError(f"cannot evaluate: {e}; or set train.eval_every=0 to train without evaluation") from None
+
+
+def _check_resume(resume: str) -> None:
+    if resume in ("auto", "never"):
+        return
+    path = os.path.expanduser(resume)
+    if not os.path.isfile(os.path.join(path, checkpoint.STATE_FILE)):
+        raise checkpoint.CheckpointError(
+            f"train.resume={resume} is not a complete checkpoint directory (no {checkpoint.STATE_FILE}): pass "
+            "a <run_dir>/checkpoints/step-NNNNNNN directory, or train.resume=auto|never")
+    checkpoint.check_loadable(path)
+
+
+def _available_memory() -> float | None:
+    """Bytes this machine can still give (MemAvailable), or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(cfg, plan: Plan, seq_len: int) -> None:
+    """Refuse a micro-batch that cannot fit: on CPU against this machine's free memory (all local ranks), on
+    GPU against cluster.gpu_mem_gb when given (CUDA is not touched before the ranks fork). The planner's
+    estimate is approximate, so only what exceeds the whole capacity is refused."""
+    from hpctrain.plan import worst_stage_bytes
+
+    need = worst_stage_bytes(cfg, plan, seq_len)
+    if torch.cuda.is_available():
+        per, cap, where = need, (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}"
+    else:
+        ranks = plan.world if distributed.launched_world() is None else 1
+        per, cap, where = need * ranks, _available_memory() or 0, "this machine's available memory"
+    if cap and per > cap:
+        raise TrainingError(
+            f"train.micro_batch={plan.micro_batch} (seq_len {seq_len}) needs about {per / 2**30:.1f} GiB, more "
+            f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain plan ...` shows the parts): lower "
+            "train.micro_batch (train.grad_accum keeps the global batch) or set "
+            "parallel.activation_checkpointing=full")
 
 
 def build_model(cfg, env: distributed.Env, mesh) -> torch.nn.Module:
@@ -128,25 +219,23 @@ def _window_record(state: RunState, result, lr: float, window: dict, tokens_per_
     }
 
 
-def train(cfg, run_dir: str) -> dict:
+def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
     """Run (or resume) training in `run_dir`; return the result also written to result.json.
 
-    Everything is validated first. A layout needing N > 1 processes, started outside torchrun/srun,
-    forks its N local ranks here; each runs `_rank_main`, as every process does under torchrun/srun.
+    Everything is validated first (`prepare`, unless given). A layout needing N > 1 processes, started
+    outside torchrun/srun, forks its N local ranks here; each runs `_rank_main`, as every process does
+    under torchrun/srun.
     """
-    launched = distributed.launched_world()
-    plan = resolve(cfg, launched or layout_world(cfg))
-    data_dir, seq_len = prepare_data(cfg, plan)
+    prepared = prepared or prepare(cfg)
     os.makedirs(run_dir, exist_ok=True)
-    if launched is None and plan.world > 1:
+    if distributed.launched_world() is None and prepared.plan.world > 1:
         from hpctrain import launch
 
         try:
             from hpctrain.checkpoint import CheckpointError
             from hpctrain.config import ConfigError
-            from hpctrain.data import DataError
 
-            launch.spawn(plan.world, _rank_main, (cfg, run_dir, plan, data_dir, seq_len),
+            launch.spawn(prepared.plan.world, _rank_main, (cfg, run_dir, prepared),
                          threads=cfg.cluster.num_threads,
                          quiet=(ConfigError, DataError, TrainingError, CheckpointError, KeyboardInterrupt),
                          ok_codes=(0, job.EXIT_PREEMPTED, job.EXIT_TERMINATED),
@@ -160,33 +249,36 @@ def train(cfg, run_dir: str) -> dict:
             raise job.Stopped(kind, result["steps"], "SIGTERM" if kind == job.TERMINATE else
                               signal_number(cfg.cluster.signal).name)
         return result
-    return _rank_main(cfg, run_dir, plan, data_dir, seq_len)
+    return _rank_main(cfg, run_dir, prepared)
 
 
-def _rank_main(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int) -> dict:
+def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
     nccl = distributed.apply_env(cfg.cluster.nccl)
     env = distributed.init(cfg.cluster.pg_timeout_s)
     if env.is_main and env.device.type == "cuda":
         log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
     try:
-        # Hydra's default run dir has a timestamp: ranks started apart could disagree; rank 0 decides.
-        shared = [run_dir, None]
+        # Hydra's default run dir has a timestamp: ranks started apart could disagree; rank 0 decides, also
+        # where the run starts from (moving a previous run aside first when it starts over).
+        shared = [run_dir, None, None]
         if env.is_main:
-            last = checkpoint.latest(run_dir) if cfg.train.resume == "auto" else None
+            start = rundir.start_point(run_dir, cfg.train.resume)
+            last = checkpoint.latest(run_dir) if start == "auto" else None
             shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
                                            cfg.cluster.max_stalled_restarts, nccl)
+            shared[2] = start
         if env.world > 1:
             torch.distributed.broadcast_object_list(shared, src=0)
-        run_dir, stalled = shared
+        run_dir, stalled, start = shared
         if stalled:
             raise TrainingError(stalled)
-        return _train(cfg, run_dir, plan, data_dir, seq_len, env)
+        return _train(cfg, run_dir, prepared, start, env)
     finally:
         distributed.shutdown()
 
 
-def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: distributed.Env) -> dict:
-    t = cfg.train
+def _train(cfg, run_dir: str, prepared: Prepared, start: str | None, env: distributed.Env) -> dict:
+    t, plan, data_dir, seq_len = cfg.train, prepared.plan, prepared.data_dir, prepared.seq_len
     torch.set_flush_denormal(True)  # denormals make CPU fp32 steps ~10× slower late in training
     if cfg.cluster.num_threads:
         torch.set_num_threads(cfg.cluster.num_threads)
@@ -201,10 +293,13 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                                   cfg.parallel)
 
     state = RunState()
-    resume_from = checkpoint.latest(run_dir) if t.resume == "auto" else None if t.resume == "never" else t.resume
-    if resume_from:
-        saved = checkpoint.load(resume_from, model, optimizer)
-        state = RunState(**saved["run"])
+    resume_from, saved = None, None
+    if start == "auto":
+        resume_from, saved = checkpoint.load_newest(run_dir, model, optimizer) or (None, None)
+    elif start:
+        resume_from, saved = start, checkpoint.load(start, model, optimizer)
+    if saved:
+        state = _run_state(saved, resume_from)
         scheduler.load_state_dict(saved["scheduler"])
         if precision.scaler and saved.get("scaler"):
             precision.scaler.load_state_dict(saved["scaler"])
@@ -238,17 +333,22 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                          shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers, lanes=lanes,
                          dp_rank=mesh["dp"].get_local_rank(), dp_size=plan.dp, global_batch=plan.global_batch,
                          pin_memory=pin, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
-    batches = iter(stream)
+    batches = _Timed(iter(stream))
     metrics = MetricsLogger(run_dir, env.is_main, t.tensorboard, t.progress, t.max_steps, state.step)
 
     def run_eval() -> None:
-        val = ShardStream(data_dir, "val", plan.micro_batch, t.seed, loop=False, shuffle=False)
+        val = _val_stream(data_dir, plan.micro_batch, t.seed)
         subset = (b for _, b in zip(range(t.eval_batches), val))
         state.last_val_loss = train_step.evaluate(subset)
         metrics.log({"step": state.step, "val_loss": state.last_val_loss,
                      "val_ppl": math.exp(min(state.last_val_loss, 50.0))})
 
     def save() -> None:
+        if not _params_finite(model):  # never a checkpoint that resuming would train on from NaN
+            raise TrainingError(
+                f"the parameters are not finite after step {state.step}; no checkpoint written (the last good one: "
+                f"{checkpoint.latest(run_dir) or 'none'}): lower optim.lr or raise optim.warmup_steps, then "
+                "resume from it with train.resume=PATH")
         state.wall_time_s += time.time() - started_at[0]
         started_at[0] = time.time()
         saved = {"run": vars(state), "scheduler": scheduler.state_dict(),
@@ -270,15 +370,15 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
         with redirect:
             while state.step < t.max_steps:
                 t0 = time.perf_counter()
-                micro = [next(batches) for _ in range(plan.grad_accum)]
-                t1 = time.perf_counter()
-                result = train_step(micro)
+                # Micro-batches are pulled one at a time as the step consumes them: memory stays one
+                # micro-batch whatever the accumulation.
+                result = train_step(itertools.islice(batches, plan.grad_accum), tokens_per_step)
                 scheduler.step()
                 state.step += 1
                 state.samples += plan.global_batch
                 state.tokens += tokens_per_step
                 window["steps"] += 1
-                window["data"] += t1 - t0
+                window["data"] += batches.take_wait()
                 window["time"] += time.perf_counter() - t0
                 if result.status == "ok":
                     state.consecutive_nonfinite = 0
@@ -305,13 +405,14 @@ def _train(cfg, run_dir: str, plan: Plan, data_dir: str, seq_len: int, env: dist
                     record["data_corrupt_shards"] = _corrupt_total(stream, mesh)
                     metrics.log(record)
                     window = {"steps": 0, "time": 0.0, "data": 0.0}
-                if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.max_steps):
-                    run_eval()
                 stop = signals.agreed()  # every rank stops after the same step
+                # The step's checkpoint first: an evaluation that fails must not cost finished steps.
                 if stop or (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps:
                     save()
                 if stop:
                     break
+                if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.max_steps):
+                    run_eval()
         status = "completed" if not stop else "preempted" if stop == job.PREEMPT else "terminated"
     except BaseException as e:
         status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
@@ -358,3 +459,45 @@ def _write_json(path: str, doc: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(tmp, path)
+
+
+class _Timed:
+    """An iterator that adds up the time spent waiting in `next` (the loop's data wait)."""
+
+    def __init__(self, it):
+        self.it, self.wait = it, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.wait += time.perf_counter() - t0
+
+    def take_wait(self) -> float:
+        wait, self.wait = self.wait, 0.0
+        return wait
+
+
+def _params_finite(model: torch.nn.Module) -> bool:
+    """Whether every rank's parameters are all finite (collective when distributed)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    ok = torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all() if local else torch.tensor(True)
+    flag = ok.to(device="cpu", dtype=torch.int32).reshape(1)  # one host sync; gloo reduces CPU tensors
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _run_state(saved: dict, path: str) -> RunState:
+    try:
+        return RunState(**saved["run"])
+    except (KeyError, TypeError) as e:
+        raise checkpoint.CheckpointError(f"{path}/{checkpoint.STATE_FILE} is not an hpctrain trainer state ({e}): "
+                                         "resume from another checkpoint (train.resume=PATH) or train.resume=never"
+                                         ) from None

@@ -20,6 +20,9 @@ MARIADB_PID=/run/mysqld/hpctrain-mariadb.pid  # mariadbd runs as mysql: it canno
 names() { seq -f "n%g" 1 "$NODES"; }
 say() { echo "slurm-local: $*"; }
 die() { echo "slurm-local: error: $*" >&2; exit 1; }
+# Numbers only: they go into $(( )), which evaluates any text (a[$(cmd)] would run cmd, as root).
+[[ $NODES =~ ^[1-9][0-9]*$ ]] || die "SLURM_LOCAL_NODES=$NODES: not a positive integer"
+[[ $CPUS =~ ^[1-9][0-9]*$ ]] || die "SLURM_LOCAL_CPUS=$CPUS: not a positive integer"
 
 alive() {  # alive PIDFILE: the process in it runs (a zombie does not count)
   [ -s "$1" ] || return 1

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import signal
 import subprocess
+import sys
+import tempfile
 import time
+import traceback
+from dataclasses import dataclass
 
 from hpctrain.sweep import sacct_state
 
@@ -62,3 +68,81 @@ def sbatch_run(args: list[str], cwd, env=None, timeout: float = 240) -> tuple[st
     assert p.returncode == 0, f"sbatch failed: {p.stdout}{p.stderr}"
     job = p.stdout.strip().split(";")[0]
     return job, wait_job(job, timeout)
+
+
+@dataclass
+class Ran:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def err_lines(self) -> list[str]:
+        return [line for line in self.err.splitlines() if line.strip()]
+
+
+def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = None, timeout: float = 120) -> Ran:
+    """A command's `main(argv)` in a forked child of this process (torch already imported: milliseconds instead
+    of a new interpreter's seconds), with its own stdout/stderr files, cwd and environment. The exit code is
+    main's return value, a SystemExit's code, or 1 with the traceback on stderr, as `python -m` would give."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                # pytest's capture replaced sys.stdout/err with its own files: write to the fds instead.
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                os.chdir(cwd)
+                for key, value in (env or {}).items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+                sys.argv = ["python", *argv]
+                code = main(argv) or 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            except BaseException:  # noqa: BLE001 - reported like the interpreter would
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.time() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.time() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"{argv} did not finish in {timeout:.0f}s")
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        return Ran(os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"),
+                   err.read().decode(errors="replace"))
+
+
+def tree_digest(path) -> str:
+    """A hash of every file's relative path and bytes (and every directory's name) under `path`."""
+    h = hashlib.sha256()
+    if not os.path.exists(path):
+        return "absent"
+    for root, dirs, files in sorted(os.walk(path)):
+        dirs.sort()
+        h.update(os.path.relpath(root, path).encode() + b"/\0")
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            h.update(name.encode() + b"\0")
+            if os.path.islink(full):
+                h.update(os.readlink(full).encode())
+            else:
+                with open(full, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()

@@ -143,7 +143,7 @@ def test_manifest_matches_tar_contents(demo_dir):
     assert len(m.splits["train"]) >= 3 and len(m.splits["val"]) >= 1
     assert sha256_file(os.path.join(demo_dir, m.tokenizer.path)) == m.tokenizer.sha256
     assert sorted(os.listdir(demo_dir)) == sorted(
-        [MANIFEST_NAME, "tokenizer", ".build"] + [s.name for v in m.splits.values() for s in v])
+        [MANIFEST_NAME, "tokenizer", ".build", ".hpctrain-demo"] + [s.name for v in m.splits.values() for s in v])
     for split, shards in m.splits.items():
         key = 0
         for i, shard in enumerate(shards):  # the demo is one work unit per split
@@ -410,6 +410,52 @@ def test_bad_input_gives_one_line_data_errors(demo_dir, tmp_path):
     with pytest.raises(DataError) as e:
         _take(ShardStream(corrupt, "train", 4, seed=0, shuffle=False), 10**9)
     _one_line_error(e, names[0])
+
+
+def test_data_path_that_is_a_file(demo_dir):
+    manifest = os.path.join(demo_dir, MANIFEST_NAME)
+    for call in (lambda: read_manifest(manifest), lambda: ShardStream(manifest, "train", 4, seed=0)):
+        with pytest.raises(DataError) as e:
+            call()
+        _one_line_error(e, f"data.path {manifest} is a file, not a directory", "holding manifest.json")
+    r = subprocess.run([sys.executable, "-m", "data_prep.verify", manifest], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith("error: data.path") and "is a file" in line
+
+
+def test_verify_command(demo_dir, tmp_path, capsys):
+    from data_prep import verify
+
+    good = str(tmp_path / "good")
+    shutil.copytree(demo_dir, good)
+    n = sum(len(v) for v in read_manifest(good).splits.values())
+    assert verify.main([good]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"ok: {n} shards")
+
+    name = read_manifest(good).splits["train"][1].name
+    with open(os.path.join(good, name), "r+b") as f:  # first sample's tokens, tar headers untouched
+        f.seek(512)
+        head = f.read(64)
+        f.seek(512)
+        f.write(bytes(b ^ 1 for b in head))
+    assert verify.main([good, "--quick"]) == 0  # same size: --quick cannot tell
+    capsys.readouterr()
+    assert verify.main([good]) == 1
+    bad, summary = capsys.readouterr().out.splitlines()
+    assert name in bad and "checksum mismatch" in bad and summary.startswith("1 bad file(s)")
+
+    os.truncate(os.path.join(good, name), 4096)
+    r = subprocess.run([sys.executable, "-m", "data_prep.shards", "verify", "--out", good, "--quick"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and name in r.stdout and "4096 bytes" in r.stdout, r.stdout + r.stderr
+
+    missing = str(tmp_path / "missing")
+    assert verify.main([missing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: data directory {missing} does not exist")
 
 
 def test_check_compat(demo_dir):

@@ -6,7 +6,9 @@ documented definition of the global sample sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import logging
 import os
 import shutil
@@ -17,7 +19,14 @@ import pytest
 import torch
 
 from data_prep.demo import build_demo
-from data_prep.shard_format import DataError, read_manifest
+from data_prep.shard_format import (
+    MANIFEST_NAME,
+    DataError,
+    decode_tokens,
+    encode_tokens,
+    read_manifest,
+    sha256_file,
+)
 from hpctrain import data as data_mod
 from hpctrain.data import (
     ShardStream,
@@ -232,6 +241,95 @@ def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path):
         assert torch.equal(resumed, got[k * 16:]), k
 
 
+def _edit_tokens(data_dir: str, index: int, edit, fix_sha256: bool = False) -> str:
+    """Rewrite the token data of train shard `index` in place, member by member (same size, tar headers
+    untouched); `edit(sample, tokens)` returns the new tokens. fix_sha256: record the new sha256 in the
+    manifest too, so that only checks on the tokens themselves can notice. Returns the shard's path."""
+    m = read_manifest(data_dir)
+    path = os.path.join(data_dir, m.splits["train"][index].name)
+    with tarfile.open(path) as tf:
+        members = [(t.offset_data, t.size) for t in tf]
+    with open(path, "r+b") as f:
+        for i, (offset, size) in enumerate(members):
+            f.seek(offset)
+            tokens = edit(i, decode_tokens(f.read(size), m.dtype).astype(np.int64))
+            f.seek(offset)
+            f.write(encode_tokens(tokens, m.dtype))
+    if fix_sha256:
+        with open(os.path.join(data_dir, MANIFEST_NAME)) as f:
+            raw = json.load(f)
+        raw["splits"]["train"][index]["sha256"] = sha256_file(path)
+        with open(os.path.join(data_dir, MANIFEST_NAME), "w") as f:
+            json.dump(raw, f)
+    return path
+
+
+def _skip_run(data_dir: str, steps: int) -> tuple[ShardStream, list[torch.Tensor], list[str]]:
+    records = _Records()
+    logging.getLogger("hpctrain.data").addHandler(records)
+    try:
+        s = ShardStream(data_dir, "train", 16, SEED, lanes=LANES, on_corrupt="skip")
+        return s, take(s, steps), records.messages
+    finally:
+        logging.getLogger("hpctrain.data").removeHandler(records)
+
+
+def test_altered_tokens_fail_the_checksum(shards, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(shards, bad)
+    m = read_manifest(bad)
+    info = m.splits["train"][3]
+    path = _edit_tokens(bad, 3, lambda i, t: (t + 1) % m.vocab_size)  # every token, same size
+    assert os.path.getsize(path) == info.bytes
+    with pytest.raises(DataError) as e:
+        read_shard(path, info, m)
+    one_line(e, path, "checksum mismatch", "rebuild or re-copy", "on_corrupt=skip")
+    with open(path, "rb") as f:
+        assert data_mod._parse_tar(f.read(), m, info) is not None  # valid tar: only the checksum catches it
+    for workers in (0, 2):
+        with pytest.raises(DataError) as e:
+            take(ShardStream(bad, "train", 8, SEED, lanes=LANES, num_workers=workers), 10**6)
+        assert "worker" not in one_line(e, info.name, "checksum mismatch")
+    # documented limit: pipe: URLs stream through webdataset unhashed
+    altered = read_shard(f"pipe:cat {path}", info, m)
+    assert np.array_equal(altered, (read_shard_wds(os.path.join(shards, info.name), info, m) + 1) % m.vocab_size)
+
+    steps = m.num_samples("train") // 16 + 2
+    s, run, messages = _skip_run(bad, steps)
+    assert s.corrupt_shards >= 1 and set(s.corrupt_names) == {info.name}
+    assert len(messages) == s.corrupt_shards and all(info.name in x and "checksum" in x for x in messages)
+    assert {tuple(b.shape) for b in run} == {(16, m.block_len)}
+    assert not {bytes(r) for r in altered.astype(np.int64)} & {bytes(r) for r in torch.cat(run).numpy()}
+
+
+def test_token_id_beyond_vocab_names_shard_and_sample(shards, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(shards, bad)
+    m = read_manifest(bad)
+    wrong = m.vocab_size + 3
+
+    def poke(i, tokens):
+        if i == 5:
+            tokens[7] = wrong
+        return tokens
+
+    path = _edit_tokens(bad, 2, poke, fix_sha256=True)  # checksum matches: only the range check catches it
+    m = read_manifest(bad)
+    info = m.splits["train"][2]
+    with tarfile.open(path) as tf:
+        key = tf.getnames()[5].split(".")[0]
+    for url in (path, f"pipe:cat {path}"):
+        with pytest.raises(DataError) as e:
+            read_shard(url, info, m)
+        one_line(e, url, "sample 5", key, f"token id {wrong}", f"vocab_size {m.vocab_size}", "rebuild")
+    with pytest.raises(DataError) as e:
+        take(ShardStream(bad, "train", 8, SEED, lanes=LANES), 10**6)
+    one_line(e, info.name, "sample 5")
+    s, run, messages = _skip_run(bad, m.num_samples("train") // 16 + 2)
+    assert set(s.corrupt_names) == {info.name} and all("sample 5" in x for x in messages)
+    assert int(torch.cat(run).max()) < m.vocab_size
+
+
 def test_layout_rules_are_one_line_errors(shards):
     n = len(read_manifest(shards).splits["train"])
     cases = [
@@ -263,7 +361,8 @@ def test_fast_tar_path_matches_webdataset_and_falls_back(shards, tmp_path):
     m = read_manifest(shards)
     for s in m.splits["train"] + m.splits["val"]:
         path = os.path.join(shards, s.name)
-        fast = data_mod._read_local_tar(path, m, s)
+        with open(path, "rb") as f:
+            fast = data_mod._parse_tar(f.read(), m, s)
         assert fast is not None and fast.dtype == m.dtype
         np.testing.assert_array_equal(fast, read_shard_wds(path, s, m))
     # a non-canonical but valid shard (an extra member per sample, GNU format): webdataset reads it
@@ -277,7 +376,12 @@ def test_fast_tar_path_matches_webdataset_and_falls_back(shards, tmp_path):
             extra = tarfile.TarInfo(member.name.replace(".tokens", ".json"))
             extra.size = 2
             dst.addfile(extra, io.BytesIO(b"{}"))
-    assert data_mod._read_local_tar(other, m, s) is None
+    with open(other, "rb") as f:
+        assert data_mod._parse_tar(f.read(), m, s) is None
+    with pytest.raises(DataError) as e:  # other bytes than the manifest's sha256
+        read_shard(other, s, m)
+    one_line(e, other, "checksum mismatch")
+    s = dataclasses.replace(s, sha256=sha256_file(other), bytes=os.path.getsize(other))
     np.testing.assert_array_equal(read_shard(other, s, m), blocks)
     np.testing.assert_array_equal(read_shard(f"pipe:cat {other}", s, m), blocks)
 

@@ -129,9 +129,16 @@ def test_sub_groups_get_the_timeout():
 
 
 def test_failed_rank_is_named(make_cfg, tmp_path):
-    # A missing checkpoint is only found inside the ranks: the parent reports which rank failed.
+    # Damaged checkpoints are only found inside the ranks, when they resume: the parent reports which rank failed.
+    from hpctrain import checkpoint
+
+    run = str(tmp_path / "run")
+    train(make_cfg(*COMMON, "train.max_steps=2"), run)
+    for ck in checkpoint.complete_checkpoints(run):
+        with open(os.path.join(ck, checkpoint.STATE_FILE), "w") as f:
+            f.write("{not json")
     with pytest.raises(TrainingError, match=r"rank \d of 2 failed \(exit code 1\)"):
-        train(make_cfg(*COMMON, "parallel=tp2", f"train.resume={tmp_path}/nowhere"), str(tmp_path / "run"))
+        train(make_cfg(*COMMON, "parallel=tp2", "train.max_steps=4"), run)
 
 
 def _cli(run_dir, demo_data, *extra) -> list[str]:

@@ -402,3 +402,34 @@ def test_bad_input_is_one_line_and_never_corrupts_a_set(corpus, tok_dir, referen
     m3 = build([str(words)], out, BuildConfig(seq_len=SEQ, val_fraction=0.0), tokenizer=str(tmp_path / "big.json"),
                overwrite=True, log=lambda s: None)
     assert m3.dtype == "uint32" and _blocks(out, m3.shards("train")[0], "uint32").max() > 65535
+
+
+def test_out_dir_that_cannot_be_created_is_one_line(corpus, tok_dir, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory\n")
+    out = str(afile / "shards")
+    r = _cli("data_prep.shards", *_build_args(corpus, tok_dir, out), check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    _one_line(line, "error: cannot create the output directory", out, f"{afile} is a file", "--out")
+    cfg = BuildConfig(seq_len=SEQ, val_fraction=0.0)
+    files = sources_mod.expand_corpus(corpus[:1])
+    for target in (out, str(afile)):  # under a file, and a file itself
+        with pytest.raises(DataError) as e:
+            build(files, target, cfg, tokenizer=tok_dir, log=lambda s: None)
+        _one_line(e, target, f"{afile} is a file")
+    from data_prep.shards import prepare_out_dir
+
+    with pytest.raises(DataError) as e:
+        prepare_out_dir(out)
+    _one_line(e, out, "is a file")
+    if os.geteuid() != 0:  # root ignores permissions
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            with pytest.raises(DataError) as e:
+                build(files, str(locked / "out"), cfg, tokenizer=tok_dir, log=lambda s: None)
+            _one_line(e, str(locked / "out"), "Permission denied")
+        finally:
+            locked.chmod(0o700)

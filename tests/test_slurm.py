@@ -314,3 +314,18 @@ def test_plain_python_in_a_batch_script_is_not_a_rank(slurm, demo_data, tmp_path
     assert state == "completed", read(glob.glob(str(tmp_path / "out-*.txt"))[0])
     result = json.loads(read(run / "result.json"))
     assert result["status"] == "completed" and result["world"] == 1, result
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_sbatch_refusing_the_job_is_one_line(slurm, demo_data, tmp_path, sweep):
+    """A partition that does not exist: sbatch's refusal becomes one line naming the settings to check, exit 2, and
+    a single run leaves no run directory."""
+    where = ["-m", f"hydra.sweep.dir={tmp_path / 's'}", "optim.lr=1e-2,3e-3"] if sweep else [f"run_dir={tmp_path / 'r'}"]
+    p = subprocess.run([sys.executable, "-m", "hpctrain", *where, "hydra/launcher=slurm", f"data.path={demo_data}",
+                        "data.prepare_demo=false", *SMALL_MODEL, "cluster.partition=no_such_partition"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "sbatch refused the job (sbatch: error: invalid partition" in p.stderr and "cluster.partition" in p.stderr
+    assert not (tmp_path / "r").exists()

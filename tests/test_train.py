@@ -148,7 +148,7 @@ def test_fp16_skipped_step_leaves_weights_untouched(make_cfg):
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path):
     # An absurd SGD learning rate without clipping blows the weights up within a few steps.
-    cfg = make_cfg("optim=sgd", "optim.lr=1e12", "optim.grad_clip=0", "optim.warmup_steps=0",
+    cfg = make_cfg("optim=sgd", "optim.lr=1e3", "model.init_std=1.0", "optim.grad_clip=0", "optim.warmup_steps=0",
                    "train.max_nonfinite=2", "train.max_steps=50", "train.eval_every=0")
     with pytest.raises(TrainingError, match="2 consecutive non-finite steps") as e:
         train(cfg, str(tmp_path))
@@ -258,3 +258,113 @@ def test_sample_greedy_is_deterministic(make_cfg):
     assert a == b and len(a) == 8
     logits = model(torch.tensor([[1, 2, 3]]))[0, -1]
     assert a[0] == int(logits.argmax())
+
+
+def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
+    """Accumulation streams: the step holds one micro-batch (plus one looked ahead), never the whole global batch."""
+    from hpctrain.config import model_args
+    from hpctrain.model import Llama
+    from hpctrain.optim import build_optimizer
+    from hpctrain.precision import setup_precision
+    from hpctrain.step import TrainStep
+
+    cfg = make_cfg()
+    torch.manual_seed(0)
+    model = Llama(model_args(cfg))
+    events = []
+    model.register_forward_pre_hook(lambda *_: events.append("forward"))
+    batches = [torch.randint(0, 512, (2, 65)) for _ in range(6)]
+
+    def stream():
+        for b in batches:
+            events.append("pull")
+            yield b
+
+    step = TrainStep(model, build_optimizer(model, cfg.optim, 1e-2), setup_precision(cfg.precision, torch.device("cpu")),
+                     1.0, torch.device("cpu"))
+    streamed = step(stream(), n_tokens=6 * 2 * 64)
+    assert events == ["pull", "pull"] + ["forward", "pull"] * 4 + ["forward", "forward"]
+    # ... and it is the same step as on the list.
+    torch.manual_seed(0)
+    ref_model = Llama(model_args(cfg))
+    ref = TrainStep(ref_model, build_optimizer(ref_model, cfg.optim, 1e-2),
+                    setup_precision(cfg.precision, torch.device("cpu")), 1.0, torch.device("cpu"))(batches)
+    assert streamed.loss == pytest.approx(ref.loss, abs=1e-6) and streamed.grad_norm == pytest.approx(ref.grad_norm)
+
+
+def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path):
+    """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: resumed from a
+    checkpoint holding a NaN weight, as an older version or a flipped bit would leave it)."""
+    from hpctrain import checkpoint
+    from hpctrain.config import model_args
+    from hpctrain.model import Llama
+    from hpctrain.optim import build_optimizer, build_scheduler
+
+    cfg = make_cfg("train.max_steps=2", "train.eval_every=0", "train.ckpt_every=2")
+    train(cfg, str(tmp_path / "good"))
+    model = Llama(model_args(cfg))
+    optimizer = build_optimizer(model, cfg.optim, 1e-2)
+    build_scheduler(optimizer, cfg.optim, 2)  # the schedule's initial_lr is part of the optimizer state
+    state = checkpoint.load(checkpoint.latest(str(tmp_path / "good")), model, optimizer)
+    with torch.no_grad():
+        model.layers["0"].attention.wq.weight[0, 0] = float("nan")
+    checkpoint.save(str(tmp_path / "run"), 2, model, optimizer, state, keep=2)
+    with pytest.raises(TrainingError, match="not finite after step 3; no checkpoint written") as e:
+        train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.max_nonfinite=5"), str(tmp_path / "run"))
+    assert "lower optim.lr" in str(e.value) and "\n" not in str(e.value)
+    assert read_json(tmp_path / "run" / "result.json")["status"] == "failed"
+    assert [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(tmp_path / "run"))] == ["step-0000002"]
+
+
+def test_resume_never_moves_the_previous_run_aside(make_cfg, tmp_path):
+    """Starting over in a used run dir: the old run's checkpoints, metrics and result move to previous/<time>/;
+    the new run's rotation and `latest` see only its own checkpoints, and resuming continues the new run."""
+    from hpctrain import checkpoint
+
+    run = tmp_path / "run"
+    train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=2"), str(run))
+    old_losses = losses(run)
+    train(make_cfg("train.max_steps=2", "train.eval_every=0", "train.ckpt_every=1", "train.ckpt_keep=1",
+                   "train.resume=never", "train.seed=7"), str(run))
+    (previous,) = (run / "previous").iterdir()
+    assert sorted(os.listdir(previous / "checkpoints")) == ["latest", "step-0000002", "step-0000004"]
+    assert losses(previous) == old_losses
+    assert sorted(losses(run)) == [1, 2] and losses(run)[1] != old_losses[1]
+    assert checkpoint.latest(str(run)) == str(run / "checkpoints" / "step-0000002")
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step-0000002"]
+    resumed = train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.seed=7"), str(run))
+    assert resumed["steps"] == 3 and sorted(losses(run)) == [1, 2, 3]
+    assert "step-0000004" not in os.listdir(run / "checkpoints")
+
+
+def test_resume_from_an_older_checkpoint_of_the_same_run_starts_a_new_timeline(make_cfg, tmp_path):
+    """train.resume=<this run's step 2> while step 4 exists: the old timeline moves aside (the path is followed
+    there), so the new step-4 checkpoint never overwrites or mixes with the old one."""
+    run = tmp_path / "run"
+    train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=2", "train.ckpt_keep=3"), str(run))
+    result = train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=2",
+                            f"train.resume={run}/checkpoints/step-0000002"), str(run))
+    assert result["steps"] == 4 and sorted(losses(run)) == [3, 4]
+    (previous,) = (run / "previous").iterdir()
+    assert "step-0000004" in os.listdir(previous / "checkpoints")
+
+
+def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, demo_data):
+    """The step's checkpoint is written before its evaluation: a validation shard found corrupt at step 2 costs
+    no finished step."""
+    import shutil
+
+    from data_prep.shard_format import read_manifest
+    from hpctrain import checkpoint
+    from hpctrain.data import DataError
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    for shard in read_manifest(str(data)).splits["val"]:
+        with open(data / shard.name, "r+b") as f:
+            f.seek(600)
+            f.write(b"\xff" * 64)  # tokens changed: the checksum no longer matches
+    with pytest.raises(DataError, match="checksum"):
+        train(make_cfg(f"data.path={data}", "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2"),
+              str(tmp_path / "run"))
+    assert checkpoint.latest(str(tmp_path / "run")).endswith("step-0000002")

@@ -1,0 +1,88 @@
+"""Check a shard set against its manifest before a long run (or after copying it to scratch).
+
+    python -m data_prep.verify DIR [--quick]       # also: python -m data_prep.shards verify --out DIR
+
+Checks the manifest, the tokenizer's sha256 and every shard's existence and size; without --quick also
+every shard's sha256, sample count and token ids (< vocab_size), by reading it as training does
+(`hpctrain.data.read_shard`). Prints one line per bad shard and a summary line. Exit status: 0 all good,
+1 bad shards, 2 usage or manifest errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from data_prep.shard_format import DataError, Manifest, ShardInfo, read_manifest, sha256_file
+
+
+def check_shard(data_dir: str, manifest: Manifest, shard: ShardInfo, quick: bool) -> str | None:
+    """What is wrong with one shard (one line), or None when it is good."""
+    path = os.path.join(data_dir, shard.name)
+    if not os.path.isfile(path):
+        return f"shard {path} is missing: restore it or rebuild the shards"
+    size = os.path.getsize(path)
+    if size != shard.bytes:
+        return f"shard {path} has {size} bytes, the manifest says {shard.bytes}: restore it or rebuild the shards"
+    if quick:
+        return None
+    from hpctrain.data import read_shard  # torch and webdataset: only for the full check
+
+    try:
+        read_shard(path, shard, manifest)  # sha256, tar layout, sample count, token range
+    except DataError as e:
+        return str(e)
+    return None
+
+
+def check_tokenizer(data_dir: str, manifest: Manifest) -> str | None:
+    path = os.path.join(data_dir, manifest.tokenizer.path)
+    if not os.path.isfile(path):
+        return f"tokenizer {path} is missing: restore it or rebuild the shards"
+    if sha256_file(path) != manifest.tokenizer.sha256:
+        return f"tokenizer {path} checksum mismatch: it is not the one that produced the shards; restore it"
+    return None
+
+
+def verify(data_dir: str, quick: bool = False, out=print) -> int:
+    """Print the problems of the shard set in `data_dir` and a summary; returns the number of bad files.
+    Raises DataError when there is no readable manifest."""
+    manifest = read_manifest(data_dir)
+    shards = [s for split in manifest.splits.values() for s in split]
+    bad = 0
+    for problem in [check_tokenizer(data_dir, manifest)] + [check_shard(data_dir, manifest, s, quick)
+                                                          for s in shards]:
+        if problem:
+            bad += 1
+            out(problem)
+    what = "existence and size" if quick else "size, sha256, samples and token ids"
+    samples = sum(s.samples for s in shards)
+    if bad:
+        out(f"{bad} bad file(s) among the tokenizer and {len(shards)} shards of {data_dir} ({what} checked): "
+            "restore them from a good copy or rebuild the shards; data.on_corrupt=skip trains around bad shards")
+    else:
+        out(f"ok: {len(shards)} shards, {samples} samples of {manifest.block_len} tokens in {data_dir} "
+            f"({what} checked)")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data_prep.verify", description=__doc__.splitlines()[0])
+    p.add_argument("dir", nargs="?", metavar="DIR", help="the shard directory (the one holding manifest.json)")
+    p.add_argument("--out", metavar="DIR", help="same as DIR (as in `python -m data_prep.shards verify --out DIR`)")
+    p.add_argument("--quick", action="store_true", help="only existence and sizes (no reading)")
+    a = p.parse_args(argv)
+    data_dir = a.dir or a.out
+    if not data_dir or (a.dir and a.out and a.dir != a.out):
+        p.error("give the shard directory once: DIR or --out DIR")
+    try:
+        bad = verify(data_dir, a.quick)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

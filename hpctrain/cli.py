@@ -1,0 +1,166 @@
+"""`python -m hpctrain`: train (a Hydra app; `hydra/launcher=slurm|local` submits instead), `plan`, `preflight`.
+
+Every bad input ends in one line `hpctrain: error: ...` and exit code 2, Hydra's composition errors
+included, and leaves no run directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hpctrain import rundir
+from hpctrain.config import ConfigError, register
+
+PROG = "python -m hpctrain"
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "conf")
+EXIT_BAD_INPUT = 2
+# When the command started: what was made after it (by Hydra, for this run) may be removed again.
+_started = float("inf")  # (until main runs: nothing counts as made by this command)
+_full_error: str | None = None  # the user's HYDRA_FULL_ERROR, restored on return
+_in_task = False  # Hydra has made the run directory and handed over
+
+register()
+
+
+def bad_input() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input: reported as one line, never as a traceback."""
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.data import DataError
+    from hpctrain.train import TrainingError
+
+    return ConfigError, DataError, TrainingError, CheckpointError, OmegaConfBaseException
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT):
+    print(f"hpctrain: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _restore_full_error() -> None:
+    if _full_error is None:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = _full_error
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _task(cfg: DictConfig) -> dict | None:
+    from hpctrain.job import Stopped, quiet_other_ranks
+    from hpctrain.train import prepare, train
+
+    global _in_task
+    _in_task = True
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    where = f"sweep point #{hc.job.num} ({' '.join(hc.overrides.task)}): " if hc.mode == RunMode.MULTIRUN else ""
+    if hc.mode == RunMode.RUN and str(hc.launcher.get("_target_", "")).startswith("hydra_plugins.hpctrain_launcher."):
+        # `python -m hpctrain hydra/launcher=slurm ...`: submit this one run instead of training here.
+        from hydra.utils import instantiate
+
+        return instantiate(hc.launcher).submit_run(cfg, run_dir, OmegaConf.to_container(hc.job_logging, resolve=True),
+                                                   started=_started)
+    quiet_other_ranks()
+    try:
+        prepared = prepare(cfg)
+    except bad_input() as e:
+        rundir.remove_if_fresh(run_dir, _started)
+        fail(where + str(e))
+    try:
+        rundir.save_config(run_dir, cfg)
+    except OSError as e:
+        fail(f"cannot write to the run directory {run_dir} ({e.strerror}: {e.filename}): choose a writable run_dir")
+    try:
+        return train(cfg, run_dir, prepared)
+    except bad_input() as e:
+        fail(where + str(e))
+    except Stopped as e:
+        print(f"hpctrain: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+
+
+def hydra_error_line(e: BaseException) -> str:
+    """Hydra's multi-line composition errors as one line; an unknown key gets hpctrain's own advice (Hydra's
+    suggests `+key=value`, which would add the typo silently)."""
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    if key and str(e).startswith("Could not override"):
+        from hpctrain.config import check_keys
+
+        try:
+            check_keys(OmegaConf.from_dotlist([f"{key}=0"]))
+        except ConfigError as unknown:
+            return str(unknown)
+    lines = [str(e)] + ([str(cause)] if isinstance(cause, OmegaConfBaseException) else [])
+    if getattr(e, "override", None):
+        lines.insert(0, f"cannot parse override {e.override!r}:")
+    text = "\n".join(lines).split("Config search path")[0]  # Hydra's own search path: noise here
+    keep = [line.strip() for line in text.splitlines()
+            if line.strip() and not line.strip().startswith(("full_key:", "reference_type=", "object_type=", "See "))]
+    return " ".join(keep).replace("Available options", "available options")
+
+
+def _hydra(argv: list[str]) -> int:
+    global _full_error
+    _full_error = os.environ.get("HYDRA_FULL_ERROR")
+    # Composition errors (of every sweep point too) reach us as exceptions instead of Hydra's multi-line
+    # report; a crash in training then shows Python's whole traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    sys.argv = [PROG, *argv]  # Hydra's usage lines name the program by argv[0]
+    try:
+        _task()
+    except (HydraException, OmegaConfBaseException) as e:
+        fail(hydra_error_line(e))
+    except OSError as e:
+        if _in_task:  # a failure of training itself keeps its traceback
+            raise
+        what = "is a file" if e.filename and os.path.isfile(e.filename) else f"cannot be created ({e.strerror})"
+        fail(f"the run directory {e.filename} {what}: choose another run_dir")
+    finally:
+        _restore_full_error()
+    return 0
+
+
+def plan(argv: list[str]) -> int:
+    """Compose the same config as a run (no run directory, no logging setup) and print its layout plan."""
+    from hydra import compose, initialize_config_dir
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"usage: {PROG} plan [hydra overrides], e.g. model=llama_70b parallel.dp=8 parallel.tp=8 "
+              "parallel.pp=4 cluster.gpu_mem_gb=80\nprints the layer-to-stage map, per-device memory, pipeline "
+              "bubble and FLOPs per step of that layout, without allocating the model")
+        return 0
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=argv)
+    except (HydraException, OmegaConfBaseException) as e:
+        fail(hydra_error_line(e))
+    from hpctrain.plan import main as plan_main
+
+    return plan_main(cfg)
+
+
+def preflight(argv: list[str]) -> int:
+    from hpctrain.preflight import main as preflight_main
+
+    return preflight_main(argv)
+
+
+COMMANDS = {"plan": plan, "preflight": preflight}
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _started
+    _started = time.time()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return _hydra(argv)

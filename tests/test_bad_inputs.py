@@ -1,0 +1,200 @@
+"""Bad inputs, as a new user or an attacker would type them: every one ends in ONE line naming the fix,
+a non-zero exit, no traceback, and nothing changed on disk (the shard sets and the checkpoints of an
+existing run are hashed before and after). Commands run forked from this process (see helpers.run_forked):
+the real entry points, without a new interpreter's start-up per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+from conftest import SMALL_MODEL
+from helpers import run_forked, tree_digest
+
+from data_prep import demo as demo_cli
+from data_prep import shards as shards_cli
+from hpctrain import checkpoint, cli, generate, metrics
+
+BASE = [*SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=2", "train.log_every=1",
+        "train.eval_every=0", "train.tensorboard=false", "cluster.num_threads=1"]
+
+
+class _Exploit:
+    """Unpickling this runs a shell command that leaves a marker file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, demo_data):
+    """Shard sets and runs, good and damaged, that the cases point at; built once per module."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.train import train
+
+    w = tmp_path_factory.mktemp("world")
+    shutil.copytree(demo_data, w / "data")
+    # A `make shards-slurm` build whose merge has not run: shards and journal, no manifest.json.
+    shutil.copytree(demo_data, w / "unfinished")
+    os.remove(w / "unfinished" / "manifest.json")
+    os.remove(w / "unfinished" / demo_cli.MARKER)  # a shard build of the user's, not the demo's
+    # A shard set without a validation split.
+    shutil.copytree(demo_data, w / "noval")
+    with open(w / "noval" / "manifest.json") as f:
+        manifest = json.load(f)
+    manifest["splits"]["val"] = []
+    with open(w / "noval" / "manifest.json", "w") as f:
+        json.dump(manifest, f)
+    (w / "afile").write_text("not a directory\n")
+    # A finished run with two checkpoints and its config (as `python -m hpctrain` writes it).
+    from conftest import CONF_DIR
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*BASE, f"data.path={w / 'data'}", "data.prepare_demo=false",
+                                                       "train.ckpt_every=1"])
+    train(cfg, str(w / "run"))
+    os.makedirs(w / "run" / ".hydra")
+    OmegaConf.save(cfg, w / "run" / ".hydra" / "config.yaml")
+    # The same run with every checkpoint's metadata replaced by a pickle that runs a command.
+    shutil.copytree(w / "run", w / "evil", symlinks=True)
+    for ck in checkpoint.complete_checkpoints(str(w / "evil")):
+        with open(os.path.join(ck, ".metadata"), "wb") as f:
+            pickle.dump(_Exploit(str(w / "pwned")), f)
+    # ... and with trainer states that are not JSON.
+    shutil.copytree(w / "run", w / "badstate", symlinks=True)
+    for ck in checkpoint.complete_checkpoints(str(w / "badstate")):
+        with open(os.path.join(ck, checkpoint.STATE_FILE), "w") as f:
+            f.write("{not json")
+    # A run that has not written a checkpoint yet.
+    os.makedirs(w / "nockpt" / ".hydra")
+    shutil.copy(w / "run" / ".hydra" / "config.yaml", w / "nockpt" / ".hydra" / "config.yaml")
+    return w
+
+
+# Shard sets whole; of runs, the checkpoints (every invocation rewrites a run's .hydra/ and appends to its log).
+WATCHED = ("data", "unfinished", "noval", "afile", "run/checkpoints", "evil/checkpoints", "badstate/checkpoints",
+           "nockpt")
+
+
+def _hp(*args):
+    return cli.main, ["run_dir={w}/new", "data.path={w}/data", *BASE, *args]
+
+
+# (id, entry point, argv with {w} = the world dir, words the one error line must contain)
+CASES = [
+    # 1. Data loss: the demo corpus is never built over a user's directory, or at a mistyped path.
+    ("unfinished-shard-build", *_hp("data.path={w}/unfinished"), ["no manifest.json", "unfinished"]),
+    ("mistyped-data-path", *_hp("data.path={w}/shardz"), ["does not exist"]),
+    ("demo-out-over-a-run", demo_cli.main, ["--out", "{w}/run", "--max-bytes", "20000"], ["not empty"]),
+    ("demo-out-over-a-shard-build", demo_cli.main, ["--out", "{w}/unfinished", "--max-bytes", "20000"],
+     ["not empty"]),
+    # 2. Code execution from a checkpoint: resuming, generate.
+    ("crafted-metadata-resume", *_hp("train.resume={w}/evil/checkpoints/step-0000002"), ["step-0000002"]),
+    ("crafted-metadata-resume-auto", cli.main, ["run_dir={w}/evil", "data.path={w}/data", *BASE,
+                                                "train.max_steps=4"], ["can be loaded", "not allowed"]),
+    ("crafted-metadata-generate", generate.main, ["run_dir={w}/evil", "max_new_tokens=2"], ["evil"]),
+    ("crafted-metadata-generate-explicit", generate.main,
+     ["run_dir={w}/run", "checkpoint={w}/evil/checkpoints/step-0000001", "max_new_tokens=2"], ["step-0000001"]),
+    # 3. A global batch the data cannot hold, a micro-batch the memory cannot.
+    ("huge-global-batch", *_hp("train.global_batch=100000000"), ["global_batch=100000000", "samples"]),
+    ("huge-global-batch-derived", *_hp("train.global_batch=null", "train.grad_accum=10000000"),
+     ["samples", "lower train.global_batch"]),
+    ("model-too-big-for-memory", cli.main, ["run_dir={w}/new", "data.path={w}/data", "model=llama_70b", *BASE[7:]],
+     ["GiB", "train.micro_batch"]),
+    ("model-too-big-for-memory-13b", cli.main, ["run_dir={w}/new", "data.path={w}/data", "model=llama_13b",
+                                                *BASE[7:]], ["GiB", "activation_checkpointing"]),
+    # 4. Non-finite or non-positive hyper-parameters.
+    ("lr-inf", *_hp("optim.lr=inf"), ["optim.lr=inf", "finite"]),
+    ("lr-nan", *_hp("optim.lr=nan"), ["optim.lr=nan"]),
+    ("lr-negative", *_hp("optim.lr=-0.1"), ["optim.lr=-0.1", "(0, 1000"]),
+    ("beta2-one", *_hp("optim.beta2=1.0"), ["optim.beta2"]),
+    # 6. No validation split while evaluation is on.
+    ("no-val-split", *_hp("data.path={w}/noval", "train.eval_every=1"), ["val", "train.eval_every=0"]),
+    ("no-val-split-default-eval", *_hp("data.path={w}/noval", "train.eval_every=100"), ["train.eval_every=0"]),
+    # 7. Unknown keys, whatever the prefix.
+    ("unknown-key-plus", *_hp("+train.max_stepz=5"), ["unknown config key train.max_stepz", "train.max_steps"]),
+    ("unknown-key-plusplus", *_hp("++train.max_stepz=5"), ["train.max_stepz"]),
+    ("unknown-key", *_hp("train.max_stepz=5"), ["unknown config key train.max_stepz"]),
+    ("unknown-key-group", *_hp("+model.depth=5"), ["model.depth"]),
+    ("unknown-group-option", *_hp("model=llama_8b"), ["llama_8b", "llama_1b"]),
+    ("wrong-type", *_hp("train.max_steps=lots"), ["train.max_steps=lots", "Integer"]),
+    ("unparsable-override", *_hp("train.max_steps=[1"), ["train.max_steps=[1"]),
+    # Tracebacks that are one line now.
+    ("n-heads-zero", *_hp("model.n_heads=0"), ["model.n_heads=0"]),
+    ("n-layers-zero", *_hp("model.n_layers=0"), ["model.n_layers=0"]),
+    ("run-dir-is-a-file", cli.main, ["run_dir={w}/afile", "data.path={w}/data", *BASE], ["afile", "is a file"]),
+    ("run-dir-under-a-file", cli.main, ["run_dir={w}/afile/run", "data.path={w}/data", *BASE], ["afile"]),
+    ("trainer-state-not-json", *_hp("train.resume={w}/badstate/checkpoints/step-0000002"), ["trainer_state"]),
+    ("trainer-state-not-json-auto", cli.main, ["run_dir={w}/badstate", "data.path={w}/data", *BASE,
+                                               "train.max_steps=4"], ["badstate"]),
+    ("resume-path-missing", *_hp("train.resume={w}/nothing/step-0000002"), ["train.resume", "not a complete"]),
+    ("generate-missing-run-dir", generate.main, ["run_dir={w}/nope"], ["does not exist"]),
+    ("generate-not-a-run-dir", generate.main, ["run_dir={w}/data"], ["not a run directory"]),
+    ("generate-max-new-tokens", generate.main, ["run_dir={w}/run", "max_new_tokens=many"], ["not an integer"]),
+    ("generate-temperature", generate.main, ["run_dir={w}/run", "temperature=-1"], ["temperature"]),
+    ("generate-unknown-arg", generate.main, ["run_dir={w}/run", "promt=x"], ["promt"]),
+    ("generate-no-checkpoint", generate.main, ["run_dir={w}/nockpt"], ["no complete checkpoint"]),
+    ("metrics-no-argument", metrics.main, [], ["run_dir"]),
+    ("metrics-missing-dir", metrics.main, ["{w}/nope"], ["not a directory"]),
+    ("shards-out-under-a-file", shards_cli.main, ["--corpus", "{w}/afile", "--out", "{w}/afile/x",
+                                                  "--vocab-size", "300"], ["afile"]),
+    ("shards-verify-missing", shards_cli.main, ["verify", "--out", "{w}/nope"], ["nope"]),
+    # Nonsense that was silently accepted.
+    ("seq-len-negative", *_hp("train.seq_len=-5"), ["train.seq_len=-5"]),
+    ("seq-len-zero", *_hp("train.seq_len=0"), ["train.seq_len=0", "null"]),
+    ("ckpt-every-negative", *_hp("train.ckpt_every=-1"), ["train.ckpt_every=-1"]),
+    ("eval-every-negative", *_hp("train.eval_every=-2"), ["train.eval_every=-2"]),
+    ("grad-clip-negative", *_hp("optim.grad_clip=-1"), ["optim.grad_clip=-1"]),
+    ("gpu-mem-negative", *_hp("cluster.gpu_mem_gb=-3"), ["cluster.gpu_mem_gb"]),
+    ("data-path-is-a-file", *_hp("data.path={w}/afile"), ["is a file"]),
+    ("plan-unknown-key", cli.main, ["plan", "+train.max_stepz=3"], ["unknown config key"]),
+    ("plan-missing-option", cli.main, ["plan", "model=llama_9b"], ["llama_9b", "available options"]),
+    ("local-multirun-bad-point", cli.main, ["-m", "hydra.sweep.dir={w}/sweep", "data.path={w}/data", *BASE,
+                                            "optim.lr=-1,1e-3"], ["sweep point #0", "optim.lr=-1"]),
+    ("slurm-launcher-without-slurm", *_hp("hydra/launcher=slurm"), ["sbatch", "hydra/launcher=local"]),
+    ("slurm-sweep-without-slurm", cli.main, ["-m", "hydra/launcher=slurm", "hydra.sweep.dir={w}/sweep2",
+                                             "data.path={w}/data", *BASE, "optim.lr=1e-3,3e-3"], ["sbatch"]),
+]
+
+
+@pytest.mark.parametrize("main,argv,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(world, main, argv, words):
+    argv = [a.replace("{w}", str(world)) for a in argv]
+    before = {name: tree_digest(world / name) for name in WATCHED}
+    # No Slurm client on PATH here (the cases that need it are in test_slurm.py); a cache of its own, so a demo
+    # build would show.
+    env = {"PATH": os.path.dirname(os.__file__), "HPCTRAIN_CACHE": str(world / "cache")}
+    try:
+        ran = run_forked(main, argv, cwd=world, env=env)
+        leftovers = [gone for gone in ("new", "shardz", "pwned", "cache", "sweep/0") if (world / gone).exists()]
+    finally:  # a case that fails here must not spoil the next ones
+        shutil.rmtree(world / "new", ignore_errors=True)
+    assert ran.code != 0, ran.out + ran.err
+    assert "Traceback" not in ran.out + ran.err, ran.err
+    assert len(ran.err_lines) == 1, ran.err
+    for w in words:
+        assert w.replace("{w}", str(world)) in ran.err_lines[0], (w, ran.err_lines[0])
+    assert ran.code == 2, ran.err
+    assert {name: tree_digest(world / name) for name in WATCHED} == before
+    assert not leftovers  # no run dir, no demo build, no code run
+
+
+
+def test_a_run_dir_that_existed_before_is_kept(world, tmp_path):
+    """Only what this command made is removed after a failed check: an existing (empty) run dir and its files stay."""
+    mine = tmp_path / "mine"
+    os.makedirs(mine / "notes")
+    (mine / "notes" / "plan.txt").write_text("keep me\n")
+    before = tree_digest(mine)
+    ran = run_forked(cli.main, [f"run_dir={mine}", f"data.path={world / 'data'}", *BASE, "optim.lr=nan"], cwd=world)
+    assert ran.code == 2 and len(ran.err_lines) == 1, ran.err
+    assert tree_digest(mine) == before
