@@ -61,7 +61,7 @@ def _task(cfg: DictConfig) -> dict | None:
     _in_task = True
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
-    where = f"sweep point #{hc.job.num} ({' '.join(hc.overrides.task)}): " if hc.mode == RunMode.MULTIRUN else ""
+    where = f"sweep point #{hc.job.num} ({_sweep_values(hc.overrides.task)}): " if hc.mode == RunMode.MULTIRUN else ""
     if hc.mode == RunMode.RUN and str(hc.launcher.get("_target_", "")).startswith("hydra_plugins.hpctrain_launcher."):
         # `python -m hpctrain hydra/launcher=slurm ...`: submit this one run instead of training here.
         from hydra.utils import instantiate
@@ -87,6 +87,20 @@ def _task(cfg: DictConfig) -> dict | None:
         sys.exit(e.exit_code)
 
 
+def _sweep_values(task_overrides) -> str:
+    """This point's values of the keys the command sweeps (`optim.lr=1e-3,3e-3` -> `optim.lr=3e-3`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parse = OverridesParser.create().parse_overrides
+    try:  # (inside a submitted job argv is submitit's: then all of the point's overrides are shown)
+        swept = {o.key_or_group for o in parse([a for a in sys.argv[1:] if "=" in a]) if o.is_sweep_override()}
+        if swept:
+            return " ".join(o.input_line for o in parse(list(task_overrides)) if o.key_or_group in swept)
+    except HydraException:  # an argument that is not an override after all
+        pass
+    return " ".join(task_overrides)
+
+
 def hydra_error_line(e: BaseException) -> str:
     """Hydra's multi-line composition errors as one line; an unknown key gets hpctrain's own advice (Hydra's
     suggests `+key=value`, which would add the typo silently)."""
@@ -99,13 +113,16 @@ def hydra_error_line(e: BaseException) -> str:
             check_keys(OmegaConf.from_dotlist([f"{key}=0"]))
         except ConfigError as unknown:
             return str(unknown)
-    lines = [str(e)] + ([str(cause)] if isinstance(cause, OmegaConfBaseException) else [])
+    missing, options = getattr(e, "missing_cfg_file", None), getattr(e, "options", None)
+    if missing and options:  # `model=llama_8b`
+        group, _, name = missing.rpartition("/")
+        return f"{group}={name} is not an option of the config group {group}: use one of {', '.join(options)}"
+    parts = [str(e)] + ([str(cause)] if isinstance(cause, OmegaConfBaseException) else [])
     if getattr(e, "override", None):
-        lines.insert(0, f"cannot parse override {e.override!r}:")
-    text = "\n".join(lines).split("Config search path")[0]  # Hydra's own search path: noise here
-    keep = [line.strip() for line in text.splitlines()
-            if line.strip() and not line.strip().startswith(("full_key:", "reference_type=", "object_type=", "See "))]
-    return " ".join(keep).replace("Available options", "available options")
+        parts.insert(0, f"cannot parse override {e.override!r}")
+    keep = [" ".join(line.strip() for line in part.splitlines() if line.strip() and not line.strip().startswith(
+        ("full_key:", "reference_type=", "object_type=", "See "))) for part in parts]
+    return ": ".join(k for k in keep if k)
 
 
 def _hydra(argv: list[str]) -> int:

@@ -30,7 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, env: dict[str, str], threads: int, fn: Callable, args: tuple, quiet: tuple) -> None:
+def _child(rank: int, env: dict[str, str], threads: int, fn: Callable, args: tuple, quiet: tuple,
+           errors) -> None:
     os.environ.update(env)
     code = 0
     try:
@@ -45,8 +46,10 @@ def _child(rank: int, env: dict[str, str], threads: int, fn: Callable, args: tup
     except BaseException as e:  # noqa: BLE001 - any failure must end this rank with a non-zero status
         code = getattr(e, "exit_code", None)  # a deliberate stop (e.g. preemption): the parent reports it
         if code is None:
-            print(f"hpctrain: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+            # A bad input (`quiet`) is the parent's one line; anything else also gets its traceback here.
+            errors.put((rank, " ".join(str(e).split()) if isinstance(e, quiet) else f"{type(e).__name__}: {e}"))
             if not isinstance(e, quiet):
+                print(f"hpctrain: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
                 traceback.print_exc()
             code = 1
     finally:
@@ -71,16 +74,19 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
     """Run fn(*args) in `world` forked ranks; return when all exited with an `ok_codes` status, else raise
     LaunchError. Signals in `forward` that reach the parent are passed on to every rank.
 
-    A rank that raises prints one line naming itself (plus a traceback unless the error is `quiet`).
+    A rank's `quiet` error (bad input) becomes part of the LaunchError's one line; any other error is also
+    printed by the rank with its traceback.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     base = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port())}
     ctx = mp.get_context("fork")
+    errors = ctx.SimpleQueue()
     procs = []
     for rank in range(world):
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-        p = ctx.Process(target=_child, args=(rank, env, threads, fn, args, quiet), name=f"hpctrain-rank{rank}")
+        p = ctx.Process(target=_child, args=(rank, env, threads, fn, args, quiet, errors),
+                        name=f"hpctrain-rank{rank}")
         p.start()
         procs.append(p)
     running = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
@@ -105,7 +111,13 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
         _stop([p for _, p in running.values()], grace_s)
     if failed is not None:
         rank, code = failed
-        raise LaunchError(f"rank {rank} of {world} failed ({_describe(code)}); the other ranks were stopped")
+        said = {}
+        while not errors.empty():
+            r, message = errors.get()
+            said.setdefault(r, message)
+        why = said.get(rank) or next(iter(said.values()), None)
+        raise LaunchError(f"rank {rank} of {world} failed ({_describe(code)})" + (f": {why}" if why else "")
+                          + "; the other ranks were stopped")
 
 
 def _stop(procs: list, grace_s: float) -> None:

@@ -110,20 +110,11 @@ def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
     ShardStream(path, "train", plan.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
                 lanes=choose_lanes(cfg.data.lanes, plan.dp, manifest), dp_size=plan.dp,
                 global_batch=plan.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
-    if cfg.train.eval_every:
-        _check_val_split(path, plan.micro_batch, cfg.train.seed)
+    if cfg.train.eval_every and manifest.num_samples("val") < plan.micro_batch:
+        raise DataError(f"evaluation needs a validation split of at least train.micro_batch={plan.micro_batch} "
+                        f"samples, the shards in {path} have {manifest.num_samples('val')}: set train.eval_every=0, "
+                        "or rebuild the shards with a validation split (--val-fraction, e.g. 0.01)")
     return path, seq_len
-
-
-def _val_stream(data_dir: str, micro_batch: int, seed: int) -> ShardStream:
-    return ShardStream(data_dir, "val", micro_batch, seed, loop=False, shuffle=False)
-
-
-def _check_val_split(data_dir: str, micro_batch: int, seed: int) -> None:
-    try:
-        _val_stream(data_dir, micro_batch, seed)
-    except DataError as e:
-        raise DataError(f"cannot evaluate: {e}; or set train.eval_every=0 to train without evaluation") from None
 
 
 def _check_resume(resume: str) -> None:
@@ -337,7 +328,7 @@ def _train(cfg, run_dir: str, prepared: Prepared, start: str | None, env: distri
     metrics = MetricsLogger(run_dir, env.is_main, t.tensorboard, t.progress, t.max_steps, state.step)
 
     def run_eval() -> None:
-        val = _val_stream(data_dir, plan.micro_batch, t.seed)
+        val = ShardStream(data_dir, "val", plan.micro_batch, t.seed, loop=False, shuffle=False)
         subset = (b for _, b in zip(range(t.eval_batches), val))
         state.last_val_loss = train_step.evaluate(subset)
         metrics.log({"step": state.step, "val_loss": state.last_val_loss,
@@ -486,8 +477,9 @@ def _params_finite(model: torch.nn.Module) -> bool:
     """Whether every rank's parameters are all finite (collective when distributed)."""
     from torch.distributed.tensor import DTensor
 
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    ok = torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all() if local else torch.tensor(True)
+    checks = [torch.isfinite(t).all() for p in model.parameters()
+              if (t := p.to_local() if isinstance(p, DTensor) else p).numel()]
+    ok = torch.stack(checks).all() if checks else torch.tensor(True)
     flag = ok.to(device="cpu", dtype=torch.int32).reshape(1)  # one host sync; gloo reduces CPU tensors
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)

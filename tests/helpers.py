@@ -146,3 +146,32 @@ def tree_digest(path) -> str:
                 with open(full, "rb") as f:
                     h.update(hashlib.sha256(f.read()).digest())
     return h.hexdigest()
+
+
+def edit_tokens(data_dir: str, index: int, edit, fix_sha256: bool = False) -> str:
+    """Rewrite the token data of train shard `index` in place, member by member (same size, tar headers
+    untouched); `edit(sample, tokens)` returns the new tokens. fix_sha256: record the new sha256 in the
+    manifest too, so that only checks on the tokens themselves can notice. Returns the shard's path."""
+    import tarfile
+
+    import numpy as np
+
+    from data_prep.shard_format import MANIFEST_NAME, decode_tokens, encode_tokens, read_manifest, sha256_file
+
+    m = read_manifest(data_dir)
+    path = os.path.join(data_dir, m.splits["train"][index].name)
+    with tarfile.open(path) as tf:
+        members = [(t.offset_data, t.size) for t in tf]
+    with open(path, "r+b") as f:
+        for i, (offset, size) in enumerate(members):
+            f.seek(offset)
+            tokens = edit(i, decode_tokens(f.read(size), m.dtype).astype(np.int64))
+            f.seek(offset)
+            f.write(encode_tokens(tokens, m.dtype))
+    if fix_sha256:
+        with open(os.path.join(data_dir, MANIFEST_NAME)) as f:
+            raw = json.load(f)
+        raw["splits"]["train"][index]["sha256"] = sha256_file(path)
+        with open(os.path.join(data_dir, MANIFEST_NAME), "w") as f:
+            json.dump(raw, f)
+    return path

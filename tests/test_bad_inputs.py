@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import run_forked, tree_digest
+from helpers import edit_tokens, run_forked, tree_digest
 
 from data_prep import demo as demo_cli
 from data_prep import shards as shards_cli
@@ -74,6 +74,17 @@ def world(tmp_path_factory, demo_data):
     for ck in checkpoint.complete_checkpoints(str(w / "badstate")):
         with open(os.path.join(ck, checkpoint.STATE_FILE), "w") as f:
             f.write("{not json")
+    # Shards whose every token was altered (same size: only the checksum can tell), and shards holding a token id
+    # beyond the vocabulary under a matching checksum (only the range check can tell).
+    from data_prep.shard_format import read_manifest
+
+    shutil.copytree(demo_data, w / "altered")
+    vocab = read_manifest(str(w / "altered")).vocab_size
+    for i in range(len(read_manifest(str(w / "altered")).splits["train"])):
+        edit_tokens(str(w / "altered"), i, lambda _, t: (t + 1) % vocab)
+    shutil.copytree(demo_data, w / "badids")
+    for i in range(len(read_manifest(str(w / "badids")).splits["train"])):
+        edit_tokens(str(w / "badids"), i, lambda k, t: t if k else t * 0 + vocab + 7, fix_sha256=True)
     # A run that has not written a checkpoint yet.
     os.makedirs(w / "nockpt" / ".hydra")
     shutil.copy(w / "run" / ".hydra" / "config.yaml", w / "nockpt" / ".hydra" / "config.yaml")
@@ -81,8 +92,8 @@ def world(tmp_path_factory, demo_data):
 
 
 # Shard sets whole; of runs, the checkpoints (every invocation rewrites a run's .hydra/ and appends to its log).
-WATCHED = ("data", "unfinished", "noval", "afile", "run/checkpoints", "evil/checkpoints", "badstate/checkpoints",
-           "nockpt")
+WATCHED = ("data", "unfinished", "noval", "altered", "badids", "afile", "run/checkpoints", "evil/checkpoints",
+           "badstate/checkpoints", "nockpt")
 
 
 def _hp(*args):
@@ -118,14 +129,15 @@ CASES = [
     ("lr-negative", *_hp("optim.lr=-0.1"), ["optim.lr=-0.1", "(0, 1000"]),
     ("beta2-one", *_hp("optim.beta2=1.0"), ["optim.beta2"]),
     # 6. No validation split while evaluation is on.
-    ("no-val-split", *_hp("data.path={w}/noval", "train.eval_every=1"), ["val", "train.eval_every=0"]),
+    ("no-val-split", *_hp("data.path={w}/noval", "train.eval_every=1"),
+     ["validation split", "have 0", "--val-fraction"]),
     ("no-val-split-default-eval", *_hp("data.path={w}/noval", "train.eval_every=100"), ["train.eval_every=0"]),
     # 7. Unknown keys, whatever the prefix.
     ("unknown-key-plus", *_hp("+train.max_stepz=5"), ["unknown config key train.max_stepz", "train.max_steps"]),
     ("unknown-key-plusplus", *_hp("++train.max_stepz=5"), ["train.max_stepz"]),
     ("unknown-key", *_hp("train.max_stepz=5"), ["unknown config key train.max_stepz"]),
     ("unknown-key-group", *_hp("+model.depth=5"), ["model.depth"]),
-    ("unknown-group-option", *_hp("model=llama_8b"), ["llama_8b", "llama_1b"]),
+    ("unknown-group-option", *_hp("model=llama_8b"), ["model=llama_8b is not an option", "llama_1b"]),
     ("wrong-type", *_hp("train.max_steps=lots"), ["train.max_steps=lots", "Integer"]),
     ("unparsable-override", *_hp("train.max_steps=[1"), ["train.max_steps=[1"]),
     # Tracebacks that are one line now.
@@ -136,6 +148,9 @@ CASES = [
     ("trainer-state-not-json", *_hp("train.resume={w}/badstate/checkpoints/step-0000002"), ["trainer_state"]),
     ("trainer-state-not-json-auto", cli.main, ["run_dir={w}/badstate", "data.path={w}/data", *BASE,
                                                "train.max_steps=4"], ["badstate"]),
+    ("trainer-state-not-json-auto-tp2", cli.main, ["run_dir={w}/badstate", "data.path={w}/data", *BASE,
+                                                   "train.max_steps=4", "parallel=tp2"],
+     ["of 2 failed", "trainer_state.json"]),
     ("resume-path-missing", *_hp("train.resume={w}/nothing/step-0000002"), ["train.resume", "not a complete"]),
     ("generate-missing-run-dir", generate.main, ["run_dir={w}/nope"], ["does not exist"]),
     ("generate-not-a-run-dir", generate.main, ["run_dir={w}/data"], ["not a run directory"]),
@@ -147,6 +162,8 @@ CASES = [
     ("metrics-missing-dir", metrics.main, ["{w}/nope"], ["not a directory"]),
     ("shards-out-under-a-file", shards_cli.main, ["--corpus", "{w}/afile", "--out", "{w}/afile/x",
                                                   "--vocab-size", "300"], ["afile"]),
+    ("shards-out-is-a-file", shards_cli.main, ["--corpus", "{w}/afile", "--out", "{w}/afile", "--vocab-size", "300"],
+     ["afile"]),
     ("shards-verify-missing", shards_cli.main, ["verify", "--out", "{w}/nope"], ["nope"]),
     # Nonsense that was silently accepted.
     ("seq-len-negative", *_hp("train.seq_len=-5"), ["train.seq_len=-5"]),
@@ -157,17 +174,27 @@ CASES = [
     ("gpu-mem-negative", *_hp("cluster.gpu_mem_gb=-3"), ["cluster.gpu_mem_gb"]),
     ("data-path-is-a-file", *_hp("data.path={w}/afile"), ["is a file"]),
     ("plan-unknown-key", cli.main, ["plan", "+train.max_stepz=3"], ["unknown config key"]),
-    ("plan-missing-option", cli.main, ["plan", "model=llama_9b"], ["llama_9b", "available options"]),
+    ("plan-missing-option", cli.main, ["plan", "model=llama_9b"], ["model=llama_9b is not an option", "tiny"]),
     ("local-multirun-bad-point", cli.main, ["-m", "hydra.sweep.dir={w}/sweep", "data.path={w}/data", *BASE,
-                                            "optim.lr=-1,1e-3"], ["sweep point #0", "optim.lr=-1"]),
+                                            "optim.lr=-1,1e-3"], ["sweep point #0 (optim.lr=-1): optim.lr=-1.0"]),
+    ("local-multirun-bad-batch", cli.main, ["-m", "hydra.sweep.dir={w}/sweep", "data.path={w}/data", *BASE,
+                                            "train.global_batch=7,8"], ["sweep point #0 (train.global_batch=7): "]),
+    # 8. Shards that are not what the manifest says: found as they are read, the run stops on one line.
+    ("altered-shards", *_hp("data.path={w}/altered", "train.resume=never"), ["checksum mismatch", "on_corrupt"]),
+    ("token-id-beyond-vocab", *_hp("data.path={w}/badids", "train.resume=never"),
+     ["sample 0", "token id 519", "vocab_size 512"]),
     ("slurm-launcher-without-slurm", *_hp("hydra/launcher=slurm"), ["sbatch", "hydra/launcher=local"]),
     ("slurm-sweep-without-slurm", cli.main, ["-m", "hydra/launcher=slurm", "hydra.sweep.dir={w}/sweep2",
                                              "data.path={w}/data", *BASE, "optim.lr=1e-3,3e-3"], ["sbatch"]),
 ]
 
 
-@pytest.mark.parametrize("main,argv,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line(world, main, argv, words):
+# Found only while training (shards are checked as they are read): the run dir stays, its result.json says failed.
+STARTED = {"altered-shards", "token-id-beyond-vocab"}
+
+
+@pytest.mark.parametrize("name,main,argv,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(world, name, main, argv, words):
     argv = [a.replace("{w}", str(world)) for a in argv]
     before = {name: tree_digest(world / name) for name in WATCHED}
     # No Slurm client on PATH here (the cases that need it are in test_slurm.py); a cache of its own, so a demo
@@ -176,6 +203,10 @@ def test_bad_input_is_one_line(world, main, argv, words):
     try:
         ran = run_forked(main, argv, cwd=world, env=env)
         leftovers = [gone for gone in ("new", "shardz", "pwned", "cache", "sweep/0") if (world / gone).exists()]
+        if name in STARTED:
+            leftovers.remove("new")
+            with open(world / "new" / "result.json") as f:
+                assert json.load(f)["status"] == "failed"
     finally:  # a case that fails here must not spoil the next ones
         shutil.rmtree(world / "new", ignore_errors=True)
     assert ran.code != 0, ran.out + ran.err
@@ -198,3 +229,23 @@ def test_a_run_dir_that_existed_before_is_kept(world, tmp_path):
     ran = run_forked(cli.main, [f"run_dir={mine}", f"data.path={world / 'data'}", *BASE, "optim.lr=nan"], cwd=world)
     assert ran.code == 2 and len(ran.err_lines) == 1, ran.err
     assert tree_digest(mine) == before
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(world, tmp_path):
+    """A cut .distcp in the newest checkpoint: the run says so in one warning and resumes from the one before."""
+    run = tmp_path / "run"
+    shutil.copytree(world / "run", run, symlinks=True)
+    newest = run / "checkpoints" / "step-0000002"
+    for name in os.listdir(newest):
+        if name.endswith(".distcp"):
+            size = os.path.getsize(newest / name)
+            with open(newest / name, "r+b") as f:
+                f.truncate(size // 2)
+    ran = run_forked(cli.main, [f"run_dir={run}", f"data.path={world / 'data'}", *BASE, "train.max_steps=3"],
+                     cwd=tmp_path)
+    assert ran.code == 0, ran.err
+    log = (run / "train.log").read_text()
+    assert f"checkpoint {newest} cannot be loaded" in log and "falling back to" in log and "step-0000001" in log
+    assert "resumed from" in log and f"{run}/checkpoints/step-0000001 at step 1" in log
+    with open(run / "result.json") as f:
+        assert json.load(f)["status"] == "completed"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
 import os
 import shutil
@@ -17,13 +16,11 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from helpers import edit_tokens
 
 from data_prep.demo import build_demo
 from data_prep.shard_format import (
-    MANIFEST_NAME,
     DataError,
-    decode_tokens,
-    encode_tokens,
     read_manifest,
     sha256_file,
 )
@@ -241,29 +238,6 @@ def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path):
         assert torch.equal(resumed, got[k * 16:]), k
 
 
-def _edit_tokens(data_dir: str, index: int, edit, fix_sha256: bool = False) -> str:
-    """Rewrite the token data of train shard `index` in place, member by member (same size, tar headers
-    untouched); `edit(sample, tokens)` returns the new tokens. fix_sha256: record the new sha256 in the
-    manifest too, so that only checks on the tokens themselves can notice. Returns the shard's path."""
-    m = read_manifest(data_dir)
-    path = os.path.join(data_dir, m.splits["train"][index].name)
-    with tarfile.open(path) as tf:
-        members = [(t.offset_data, t.size) for t in tf]
-    with open(path, "r+b") as f:
-        for i, (offset, size) in enumerate(members):
-            f.seek(offset)
-            tokens = edit(i, decode_tokens(f.read(size), m.dtype).astype(np.int64))
-            f.seek(offset)
-            f.write(encode_tokens(tokens, m.dtype))
-    if fix_sha256:
-        with open(os.path.join(data_dir, MANIFEST_NAME)) as f:
-            raw = json.load(f)
-        raw["splits"]["train"][index]["sha256"] = sha256_file(path)
-        with open(os.path.join(data_dir, MANIFEST_NAME), "w") as f:
-            json.dump(raw, f)
-    return path
-
-
 def _skip_run(data_dir: str, steps: int) -> tuple[ShardStream, list[torch.Tensor], list[str]]:
     records = _Records()
     logging.getLogger("hpctrain.data").addHandler(records)
@@ -279,7 +253,7 @@ def test_altered_tokens_fail_the_checksum(shards, tmp_path):
     shutil.copytree(shards, bad)
     m = read_manifest(bad)
     info = m.splits["train"][3]
-    path = _edit_tokens(bad, 3, lambda i, t: (t + 1) % m.vocab_size)  # every token, same size
+    path = edit_tokens(bad, 3, lambda i, t: (t + 1) % m.vocab_size)  # every token, same size
     assert os.path.getsize(path) == info.bytes
     with pytest.raises(DataError) as e:
         read_shard(path, info, m)
@@ -313,7 +287,7 @@ def test_token_id_beyond_vocab_names_shard_and_sample(shards, tmp_path):
             tokens[7] = wrong
         return tokens
 
-    path = _edit_tokens(bad, 2, poke, fix_sha256=True)  # checksum matches: only the range check catches it
+    path = edit_tokens(bad, 2, poke, fix_sha256=True)  # checksum matches: only the range check catches it
     m = read_manifest(bad)
     info = m.splits["train"][2]
     with tarfile.open(path) as tf:
