@@ -175,8 +175,8 @@ def manifest_json(manifest: Manifest) -> str:
 def read_manifest(data_dir: str) -> Manifest:
     hint = BUILD_HINT.format(dir=data_dir)
     if os.path.isfile(data_dir):
-        raise DataError(f"data.path {data_dir} is a file, not a directory: point it at the shard directory "
-                        f"(the one holding {MANIFEST_NAME})")
+        raise DataError(f"{data_dir} is a file, not a shard directory: point data.path (or --out) at the directory "
+                        f"that holds {MANIFEST_NAME}")
     if not os.path.isdir(data_dir):
         raise DataError(f"data directory {data_dir} does not exist: {hint}")
     path = os.path.join(data_dir, MANIFEST_NAME)

@@ -44,7 +44,7 @@ class CheckpointError(RuntimeError):
         self.reason = reason or message
 
 
-def _cannot_load(path: str, reason: str) -> CheckpointError:
+def cannot_load(path: str, reason: str) -> CheckpointError:
     return CheckpointError(f"cannot load checkpoint {path} ({reason}): {_FIX}", reason)
 
 
@@ -133,13 +133,13 @@ def _read_metadata(path: str, file: str) -> Metadata:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except OSError as e:
-        raise _cannot_load(path, _describe(e)) from None
+        raise cannot_load(path, _describe(e)) from None
     except Exception as e:  # noqa: BLE001 - a damaged or hostile pickle raises anything at all
-        raise _cannot_load(path, f"bad .metadata: {_describe(e)}") from None
+        raise cannot_load(path, f"bad .metadata: {_describe(e)}") from None
     finally:
         tampered = _undo_changes(saved)
     if tampered:
-        raise _cannot_load(path, "bad .metadata: it modifies the classes it names")
+        raise cannot_load(path, "bad .metadata: it modifies the classes it names")
     return _checked(metadata, path)
 
 
@@ -151,11 +151,11 @@ def _checked(metadata, path: str) -> Metadata:
             and isinstance(metadata.storage_data, dict)
             and isinstance(metadata.storage_meta, StorageMeta | None)
             and all(isinstance(info, _StorageInfo) for info in metadata.storage_data.values())):
-        raise _cannot_load(path, "bad .metadata: not DCP checkpoint metadata")
+        raise cannot_load(path, "bad .metadata: not DCP checkpoint metadata")
     for info in metadata.storage_data.values():  # data files are read from path/relative_path
         rel = info.relative_path
         if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] == "..":
-            raise _cannot_load(path, f"bad .metadata: data file {rel!r} is outside the checkpoint")
+            raise cannot_load(path, f"bad .metadata: data file {rel!r} is outside the checkpoint")
     return metadata
 
 
@@ -216,8 +216,10 @@ def step_of(path: str) -> int:
 
 def latest(run_dir: str) -> str | None:
     link = os.path.join(root(run_dir), "latest")
-    if os.path.islink(link) and os.path.isfile(os.path.join(link, STATE_FILE)):
-        return os.path.realpath(link)
+    target = os.path.realpath(link)
+    if os.path.islink(link) and _STEP_DIR.match(os.path.basename(target)) and os.path.isfile(
+            os.path.join(target, STATE_FILE)):
+        return target
     # A stale or missing link, or a copy of the run made without symlinks (`cp -r`: `latest` is a directory
     # then, named for no step): the newest complete checkpoint.
     done = complete_checkpoints(run_dir)
@@ -264,7 +266,7 @@ def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: i
     return final
 
 
-def _agreed(check, collective: bool = True):
+def _agreed(check):
     """check() on every rank; a CheckpointError on any rank is raised on all (they read shared files, which a
     network filesystem can still show differently), so no rank goes on into a collective load alone."""
     result, failure = None, None
@@ -272,7 +274,7 @@ def _agreed(check, collective: bool = True):
         result = check()
     except CheckpointError as e:
         failure = (str(e), e.reason)
-    if collective and dist.is_initialized():
+    if dist.is_initialized():
         failures = [None] * dist.get_world_size()
         dist.all_gather_object(failures, failure)
         failure = next((f for f in failures if f is not None), None)
@@ -295,11 +297,11 @@ def _read_trainer_state(path: str) -> dict:
         with open(os.path.join(path, STATE_FILE)) as f:
             state = json.load(f)
     except FileNotFoundError:
-        raise _cannot_load(path, f"not a complete checkpoint: no {STATE_FILE}") from None
+        raise cannot_load(path, f"not a complete checkpoint: no {STATE_FILE}") from None
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise _cannot_load(path, f"bad {STATE_FILE}: {_describe(e)}") from None
+        raise cannot_load(path, f"bad {STATE_FILE}: {_describe(e)}") from None
     if not isinstance(state, dict):
-        raise _cannot_load(path, f"bad {STATE_FILE}: not a JSON object")
+        raise cannot_load(path, f"bad {STATE_FILE}: not a JSON object")
     return state
 
 
@@ -313,7 +315,7 @@ def _dcp_load(state: dict, path: str, reader: _SafeReader | None = None, **kwarg
     except CheckpointException as e:  # a BaseException in DCP: it would escape `except Exception`
         # DCP gathers every rank's failures and raises them on all ranks: each rank takes the same decision.
         cause = next((exc for exc, _trace in e.failures.values()), e)
-        raise _cannot_load(path, _describe(cause)) from None
+        raise cannot_load(path, _describe(cause)) from None
 
 
 def load(path: str, model, optimizer) -> dict:

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain import rundir
-from hpctrain.config import ConfigError, register
+from hpctrain.config import register, unknown_key_message
+from hpctrain.errors import bad_input
 
 PROG = "python -m hpctrain"
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "conf")
@@ -29,15 +30,6 @@ _full_error: str | None = None  # the user's HYDRA_FULL_ERROR, restored on retur
 _in_task = False  # Hydra has made the run directory and handed over
 
 register()
-
-
-def bad_input() -> tuple[type[Exception], ...]:
-    """Exceptions that mean bad input: reported as one line, never as a traceback."""
-    from hpctrain.checkpoint import CheckpointError
-    from hpctrain.data import DataError
-    from hpctrain.train import TrainingError
-
-    return ConfigError, DataError, TrainingError, CheckpointError, OmegaConfBaseException
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT):
@@ -54,6 +46,7 @@ def _restore_full_error() -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _task(cfg: DictConfig) -> dict | None:
+    from hpctrain.distributed import launched_rank
     from hpctrain.job import Stopped, quiet_other_ranks
     from hpctrain.train import prepare, train
 
@@ -75,6 +68,8 @@ def _task(cfg: DictConfig) -> dict | None:
         rundir.remove_if_fresh(run_dir, _started)
         fail(where + str(e))
     try:
+        if launched_rank() == 0:
+            rundir.start_over(run_dir, cfg)  # before anything of the new run is written there
         rundir.save_config(run_dir, cfg)
     except OSError as e:
         fail(f"cannot write to the run directory {run_dir} ({e.strerror}: {e.filename}): choose a writable run_dir")
@@ -107,12 +102,7 @@ def hydra_error_line(e: BaseException) -> str:
     cause = e.__cause__
     key = getattr(cause, "full_key", None)
     if key and str(e).startswith("Could not override"):
-        from hpctrain.config import check_keys
-
-        try:
-            check_keys(OmegaConf.from_dotlist([f"{key}=0"]))
-        except ConfigError as unknown:
-            return str(unknown)
+        return unknown_key_message(key)
     missing, options = getattr(e, "missing_cfg_file", None), getattr(e, "options", None)
     if missing and options:  # `model=llama_8b`
         group, _, name = missing.rpartition("/")

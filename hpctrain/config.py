@@ -328,13 +328,16 @@ def _all_keys(schema: type = Config, prefix: str = "") -> list[str]:
     return out
 
 
+def unknown_key_message(key: str) -> str:
+    close = difflib.get_close_matches(key, _all_keys(), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown config key {key}{hint}: fix the spelling or drop it (`python -m hpctrain --cfg job` lists every key)"
+
+
 def check_keys(cfg) -> None:
     bad = unknown_keys(cfg)
     if bad:
-        close = difflib.get_close_matches(bad[0], _all_keys(), n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"unknown config key {bad[0]}{hint}: fix the spelling or drop it "
-                          "(`python -m hpctrain --cfg job` lists every key)")
+        raise ConfigError(unknown_key_message(bad[0]))
 
 
 # Allowed ranges of numeric keys: (low, low included, high, high included), high None: unbounded. Keys set to

@@ -26,7 +26,7 @@ def sample(model: Llama, prompt: list[int], max_new_tokens: int, temperature: fl
     tokens = torch.tensor([prompt], dtype=torch.long)
     for _ in range(max_new_tokens):
         logits = model(tokens[:, -ctx:])[0, -1].float()
-        if temperature <= 0:
+        if temperature < 1e-4:  # greedy (a smaller temperature would overflow the softmax to NaN)
             nxt = logits.argmax()
         else:
             logits = logits / temperature

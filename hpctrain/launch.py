@@ -47,7 +47,8 @@ def _child(rank: int, env: dict[str, str], threads: int, fn: Callable, args: tup
         code = getattr(e, "exit_code", None)  # a deliberate stop (e.g. preemption): the parent reports it
         if code is None:
             # A bad input (`quiet`) is the parent's one line; anything else also gets its traceback here.
-            errors.put((rank, " ".join(str(e).split()) if isinstance(e, quiet) else f"{type(e).__name__}: {e}"))
+            said = " ".join(str(e).split()) if isinstance(e, quiet) else f"{type(e).__name__}: {e}"
+            errors.put((rank, said[:2000]))  # bounded: a pipe's buffer holds it, so exiting never blocks
             if not isinstance(e, quiet):
                 print(f"hpctrain: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
                 traceback.print_exc()

@@ -69,11 +69,9 @@ def check(cfg) -> None:
 
 
 def _bad_input() -> tuple[type[Exception], ...]:
-    from hpctrain.checkpoint import CheckpointError
-    from hpctrain.data import DataError
-    from hpctrain.train import TrainingError
+    from hpctrain.errors import bad_input
 
-    return ConfigError, DataError, TrainingError, CheckpointError, OSError
+    return (*bad_input(), OSError)  # OSError: a sweep or submitit folder that cannot be made
 
 
 class RunJob:
@@ -177,6 +175,7 @@ class Submitting:
         try:
             check(cfg)
             executor = self.executor(folder, cfg.cluster)
+            rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
             job = _or_fail(lambda: executor.submit(RunJob(OmegaConf.to_container(cfg, resolve=True), run_dir,
                                                           job_logging)))
         except _bad_input() as e:
@@ -238,5 +237,6 @@ def _or_fail(submit):
 
 
 def _fail(message: str, code: int = 2):
-    print(f"hpctrain: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
+    from hpctrain.cli import fail  # here: the CLI module loads this one (through Hydra's launcher plugin)
+
+    fail(message, code)

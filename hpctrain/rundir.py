@@ -1,22 +1,39 @@
 """The run directory's life outside training: its config record, starting over, and a clean failure.
 
-A previous run is moved aside, never deleted; the only thing removed is a run directory this process made
-(everything in it newer than the process) for a run that then failed its checks.
+A previous run is moved aside, never deleted. The only thing ever removed is the run directory of a run
+that failed its checks, when all of it was made by this command (and the parents Hydra made for it).
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import shutil
 import time
 
+from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 log = logging.getLogger("hpctrain")
 
-# What a run writes besides the config and the log: these make a directory a previous run.
+# What a run writes: the first four make a directory hold a previous run; all of them move aside with it.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "result.json")
+RUN_RECORDS = (".hydra", "train.log", "slurm.json", ".submitit")
 PREVIOUS = "previous"
+
+_first_new: str | None = None  # the highest ancestor of this run's directory that did not exist before it
+
+
+class NoteNewDirs(Callback):
+    """Hydra callback (conf/config.yaml): before Hydra makes the run directory, note which of its ancestors
+    do not exist yet, so that a run failing its checks can take back exactly what was made for it."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        global _first_new
+        path, _first_new = os.path.abspath(str(config.hydra.run.dir)), None
+        while not os.path.exists(path) and path != os.path.dirname(path):
+            path, _first_new = os.path.dirname(path), path
 
 
 def free_name(path: str) -> str:
@@ -29,7 +46,8 @@ def free_name(path: str) -> str:
 
 
 def _made_since(path: str, since: float) -> bool:
-    """Whether `path` and everything under it were made after `since` (status change times)."""
+    """Whether `path` and everything under it changed status after `since` (a directory's own time moves when
+    entries come and go, so this says nothing of who made a directory that is still there: the leaf only)."""
     try:
         if os.lstat(path).st_ctime < since:
             return False
@@ -42,22 +60,23 @@ def _made_since(path: str, since: float) -> bool:
 
 
 def remove_if_fresh(path: str, since: float) -> None:
-    """Remove the run directory of a run that failed its checks, when all of it was made after `since` (by Hydra,
-    or by a submission sbatch refused), then its parents while empty and as new. Anything older stays."""
-    import shutil
+    """Take back the run directory of a run that failed its checks: only when all of it is newer than `since`
+    (made by Hydra, or by a submission sbatch refused), and only on the main rank; then the parents Hydra made
+    for it (noted by NoteNewDirs), while empty. Anything that existed before stays."""
+    from hpctrain.distributed import launched_rank
 
     path = os.path.abspath(path)
-    if not os.path.isdir(path) or not _made_since(path, since):
+    if launched_rank() != 0 or not os.path.isdir(path) or not _made_since(path, since):
         return
     shutil.rmtree(path, ignore_errors=True)
-    stop = os.path.abspath(os.getcwd())
-    path = os.path.dirname(path)
-    while path not in (stop, os.path.dirname(path)) and _made_since(path, since):
+    if _first_new is None or not (path + os.sep).startswith(_first_new + os.sep):
+        return
+    while path != _first_new:
+        path = os.path.dirname(path)
         try:
             os.rmdir(path)  # only when empty
         except OSError:
             return
-        path = os.path.dirname(path)
 
 
 def save_config(run_dir: str, cfg) -> None:
@@ -81,29 +100,63 @@ def has_previous_run(run_dir: str) -> bool:
     return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_OUTPUTS)
 
 
+def requeued() -> bool:
+    """A Slurm job running again after a requeue (preemption, time limit, node failure)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+
+
 def set_aside(run_dir: str) -> str:
-    """Move a previous run's outputs into `<run_dir>/previous/<time>/` so that a new run starts clean
-    (its checkpoint rotation, `latest` and metrics never mix with the old run's); return that directory."""
+    """Move a previous run's outputs and records into `<run_dir>/previous/<time>/` so that a new run starts clean
+    (its checkpoint rotation, `latest`, metrics and config never mix with the old run's); return that directory."""
     dest = free_name(os.path.join(run_dir, PREVIOUS, time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(dest)
-    for name in RUN_OUTPUTS:
-        if os.path.exists(os.path.join(run_dir, name)):
+    for name in RUN_OUTPUTS + RUN_RECORDS:
+        if os.path.lexists(os.path.join(run_dir, name)):
             os.rename(os.path.join(run_dir, name), os.path.join(dest, name))
-    log.warning("%s held a previous run: its outputs were moved to %s", run_dir, dest)
+    log.warning("%s held a previous run: it was moved to %s", run_dir, dest)
     return dest
 
 
+def start_over(run_dir: str, cfg) -> None:
+    """`train.resume=never` or a checkpoint path, in a directory that holds a run: move that run aside first
+    (before anything of the new run is written) and point `cfg.train.resume` at where a checkpoint of it went.
+    Once done it is a no-op, so every stage of a launch may call it; a requeued job never starts over."""
+    resume = cfg.train.resume
+    if resume == "auto" or requeued() or not has_previous_run(run_dir):
+        return
+    own = os.path.realpath(os.path.join(run_dir, "checkpoints"))
+    dest = set_aside(run_dir)
+    path = os.path.realpath(os.path.expanduser(resume)) if resume != "never" else None
+    if path and (path + os.sep).startswith(own + os.sep):
+        cfg.train.resume = os.path.join(dest, "checkpoints", os.path.relpath(path, own))
+
+
 def start_point(run_dir: str, resume: str) -> str | None:
-    """Where this run starts: "auto" (resume from the run dir's newest loadable checkpoint, if any) or the path
-    of a checkpoint (`train.resume=PATH`), or None (from scratch). Rank 0 only: `never` and an explicit path
-    move a previous run in `run_dir` aside first. A requeued Slurm job continues its own run whatever
-    `resume` says (else every requeue would start over)."""
-    if resume == "auto" or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+    """Where the run starts (after `start_over`): "auto" (the run dir's newest loadable checkpoint, if any), a
+    checkpoint path, or None (from scratch). A requeued job continues its own run; before its first checkpoint
+    it starts where its first attempt did (a checkpoint of an old run is found where `start_over` moved it)."""
+    if resume == "auto" or (requeued() and _has_checkpoint(run_dir)):
         return "auto"
-    path = None if resume == "never" else os.path.realpath(os.path.expanduser(resume))
-    if has_previous_run(run_dir):
-        own = os.path.realpath(os.path.join(run_dir, "checkpoints"))
-        dest = set_aside(run_dir)
-        if path is not None and (path + os.sep).startswith(own + os.sep):  # a checkpoint of the old run
-            path = os.path.join(dest, "checkpoints", os.path.relpath(path, own))
+    if resume == "never":
+        return None
+    return moved(os.path.realpath(os.path.expanduser(resume)), run_dir)
+
+
+def moved(path: str, run_dir: str) -> str:
+    """`path`, or, when it was a checkpoint of the run in `run_dir` that has since been set aside, where it is."""
+    from hpctrain.checkpoint import STATE_FILE
+
+    own = os.path.realpath(os.path.join(run_dir, "checkpoints"))
+    if os.path.exists(path) or not (path + os.sep).startswith(own + os.sep):
+        return path
+    for old in sorted(glob.glob(os.path.join(glob.escape(run_dir), PREVIOUS, "*", "checkpoints")), reverse=True):
+        candidate = os.path.join(old, os.path.relpath(path, own))
+        if os.path.isfile(os.path.join(candidate, STATE_FILE)):
+            return candidate
     return path
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+    from hpctrain.checkpoint import complete_checkpoints
+
+    return bool(complete_checkpoints(run_dir))

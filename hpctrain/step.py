@@ -89,6 +89,16 @@ def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
     return total.sqrt()
 
 
+def params_finite(model: nn.Module) -> bool:
+    """Whether every rank's parameters are all finite (collective when distributed: every rank calls it)."""
+    checks = [torch.isfinite(t).all() for p in model.parameters() if (t := _local(p)).numel()]
+    ok = torch.stack(checks).all() if checks else torch.tensor(True)
+    flag = ok.to(device="cpu", dtype=torch.int32).reshape(1)  # one host sync; gloo reduces CPU tensors
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def clip_grads(params: list[torch.Tensor], max_norm: float, norm: float) -> None:
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:

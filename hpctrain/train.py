@@ -26,7 +26,7 @@ from hpctrain.model import Llama, flops_per_token, num_params
 from hpctrain.optim import build_optimizer, build_scheduler, scaled_lr
 from hpctrain.parallelize import parallelize, uses_loss_parallel
 from hpctrain.precision import setup_precision
-from hpctrain.step import build_train_step
+from hpctrain.step import build_train_step, params_finite
 
 log = logging.getLogger("hpctrain")
 # The schedule advances on every step, skipped ones included (step s always has lr(s)).
@@ -110,15 +110,23 @@ def prepare_data(cfg, plan: Plan) -> tuple[str, int]:
     ShardStream(path, "train", plan.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
                 lanes=choose_lanes(cfg.data.lanes, plan.dp, manifest), dp_size=plan.dp,
                 global_batch=plan.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
-    if cfg.train.eval_every and manifest.num_samples("val") < plan.micro_batch:
-        raise DataError(f"evaluation needs a validation split of at least train.micro_batch={plan.micro_batch} "
-                        f"samples, the shards in {path} have {manifest.num_samples('val')}: set train.eval_every=0, "
-                        "or rebuild the shards with a validation split (--val-fraction, e.g. 0.01)")
+    if cfg.train.eval_every:
+        if manifest.num_samples("val") < plan.micro_batch:
+            raise DataError(f"evaluation needs a validation split of at least train.micro_batch={plan.micro_batch} "
+                            f"samples, the shards in {path} have {manifest.num_samples('val')}: set "
+                            "train.eval_every=0, or rebuild the shards with a validation split (--val-fraction, e.g. 0.01)")
+        _val_stream(path, plan.micro_batch, cfg)  # every val shard is there
     return path, seq_len
 
 
+def _val_stream(data_dir: str, micro_batch: int, cfg) -> ShardStream:
+    return ShardStream(data_dir, "val", micro_batch, cfg.train.seed, loop=False, shuffle=False,
+                       on_corrupt=cfg.data.on_corrupt)
+
+
 def _check_resume(resume: str) -> None:
-    if resume in ("auto", "never"):
+    # Checked once, by the main rank (which may move it aside next) of a job's first start.
+    if resume in ("auto", "never") or rundir.requeued() or distributed.launched_rank() != 0:
         return
     path = os.path.expanduser(resume)
     if not os.path.isfile(os.path.join(path, checkpoint.STATE_FILE)):
@@ -141,20 +149,21 @@ def _available_memory() -> float | None:
 
 
 def _check_memory(cfg, plan: Plan, seq_len: int) -> None:
-    """Refuse a micro-batch that cannot fit: on CPU against this machine's free memory (all local ranks), on
-    GPU against cluster.gpu_mem_gb when given (CUDA is not touched before the ranks fork). The planner's
+    """Refuse a micro-batch that cannot fit. A CPU-only torch trains on the host: against this machine's
+    available memory, for all its local ranks; a CUDA build trains on GPUs: against cluster.gpu_mem_gb when
+    given. No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's
     estimate is approximate, so only what exceeds the whole capacity is refused."""
     from hpctrain.plan import worst_stage_bytes
 
-    need = worst_stage_bytes(cfg, plan, seq_len)
-    if torch.cuda.is_available():
-        per, cap, where = need, (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}"
-    else:
+    if torch.backends.cuda.is_built():  # one rank per device
+        cap, where, ranks = (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}", 1
+    else:  # every rank started here shares this machine
+        cap, where = _available_memory() or 0, "this machine's available memory"
         ranks = plan.world if distributed.launched_world() is None else 1
-        per, cap, where = need * ranks, _available_memory() or 0, "this machine's available memory"
-    if cap and per > cap:
+    need = worst_stage_bytes(cfg, plan, seq_len) * ranks if cap else 0
+    if need > cap:
         raise TrainingError(
-            f"train.micro_batch={plan.micro_batch} (seq_len {seq_len}) needs about {per / 2**30:.1f} GiB, more "
+            f"train.micro_batch={plan.micro_batch} (seq_len {seq_len}) needs about {need / 2**30:.1f} GiB, more "
             f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain plan ...` shows the parts): lower "
             "train.micro_batch (train.grad_accum keeps the global batch) or set "
             "parallel.activation_checkpointing=full")
@@ -223,12 +232,10 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
         from hpctrain import launch
 
         try:
-            from hpctrain.checkpoint import CheckpointError
-            from hpctrain.config import ConfigError
+            from hpctrain.errors import bad_input
 
             launch.spawn(prepared.plan.world, _rank_main, (cfg, run_dir, prepared),
-                         threads=cfg.cluster.num_threads,
-                         quiet=(ConfigError, DataError, TrainingError, CheckpointError, KeyboardInterrupt),
+                         threads=cfg.cluster.num_threads, quiet=(*bad_input(), KeyboardInterrupt),
                          ok_codes=(0, job.EXIT_PREEMPTED, job.EXIT_TERMINATED),
                          forward=(signal_number(cfg.cluster.signal), signal.SIGTERM))
         except launch.LaunchError as e:
@@ -246,13 +253,12 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
 def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
     nccl = distributed.apply_env(cfg.cluster.nccl)
     env = distributed.init(cfg.cluster.pg_timeout_s)
-    if env.is_main and env.device.type == "cuda":
-        log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
     try:
         # Hydra's default run dir has a timestamp: ranks started apart could disagree; rank 0 decides, also
         # where the run starts from (moving a previous run aside first when it starts over).
         shared = [run_dir, None, None]
         if env.is_main:
+            rundir.start_over(run_dir, cfg)  # (done already when launched by the CLI or a submission)
             start = rundir.start_point(run_dir, cfg.train.resume)
             last = checkpoint.latest(run_dir) if start == "auto" else None
             shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
@@ -263,6 +269,8 @@ def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
         run_dir, stalled, start = shared
         if stalled:
             raise TrainingError(stalled)
+        if env.is_main and env.device.type == "cuda":  # logged once the run dir holds only this run
+            log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
         return _train(cfg, run_dir, prepared, start, env)
     finally:
         distributed.shutdown()
@@ -328,14 +336,14 @@ def _train(cfg, run_dir: str, prepared: Prepared, start: str | None, env: distri
     metrics = MetricsLogger(run_dir, env.is_main, t.tensorboard, t.progress, t.max_steps, state.step)
 
     def run_eval() -> None:
-        val = ShardStream(data_dir, "val", plan.micro_batch, t.seed, loop=False, shuffle=False)
+        val = _val_stream(data_dir, plan.micro_batch, cfg)
         subset = (b for _, b in zip(range(t.eval_batches), val))
         state.last_val_loss = train_step.evaluate(subset)
         metrics.log({"step": state.step, "val_loss": state.last_val_loss,
                      "val_ppl": math.exp(min(state.last_val_loss, 50.0))})
 
     def save() -> None:
-        if not _params_finite(model):  # never a checkpoint that resuming would train on from NaN
+        if not params_finite(model):  # never a checkpoint that resuming would train on from NaN
             raise TrainingError(
                 f"the parameters are not finite after step {state.step}; no checkpoint written (the last good one: "
                 f"{checkpoint.latest(run_dir) or 'none'}): lower optim.lr or raise optim.warmup_steps, then "
@@ -398,12 +406,18 @@ def _train(cfg, run_dir: str, prepared: Prepared, start: str | None, env: distri
                     window = {"steps": 0, "time": 0.0, "data": 0.0}
                 stop = signals.agreed()  # every rank stops after the same step
                 # The step's checkpoint first: an evaluation that fails must not cost finished steps.
-                if stop or (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps:
+                checkpointed = stop or (t.ckpt_every and state.step % t.ckpt_every == 0) or state.step == t.max_steps
+                if checkpointed:
                     save()
                 if stop:
                     break
                 if t.eval_every and (state.step % t.eval_every == 0 or state.step == t.max_steps):
-                    run_eval()
+                    try:
+                        run_eval()
+                    except DataError:  # (every rank evaluates the same batches: all of them are here)
+                        if not checkpointed:
+                            save()
+                        raise
         status = "completed" if not stop else "preempted" if stop == job.PREEMPT else "terminated"
     except BaseException as e:
         status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
@@ -473,23 +487,12 @@ class _Timed:
         return wait
 
 
-def _params_finite(model: torch.nn.Module) -> bool:
-    """Whether every rank's parameters are all finite (collective when distributed)."""
-    from torch.distributed.tensor import DTensor
-
-    checks = [torch.isfinite(t).all() for p in model.parameters()
-              if (t := p.to_local() if isinstance(p, DTensor) else p).numel()]
-    ok = torch.stack(checks).all() if checks else torch.tensor(True)
-    flag = ok.to(device="cpu", dtype=torch.int32).reshape(1)  # one host sync; gloo reduces CPU tensors
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _run_state(saved: dict, path: str) -> RunState:
+    """The run's state from a checkpoint's trainer_state.json (JSON, but maybe not hpctrain's)."""
     try:
+        if not isinstance(saved["scheduler"], dict):
+            raise TypeError("scheduler is not an object")
         return RunState(**saved["run"])
     except (KeyError, TypeError) as e:
-        raise checkpoint.CheckpointError(f"{path}/{checkpoint.STATE_FILE} is not an hpctrain trainer state ({e}): "
-                                         "resume from another checkpoint (train.resume=PATH) or train.resume=never"
-                                         ) from None
+        raise checkpoint.cannot_load(path, f"{checkpoint.STATE_FILE} is not an hpctrain trainer state: "
+                                           f"{type(e).__name__}: {e}") from None

@@ -221,14 +221,18 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
 
 
 def test_a_run_dir_that_existed_before_is_kept(world, tmp_path):
-    """Only what this command made is removed after a failed check: an existing (empty) run dir and its files stay."""
+    """Only what this command made is removed after a failed check: an existing run dir and its files stay, and
+    of a new run dir's parents only those Hydra made for it go."""
     mine = tmp_path / "mine"
     os.makedirs(mine / "notes")
     (mine / "notes" / "plan.txt").write_text("keep me\n")
-    before = tree_digest(mine)
-    ran = run_forked(cli.main, [f"run_dir={mine}", f"data.path={world / 'data'}", *BASE, "optim.lr=nan"], cwd=world)
-    assert ran.code == 2 and len(ran.err_lines) == 1, ran.err
-    assert tree_digest(mine) == before
+    os.makedirs(tmp_path / "runs")  # an empty parent the user made (e.g. to set its Lustre striping)
+    before = tree_digest(tmp_path)
+    for run_dir in (mine, tmp_path / "runs" / "2026" / "exp1"):
+        ran = run_forked(cli.main, [f"run_dir={run_dir}", f"data.path={world / 'data'}", *BASE, "optim.lr=nan"],
+                         cwd=world)
+        assert ran.code == 2 and len(ran.err_lines) == 1, ran.err
+    assert tree_digest(tmp_path) == before
 
 
 def test_truncated_checkpoint_falls_back_to_the_previous_one(world, tmp_path):
@@ -249,3 +253,21 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(world, tmp_path):
     assert "resumed from" in log and f"{run}/checkpoints/step-0000001 at step 1" in log
     with open(run / "result.json") as f:
         assert json.load(f)["status"] == "completed"
+
+
+def test_help_names_the_commands_and_launchers(tmp_path):
+    ran = run_forked(cli.main, ["--help"], cwd=tmp_path)
+    assert ran.code == 0, ran.err
+    for words in ("python -m hpctrain plan", "python -m hpctrain preflight", "python -m hpctrain.generate",
+                  "python -m hpctrain.metrics", "hydra/launcher=local", "hydra/launcher=slurm", "model: llama_125m"):
+        assert words in ran.out, words
+    assert "__main__" not in ran.out
+    ran = run_forked(cli.main, ["--no-such-flag"], cwd=tmp_path)
+    assert ran.code == 2 and "usage: python -m hpctrain" in ran.err and "__main__" not in ran.err
+
+
+def test_metrics_shows_the_status(world, tmp_path):
+    ran = run_forked(metrics.main, [str(world / "run")], cwd=tmp_path)
+    assert ran.code == 0 and ran.out.startswith("status: completed after step 2; loss "), ran.out
+    ran = run_forked(metrics.main, [str(world / "nockpt")], cwd=tmp_path)
+    assert ran.code == 0 and "no result.json" in ran.out and "no metrics.jsonl yet" in ran.out, ran.out

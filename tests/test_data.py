@@ -417,12 +417,12 @@ def test_data_path_that_is_a_file(demo_dir):
     for call in (lambda: read_manifest(manifest), lambda: ShardStream(manifest, "train", 4, seed=0)):
         with pytest.raises(DataError) as e:
             call()
-        _one_line_error(e, f"data.path {manifest} is a file, not a directory", "holding manifest.json")
+        _one_line_error(e, f"{manifest} is a file, not a shard directory", "holds manifest.json")
     r = subprocess.run([sys.executable, "-m", "data_prep.verify", manifest], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     [line] = [x for x in r.stderr.splitlines() if x.strip()]
-    assert line.startswith("error: data.path") and "is a file" in line
+    assert line.startswith(f"error: {manifest} is a file")
 
 
 def test_verify_command(demo_dir, tmp_path, capsys):

@@ -368,3 +368,40 @@ def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, de
         train(make_cfg(f"data.path={data}", "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2"),
               str(tmp_path / "run"))
     assert checkpoint.latest(str(tmp_path / "run")).endswith("step-0000002")
+
+
+def test_cli_start_over_moves_the_old_config_and_log_too(demo_data, tmp_path):
+    """From the command line the old run's .hydra/ and train.log move aside with it, before the new run writes."""
+    from helpers import run_forked
+
+    from hpctrain import cli
+
+    run = tmp_path / "run"
+    args = [a for a in _cli(run, demo_data, "train.max_steps=2")[3:]]
+    assert run_forked(cli.main, [*args, "train.seed=1"], cwd=tmp_path).code == 0
+    ran = run_forked(cli.main, [*args, "train.seed=2", "train.resume=never"], cwd=tmp_path)
+    assert ran.code == 0, ran.err
+    (previous,) = (run / "previous").iterdir()
+    assert "train.seed=1" in read_text(previous / ".hydra" / "overrides.yaml").replace("- ", "")
+    assert "train.seed=2" in read_text(run / ".hydra" / "overrides.yaml").replace("- ", "")
+    assert "moved to" not in read_text(previous / "train.log") and "moved to" in read_text(run / "train.log")
+    assert sorted(losses(previous)) == sorted(losses(run)) == [1, 2]
+
+
+def test_a_requeued_job_continues_its_own_run(make_cfg, tmp_path, monkeypatch):
+    """SLURM_RESTART_COUNT > 0: train.resume=never or a path never starts over again; before its first checkpoint
+    a requeued job starts where its first attempt did, following a path that attempt moved aside."""
+    from hpctrain import rundir
+
+    run = tmp_path / "run"
+    train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=2"), str(run))
+    first = make_cfg("train.max_steps=3", "train.eval_every=0", "train.ckpt_every=0",
+                     f"train.resume={run}/checkpoints/step-0000002")
+    rundir.start_over(str(run), first)  # the first attempt moved the old run aside, then was preempted
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    requeued = make_cfg("train.max_steps=3", "train.eval_every=0", "train.ckpt_every=0",
+                        f"train.resume={run}/checkpoints/step-0000002")
+    assert train(requeued, str(run))["steps"] == 3 and sorted(losses(run)) == [3]
+    result = train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.resume=never"), str(run))
+    assert result["steps"] == 4 and sorted(losses(run)) == [3, 4]  # continued, not started over
+    assert len(list((run / "previous").iterdir())) == 1
