@@ -14,9 +14,9 @@ PYTEST_ARGS ?=
 # exactly as given ($(value VAR): no make expansion, a `$` stays a `$`), single-quoted with each ' written
 # as '\'' and each newline as $'\n' (make would otherwise run the text after a newline as a shell command of
 # its own). So no value can run a command, and OUT='my shards' or OUT="bob's shards" is one path.
-# args is for the list variables (CORPUS, PREP_ARGS, PYTEST_ARGS): one literal word per whitespace-separated
-# item. make itself splits them on whitespace, so an item cannot contain a space: a glob or a pytest -k
-# expression with a space cannot be expressed here (call the Python module / pytest directly for that).
+# args is for the list variables (CORPUS, PREP_ARGS): one literal word per whitespace-separated item. make
+# itself splits them on whitespace, so an item cannot contain a space (call the Python module directly for
+# that). PYTEST_ARGS is passed whole instead (see `test`).
 # VENV, PYTHON and TORCH_VERSION are toolchain settings, not input: they must be plain words.
 define nl
 
@@ -51,8 +51,10 @@ demo: install
 	$(PY) -m hpctrain.metrics $(call arg,DEMO_DIR)
 	$(PY) -m hpctrain.generate run_dir=$(call arg,DEMO_DIR) prompt="def " max_new_tokens=120
 
+# PYTEST_ARGS reaches pytest whole, in PYTEST_ADDOPTS: pytest splits it like a shell (PYTEST_ARGS='-m "not slurm"'
+# is two words) but never evaluates it.
 test: install
-	$(PY) -m pytest -q $(call args,PYTEST_ARGS)
+	PYTEST_ADDOPTS=$(call arg,PYTEST_ARGS) $(PY) -m pytest -q
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -182,16 +182,23 @@ def test_shards_slurm_passes_every_word_literally(corpus, tok, tmp_path):
     assert merge[-len(script_args):] == script_args
 
 
-def test_pytest_args_are_literal_words(tmp_path):
-    """`make test` with PY replaced by an argv recorder (running the suite from inside it would recurse)."""
+def test_pytest_args_reach_pytest_unevaluated(tmp_path):
+    """`make test` with PY replaced by a recorder (running the suite from inside it would recurse): PYTEST_ARGS
+    arrives whole in PYTEST_ADDOPTS, which pytest splits like a shell (`-m "not slurm"` is two words) but
+    never evaluates."""
+    import shlex
+
     marker = tmp_path / "pwned"
     bin_dir = tmp_path / "bin"
     py = _recorder(bin_dir, "python")
-    args = f"-k resume * $(touch {marker}) x';touch {marker};'"
+    py.write_text(py.read_text().replace("#!/bin/bash\n", '#!/bin/bash\nprintf %s "$PYTEST_ADDOPTS" > "$(dirname "$0")/addopts"\n'))
+    args = f"-k resume -m \"not slurm\" * $(touch {marker}) x';touch {marker};'"
     p = _make("test", f"PY={py}", f"PYTEST_ARGS={args}")
     assert p.returncode == 0, p.stdout + p.stderr
     assert not marker.exists()
-    assert _calls(bin_dir) == [["-m", "pytest", "-q", *args.split()]]
+    assert _calls(bin_dir) == [["-m", "pytest", "-q"]]
+    assert (bin_dir / "addopts").read_text() == args
+    assert shlex.split(args)[:4] == ["-k", "resume", "-m", "not slurm"]
 
 
 @pytest.mark.parametrize("run_dir, path", [
