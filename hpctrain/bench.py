@@ -20,23 +20,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-import hpctrain
-from hpctrain.config import model_args, register, resolve
+from hpctrain.config import compose, model_args, register, resolve
 
-CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(hpctrain.__file__), os.pardir, "conf"))
 BATCH = 8
 VARIANTS = {"hf": "transformers (HF)", "hpctrain": "hpctrain", "compile": "hpctrain + compile"}
 
 
 def compose_cfg(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=[
-            "model=tiny", "data=demo", "optim=adamw", "parallel=single", f"train.global_batch={BATCH}",
-            f"train.micro_batch={BATCH}", "train.eval_every=0", "train.ckpt_every=0",
-            "train.tensorboard=false", "train.log_every=1", "train.progress=false", "train.resume=never",
-            *overrides])
+    return compose([
+        "model=tiny", "data=demo", "optim=adamw", "parallel=single", f"train.global_batch={BATCH}",
+        f"train.micro_batch={BATCH}", "train.eval_every=0", "train.ckpt_every=0",
+        "train.tensorboard=false", "train.log_every=1", "train.progress=false", "train.resume=never",
+        *overrides])
 
 
 def measure(tokens: list[float], times: list[float], warmup: int, final_loss: float | None) -> dict:

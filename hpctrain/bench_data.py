@@ -21,11 +21,9 @@ import time
 
 import torch
 
-import hpctrain
 from hpctrain import data as data_mod
 from hpctrain.data import ShardStream, read_manifest, read_shard_wds
 
-CONF_DIR = os.path.abspath(os.path.join(os.path.dirname(hpctrain.__file__), os.pardir, "conf"))
 TARGET = 10e6  # loader tokens/s per process
 
 
@@ -58,17 +56,13 @@ def stream_rate(data_dir: str, samples: int, repeats: int, batch: int = 8, **kw)
 
 
 def train_rate(steps: int, warmup: int, threads: int) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from hpctrain.config import register
+    from hpctrain.config import compose
     from hpctrain.train import train
 
-    register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "model=tiny", "data=demo", "parallel=single", "precision=fp32", f"train.max_steps={steps}",
-            "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
-            "train.progress=false", "train.resume=never", f"cluster.num_threads={threads}"])
+    cfg = compose([
+        "model=tiny", "data=demo", "parallel=single", "precision=fp32", f"train.max_steps={steps}",
+        "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
+        "train.progress=false", "train.resume=never", f"cluster.num_threads={threads}"])
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-data-") as run_dir:
         train(cfg, run_dir)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:

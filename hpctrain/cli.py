@@ -18,11 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain import rundir
-from hpctrain.config import register, unknown_key_message
+from hpctrain.config import compose, conf_dir, register, unknown_key_message
 from hpctrain.errors import bad_input
 
 PROG = "python -m hpctrain"
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "conf")
 EXIT_BAD_INPUT = 2
 # When the command started: what was made after it (by Hydra, for this run) may be removed again.
 _started = float("inf")  # (until main runs: nothing counts as made by this command)
@@ -44,7 +43,7 @@ def _restore_full_error() -> None:
         os.environ["HYDRA_FULL_ERROR"] = _full_error
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
 def _task(cfg: DictConfig) -> dict | None:
     from hpctrain.distributed import launched_rank
     from hpctrain.job import Stopped, quiet_other_ranks
@@ -138,16 +137,13 @@ def _hydra(argv: list[str]) -> int:
 
 def plan(argv: list[str]) -> int:
     """Compose the same config as a run (no run directory, no logging setup) and print its layout plan."""
-    from hydra import compose, initialize_config_dir
-
     if any(a in ("-h", "--help") for a in argv):
         print(f"usage: {PROG} plan [hydra overrides], e.g. model=llama_70b parallel.dp=8 parallel.tp=8 "
               "parallel.pp=4 cluster.gpu_mem_gb=80\nprints the layer-to-stage map, per-device memory, pipeline "
               "bubble and FLOPs per step of that layout, without allocating the model")
         return 0
     try:
-        with initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=argv)
+        cfg = compose(argv)
     except (HydraException, OmegaConfBaseException) as e:
         fail(hydra_error_line(e))
     from hpctrain.plan import main as plan_main
@@ -165,9 +161,43 @@ COMMANDS = {"plan": plan, "preflight": preflight}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m hpctrain [plan|preflight] ...`: anything else is a training run's Hydra arguments."""
     global _started
     _started = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:])
     return _hydra(argv)
+
+
+def _tool(module: str, *head: str):
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        code = importlib.import_module(module).main([*head, *argv])
+        return code if isinstance(code, int) else 0  # (bench returns its measurements)
+    return run
+
+
+# The `hpctrain` console script: one subcommand per tool, each the same as its `python -m` form.
+TOOLS = {
+    "train": ("train here, or submit with hydra/launcher=slurm|local (= python -m hpctrain)", main),
+    "plan": ("layer map, memory per device, bubble and FLOPs of a layout (= python -m hpctrain plan)", plan),
+    "preflight": ("cluster health check (= python -m hpctrain preflight)", preflight),
+    "generate": ("sample text from a run (= python -m hpctrain.generate)", _tool("hpctrain.generate")),
+    "summary": ("a run's status and loss curve (= python -m hpctrain.metrics)", _tool("hpctrain.metrics")),
+    "report": ("a sweep's table and plots (= python -m hpctrain.sweep report)", _tool("hpctrain.sweep", "report")),
+    "bench": ("throughput vs a plain transformers loop (= python -m hpctrain.bench)", _tool("hpctrain.bench")),
+}
+
+
+def console(argv: list[str] | None = None) -> int:
+    """`hpctrain COMMAND [arguments]`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: hpctrain COMMAND [arguments]   (COMMAND --help for its own)\n\ncommands:\n" + "\n".join(
+            f"  {name:10} {text}" for name, (text, _) in TOOLS.items()))
+        return 0 if argv else EXIT_BAD_INPUT
+    if argv[0] not in TOOLS:
+        fail(f"unknown command {argv[0]!r}: use one of {', '.join(TOOLS)} (hpctrain --help)")
+    return TOOLS[argv[0]][1](argv[1:])

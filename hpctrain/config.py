@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import signal
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
@@ -196,6 +197,24 @@ def register() -> None:
         from hpctrain.launcher import resolver
 
         OmegaConf.register_new_resolver("hpctrain_slurm", resolver)
+
+
+def conf_dir() -> str:
+    """The config groups: `conf/` beside the package in a checkout (an editable install), or the copy a wheel
+    installs inside it (`hpctrain/conf/`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "conf")
+    return installed if os.path.isdir(installed) else os.path.abspath(os.path.join(here, os.pardir, "conf"))
+
+
+def compose(overrides: list[str]):
+    """The config a run with these overrides gets, composed as `python -m hpctrain` does (no run directory)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def signal_number(name: str) -> signal.Signals:
