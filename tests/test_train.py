@@ -372,15 +372,11 @@ def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, de
 
 def test_cli_start_over_moves_the_old_config_and_log_too(demo_data, tmp_path):
     """From the command line the old run's .hydra/ and train.log move aside with it, before the new run writes."""
-    from helpers import run_forked
-
-    from hpctrain import cli
-
     run = tmp_path / "run"
-    args = [a for a in _cli(run, demo_data, "train.max_steps=2")[3:]]
-    assert run_forked(cli.main, [*args, "train.seed=1"], cwd=tmp_path).code == 0
-    ran = run_forked(cli.main, [*args, "train.seed=2", "train.resume=never"], cwd=tmp_path)
-    assert ran.code == 0, ran.err
+    for extra in (["train.seed=1"], ["train.seed=2", "train.resume=never"]):
+        p = subprocess.run(_cli(run, demo_data, "train.max_steps=2", *extra), cwd=tmp_path, capture_output=True,
+                           text=True, timeout=240)
+        assert p.returncode == 0, p.stderr
     (previous,) = (run / "previous").iterdir()
     assert "train.seed=1" in read_text(previous / ".hydra" / "overrides.yaml").replace("- ", "")
     assert "train.seed=2" in read_text(run / ".hydra" / "overrides.yaml").replace("- ", "")
