@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -175,3 +176,14 @@ def edit_tokens(data_dir: str, index: int, edit, fix_sha256: bool = False) -> st
         with open(os.path.join(data_dir, MANIFEST_NAME), "w") as f:
             json.dump(raw, f)
     return path
+
+
+class WarningLines(logging.Handler):
+    """A logging handler that keeps the messages of WARNING and above (attach it to the logger under test)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())

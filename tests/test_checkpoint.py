@@ -12,6 +12,7 @@ from contextlib import suppress
 
 import pytest
 import torch
+from helpers import WarningLines
 
 from hpctrain import checkpoint
 from hpctrain.train import train
@@ -303,20 +304,11 @@ def test_damaged_trainer_state_is_one_line(small_run, content, words):
     _one_line(e, ckpt, "train.resume=never", *words)
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
 def warnings_logged():
-    handler = _Records()
+    handler = WarningLines()
     logging.getLogger("hpctrain").addHandler(handler)
-    yield handler.lines
+    yield handler.messages
     logging.getLogger("hpctrain").removeHandler(handler)
 
 

@@ -16,7 +16,7 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from helpers import edit_tokens
+from helpers import WarningLines, edit_tokens
 
 from data_prep.demo import build_demo
 from data_prep.shard_format import (
@@ -203,20 +203,11 @@ def test_corrupt_shard_is_an_error_naming_it(shards, tmp_path, workers):
     assert "worker" not in one_line(e, name, "rebuild or re-copy")
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path):
     bad, name = _corrupt_copy(shards, str(tmp_path / "bad"))
     epoch = read_manifest(bad).num_samples("train")
     steps = epoch // 16 + 2
-    records = _Records()
+    records = WarningLines()
     logging.getLogger("hpctrain.data").addHandler(records)
     try:
         s = ShardStream(bad, "train", 16, SEED, lanes=LANES, on_corrupt="skip", num_workers=2)
@@ -239,7 +230,7 @@ def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path):
 
 
 def _skip_run(data_dir: str, steps: int) -> tuple[ShardStream, list[torch.Tensor], list[str]]:
-    records = _Records()
+    records = WarningLines()
     logging.getLogger("hpctrain.data").addHandler(records)
     try:
         s = ShardStream(data_dir, "train", 16, SEED, lanes=LANES, on_corrupt="skip")
