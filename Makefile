@@ -48,8 +48,8 @@ demo-data: install
 demo: install
 	$(PY) -m hpctrain run_dir=$(call arg,DEMO_DIR) train.resume=never train.max_steps=$(call arg,DEMO_STEPS) \
 		train.log_every=20 train.eval_every=100 optim.lr=3e-3 optim.warmup_steps=30
-	$(PY) -m hpctrain.metrics $(call arg,DEMO_DIR)
-	$(PY) -m hpctrain.generate run_dir=$(call arg,DEMO_DIR) prompt="def " max_new_tokens=120
+	$(PY) -m hpctrain summary $(call arg,DEMO_DIR)
+	$(PY) -m hpctrain generate run_dir=$(call arg,DEMO_DIR) prompt="def " max_new_tokens=120
 
 # PYTEST_ARGS reaches pytest whole, in PYTEST_ADDOPTS: pytest splits it like a shell (PYTEST_ARGS='-m "not slurm"'
 # is two words) but never evaluates it.
@@ -60,11 +60,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
-	$(PY) -m hpctrain.bench
+	$(PY) -m hpctrain bench
 
 bench-data: install
 	$(PY) -m data_prep.bench
-	$(PY) -m hpctrain.bench_data
+	$(PY) -m hpctrain.tools.bench_data
 
 # --- data preparation (data_prep/) ---------------------------------------------------------------
 CORPUS ?=

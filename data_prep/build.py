@@ -40,7 +40,6 @@ from data_prep.shard_format import (
     Manifest,
     ShardInfo,
     TokenizerInfo,
-    fsync_dir,
     is_shard_file,
     read_manifest,
     sha256_file,
@@ -49,6 +48,7 @@ from data_prep.shard_format import (
 )
 from data_prep.sources import BAD_LINES, Piece, ReadStats, iter_segments, plan_pieces
 from data_prep.tokenizer import TOKENIZER_JSON, load_tokenizer, sample_documents, train_tokenizer_from_docs
+from hpctrain.files import fsync_dir, write_json
 
 BUILD_DIR = ".build"
 PLAN_NAME = "plan.json"
@@ -106,12 +106,7 @@ def _build_path(out_dir: str, *parts: str) -> str:
 
 def _write_json_atomic(path: str, obj: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json(path, obj, sort_keys=True)
 
 
 def make_out_dir(out_dir: str) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain.files import atomic_write
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
@@ -205,24 +207,5 @@ def read_manifest(data_dir: str) -> Manifest:
 def write_manifest(data_dir: str, manifest: Manifest) -> str:
     """Write `manifest.json` atomically (tmp file, fsync, rename, fsync dir); returns its path."""
     path = os.path.join(data_dir, MANIFEST_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(manifest_json(manifest))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(data_dir)
+    atomic_write(path, manifest_json(manifest), sync_dir=True)
     return path
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -31,7 +31,6 @@ from data_prep.shard_format import (
     Manifest,
     ShardInfo,
     TokenizerInfo,
-    fsync_dir,
     is_shard_file,
     sha256_file,
     token_dtype,
@@ -39,6 +38,7 @@ from data_prep.shard_format import (
 )
 from data_prep.sources import expand_corpus
 from data_prep.tokenizer import TextTokenizer
+from hpctrain.files import fsync_dir
 
 __all__ = ["DEFAULT_SHARD_MB", "build_from_files", "main", "pack_tokens", "prepare_out_dir", "read_text",
            "split_names", "write_shards"]

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_prep.shard_format import EOS_TOKEN, DataError
 from data_prep.sources import Piece, iter_documents
+from hpctrain.files import atomic_write
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -76,12 +77,7 @@ def _write_atomic(path: str, text: str) -> None:
                 return
     except OSError:
         pass
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, data)
 
 
 def _bpe(vocab_size: int) -> tuple[Tokenizer, trainers.BpeTrainer]:

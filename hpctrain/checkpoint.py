@@ -27,21 +27,14 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hpctrain.rundir import free_name
+from hpctrain.errors import CheckpointError
+from hpctrain.files import free_name
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 log = logging.getLogger("hpctrain")
 _FIX = "resume from another checkpoint (train.resume=PATH) or train.resume=never"
-
-
-class CheckpointError(RuntimeError):
-    """One line: what is wrong, where, and the fix. `reason` alone (the what) words load_newest's fallbacks."""
-
-    def __init__(self, message: str, reason: str | None = None):
-        super().__init__(message)
-        self.reason = reason or message
 
 
 def cannot_load(path: str, reason: str) -> CheckpointError:

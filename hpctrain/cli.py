@@ -18,22 +18,17 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain import rundir
-from hpctrain.config import compose, conf_dir, register, unknown_key_message
-from hpctrain.errors import bad_input
+from hpctrain.compose import compose, conf_dir, register
+from hpctrain.config import unknown_key_message
+from hpctrain.errors import BAD_INPUT, EXIT_BAD_INPUT, fail
 
 PROG = "python -m hpctrain"
-EXIT_BAD_INPUT = 2
 # When the command started: what was made after it (by Hydra, for this run) may be removed again.
 _started = float("inf")  # (until main runs: nothing counts as made by this command)
 _full_error: str | None = None  # the user's HYDRA_FULL_ERROR, restored on return
 _in_task = False  # Hydra has made the run directory and handed over
 
 register()
-
-
-def fail(message: str, code: int = EXIT_BAD_INPUT):
-    print(f"hpctrain: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 def _restore_full_error() -> None:
@@ -45,9 +40,9 @@ def _restore_full_error() -> None:
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
 def _task(cfg: DictConfig) -> dict | None:
-    from hpctrain.distributed import launched_rank
-    from hpctrain.job import Stopped, quiet_other_ranks
-    from hpctrain.train import prepare, train
+    from hpctrain.cluster.job import Stopped, quiet_other_ranks
+    from hpctrain.parallel.process_group import launched_rank
+    from hpctrain.training.run import prepare, train
 
     global _in_task
     _in_task = True
@@ -63,7 +58,7 @@ def _task(cfg: DictConfig) -> dict | None:
     quiet_other_ranks()
     try:
         prepared = prepare(cfg)
-    except bad_input() as e:
+    except BAD_INPUT as e:
         rundir.remove_if_fresh(run_dir, _started)
         fail(where + str(e))
     try:
@@ -74,7 +69,7 @@ def _task(cfg: DictConfig) -> dict | None:
         fail(f"cannot write to the run directory {run_dir} ({e.strerror}: {e.filename}): choose a writable run_dir")
     try:
         return train(cfg, run_dir, prepared)
-    except bad_input() as e:
+    except BAD_INPUT as e:
         fail(where + str(e))
     except Stopped as e:
         print(f"hpctrain: {e}", file=sys.stderr)
@@ -146,28 +141,15 @@ def plan(argv: list[str]) -> int:
         cfg = compose(argv)
     except (HydraException, OmegaConfBaseException) as e:
         fail(hydra_error_line(e))
-    from hpctrain.plan import main as plan_main
+    from hpctrain.tools.planner import main as plan_main
 
     return plan_main(cfg)
 
 
 def preflight(argv: list[str]) -> int:
-    from hpctrain.preflight import main as preflight_main
+    from hpctrain.cluster.preflight import main as preflight_main
 
     return preflight_main(argv)
-
-
-COMMANDS = {"plan": plan, "preflight": preflight}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m hpctrain [plan|preflight] ...`: anything else is a training run's Hydra arguments."""
-    global _started
-    _started = time.time()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in COMMANDS:
-        return COMMANDS[argv[0]](argv[1:])
-    return _hydra(argv)
 
 
 def _tool(module: str, *head: str):
@@ -179,16 +161,31 @@ def _tool(module: str, *head: str):
     return run
 
 
-# The `hpctrain` console script: one subcommand per tool, each the same as its `python -m` form.
-TOOLS = {
-    "train": ("train here, or submit with hydra/launcher=slurm|local (= python -m hpctrain)", main),
-    "plan": ("layer map, memory per device, bubble and FLOPs of a layout (= python -m hpctrain plan)", plan),
-    "preflight": ("cluster health check (= python -m hpctrain preflight)", preflight),
-    "generate": ("sample text from a run (= python -m hpctrain.generate)", _tool("hpctrain.generate")),
-    "summary": ("a run's status and loss curve (= python -m hpctrain.metrics)", _tool("hpctrain.metrics")),
-    "report": ("a sweep's table and plots (= python -m hpctrain.sweep report)", _tool("hpctrain.sweep", "report")),
-    "bench": ("throughput vs a plain transformers loop (= python -m hpctrain.bench)", _tool("hpctrain.bench")),
+# Every command but training, by name: `python -m hpctrain NAME ...` and `hpctrain NAME ...` alike. (A training
+# run's arguments are Hydra overrides, key=value: no command name can be mistaken for one.)
+COMMANDS = {
+    "plan": ("layer map, memory per device, bubble and FLOPs of a layout; allocates nothing", plan),
+    "preflight": ("cluster health check (GEMM, all-reduce, per node)", preflight),
+    "generate": ("sample text from a run: generate run_dir=DIR prompt=TEXT", _tool("hpctrain.tools.generate")),
+    "summary": ("a run's status and loss curve in one line: summary RUN_DIR", _tool("hpctrain.tools.summary")),
+    "report": ("a sweep's table and plots: report SWEEP_DIR", _tool("hpctrain.cluster.sweep", "report")),
+    "bench": ("throughput against a plain transformers loop", _tool("hpctrain.tools.bench")),
 }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hpctrain [COMMAND] ...`: without a command, the arguments are a training run's Hydra overrides."""
+    global _started
+    _started = time.time()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]][1](argv[1:])
+    return _hydra(argv)
+
+
+# The `hpctrain` console script: `train` and the commands above.
+TOOLS = {"train": ("train here, or submit with hydra/launcher=slurm|local (= python -m hpctrain ...)", main),
+         **COMMANDS}
 
 
 def console(argv: list[str] | None = None) -> int:

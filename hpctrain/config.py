@@ -1,24 +1,21 @@
-"""Typed config schema (Hydra structured configs) and the semantic checks run before anything starts.
+"""Typed config schema (Hydra structured configs) and the checks of single keys: names and ranges.
 
-The schema makes Hydra reject unknown keys and wrong types with its own message; `resolve()` checks
-what types cannot (batch arithmetic, lengths, divisibility) and raises `ConfigError` with one line
-that names the numbers and the fix.
+The schema makes Hydra reject unknown keys and wrong types with its own message; `check_keys` catches the
+keys `+key=value` adds without complaint, `check_values` the numbers out of range. What relates several
+keys (batch arithmetic, layout, the model's divisibility rules) is `hpctrain.resolve`'s. A leaf: it imports
+nothing of hpctrain, so every module may read the schema.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-import os
 import signal
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
-
-from hpctrain.model import ModelArgs
 
 
 class ConfigError(ValueError):
@@ -62,8 +59,23 @@ class ActCkpt(str, Enum):
 
 
 @dataclass
-class ModelConfig(ModelArgs):
+class ModelConfig:
+    """The dimensions of a decoder-only model; `family` picks the code (hpctrain.models), which reads the
+    fields it has."""
+
+    family: str = "llama"
     name: str = "custom"
+    vocab_size: int = 4096
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: n_heads
+    ffn_hidden: int = 688
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
 
 
 @dataclass
@@ -186,141 +198,12 @@ class Config:
     run_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 
 
-def register() -> None:
-    """Make the schema and the `${demo_data_dir:}` resolver known to Hydra (idempotent)."""
-    from data_prep.demo import default_out_dir
-
-    ConfigStore.instance().store(name="base_config", node=Config)
-    if not OmegaConf.has_resolver("demo_data_dir"):
-        OmegaConf.register_new_resolver("demo_data_dir", default_out_dir)
-    if not OmegaConf.has_resolver("hpctrain_slurm"):
-        from hpctrain.launcher import resolver
-
-        OmegaConf.register_new_resolver("hpctrain_slurm", resolver)
-
-
-def conf_dir() -> str:
-    """The config groups: `conf/` beside the package in a checkout (an editable install), or the copy a wheel
-    installs inside it (`hpctrain/conf/`)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    installed = os.path.join(here, "conf")
-    return installed if os.path.isdir(installed) else os.path.abspath(os.path.join(here, os.pardir, "conf"))
-
-
-def compose(overrides: list[str]):
-    """The config a run with these overrides gets, composed as `python -m hpctrain` does (no run directory)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
-
-
 def signal_number(name: str) -> signal.Signals:
     """`cluster.signal` (USR2, SIGUSR2, usr2) as a signal."""
     try:
         return signal.Signals["SIG" + str(name).upper().removeprefix("SIG")]
     except KeyError:
         raise ConfigError(f"cluster.signal={name!r} is not a signal name: use e.g. USR2") from None
-
-
-def model_args(cfg) -> ModelArgs:
-    return ModelArgs(**{f.name: cfg.model[f.name] for f in fields(ModelArgs)})
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The numbers a run is built from, after derivation and checks."""
-
-    world: int
-    dp: int
-    tp: int
-    pp: int
-    global_batch: int
-    micro_batch: int
-    grad_accum: int
-    seq_len: int | None  # None until the data manifest is known
-
-
-def _batch(global_batch, micro_batch, grad_accum, dp) -> tuple[int, int, int]:
-    fix = "set two of train.global_batch / train.micro_batch / train.grad_accum and let the third be derived"
-    for name, v in (("global_batch", global_batch), ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
-        if v is not None and v < 1:
-            raise ConfigError(f"train.{name}={v} must be >= 1")
-    if micro_batch is None and grad_accum is None:
-        grad_accum = 1
-    if global_batch is None:
-        if micro_batch is None:
-            raise ConfigError(f"train.global_batch and train.micro_batch are both unset: {fix}")
-        return micro_batch * (grad_accum or 1) * dp, micro_batch, grad_accum or 1
-    if micro_batch is None:
-        if global_batch % (grad_accum * dp):
-            raise ConfigError(
-                f"train.global_batch={global_batch} is not divisible by grad_accum×dp={grad_accum}×{dp}: "
-                f"choose a global_batch that is a multiple of {grad_accum * dp}"
-            )
-        return global_batch, global_batch // (grad_accum * dp), grad_accum
-    if grad_accum is None:
-        if global_batch % (micro_batch * dp):
-            raise ConfigError(
-                f"train.global_batch={global_batch} is not divisible by micro_batch×dp={micro_batch}×{dp}: "
-                f"choose a global_batch that is a multiple of {micro_batch * dp}, or another micro_batch"
-            )
-        return global_batch, micro_batch, global_batch // (micro_batch * dp)
-    if micro_batch * grad_accum * dp != global_batch:
-        raise ConfigError(
-            f"train.global_batch={global_batch} != micro_batch×grad_accum×dp={micro_batch}×{grad_accum}×{dp}"
-            f"={micro_batch * grad_accum * dp}: {fix}"
-        )
-    return global_batch, micro_batch, grad_accum
-
-
-def layout_world(cfg) -> int:
-    """Processes a layout needs when started alone: dp·tp·pp, with dp=auto filling this node's GPUs (or 1)."""
-    p = cfg.parallel
-    if p.dp == "auto":
-        import torch
-
-        per_node = torch.cuda.device_count() if torch.cuda.is_available() else 1
-        return max(1, per_node // (p.tp * p.pp)) * p.tp * p.pp if p.tp >= 1 and p.pp >= 1 else 1
-    try:
-        return int(p.dp) * p.tp * p.pp
-    except ValueError:
-        return 1  # resolve() names the bad value
-
-
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-_PP_INTERLEAVED = ("interleaved_1f1b", "zero_bubble")
-
-
-def _check_pipeline(m, p) -> int:
-    """Pipeline rules (schedule, stages, microbatches); return the pipeline microbatch count."""
-    pp, v, sched = p.pp, p.pp_virtual_stages, p.pp_schedule
-    if sched not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={sched!r} is not one of {', '.join(PP_SCHEDULES)}")
-    n_mb = p.pp_microbatches if p.pp_microbatches is not None else pp
-    if pp == 1:
-        return n_mb
-    if sched in _PP_INTERLEAVED and v < 2:
-        raise ConfigError(f"parallel.pp_schedule={sched} needs parallel.pp_virtual_stages >= 2 (got {v}): "
-                          "raise it or use pp_schedule=1f1b")
-    if sched not in _PP_INTERLEAVED and v != 1:
-        raise ConfigError(f"parallel.pp_schedule={sched} runs one stage per rank: parallel.pp_virtual_stages={v} "
-                          "must be 1, or use pp_schedule=interleaved_1f1b")
-    if m.n_layers % (pp * v):
-        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pp×pp_virtual_stages={pp}×{v}"
-                          f"={pp * v} pipeline stages: choose pp and virtual stages that divide the layers")
-    if m.tie_embeddings:
-        raise ConfigError(f"model.tie_embeddings=true with parallel.pp={pp}: embedding and output head live on "
-                          "different pipeline stages: set model.tie_embeddings=false")
-    if n_mb < 1 or (sched != "gpipe" and n_mb < pp):
-        raise ConfigError(f"parallel.pp_microbatches={n_mb} must be >= parallel.pp={pp} for pp_schedule={sched} "
-                          "(>= 1 for gpipe)")
-    if sched in _PP_INTERLEAVED and n_mb % pp:
-        raise ConfigError(f"parallel.pp_microbatches={n_mb} must be a multiple of parallel.pp={pp} for "
-                          f"pp_schedule={sched}")
-    return n_mb
 
 
 def unknown_keys(cfg, schema: type = Config, prefix: str = "") -> list[str]:
@@ -404,65 +287,3 @@ def check_values(cfg) -> None:
             hint = f" ({_HINTS[key]})" if key in _HINTS else ""
             kind = "a finite number " if isinstance(value, float) else ""
             raise ConfigError(f"{key}={value} must be {kind}{_interval(low, low_in, high, high_in)}{hint}")
-
-
-def resolve(cfg, world: int = 1) -> Plan:
-    """Derive and check the numbers a run needs; raise ConfigError on the first problem."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    check_keys(cfg)
-    check_values(cfg)
-    signal_number(cfg.cluster.signal)
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"head_dim = model.dim/n_heads = {m.dim // m.n_heads} must be even for RoPE")
-    tp, pp = p.tp, p.pp
-    if p.dp == "auto":
-        if world % (tp * pp):
-            raise ConfigError(f"parallel.dp=auto: world size {world} is not divisible by tp×pp={tp}×{pp}")
-        dp = world // (tp * pp)
-    else:
-        try:
-            dp = int(p.dp)
-        except ValueError:
-            raise ConfigError(f"parallel.dp={p.dp!r} must be a positive integer or 'auto'") from None
-    if dp < 1:
-        raise ConfigError(f"parallel.dp={dp} must be >= 1")
-    if dp * tp * pp != world:
-        raise ConfigError(f"parallel dp×tp×pp={dp}×{tp}×{pp}={dp * tp * pp} does not match world size {world}")
-    pp_mb = _check_pipeline(m, p)
-    if pp > 1 and p.pp_schedule == "zero_bubble" and dp > 1 and p.zero_stage == 3:
-        # Measured: its split weight-gradient pass does not match one process with parameters resharded.
-        raise ConfigError("parallel.pp_schedule=zero_bubble with parallel.zero_stage=3 and dp > 1 gives wrong "
-                          "gradients: use zero_stage=2 (or 0), or pp_schedule=interleaved_1f1b")
-    if p.zero_stage not in (0, 2, 3):
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (replicate), 2 (shard gradients and "
-                          "optimizer state) or 3 (shard parameters too)")
-    if p.cpu_offload and (p.zero_stage != 3 or dp == 1):
-        raise ConfigError(f"parallel.cpu_offload needs parallel.zero_stage=3 and dp > 1 (got zero_stage="
-                          f"{p.zero_stage}, dp={dp}): set parallel=fsdp or parallel.cpu_offload=false")
-    if p.sequence_parallel and tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
-    for what, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv), ("model.vocab_size", m.vocab_size),
-                    ("model.ffn_hidden", m.ffn_hidden)):
-        if n % tp:
-            raise ConfigError(f"{what}={n} is not divisible by parallel.tp={tp}: choose a tp that divides it")
-    if p.sequence_parallel and t.seq_len is not None and t.seq_len % tp:
-        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={tp} with "
-                          "sequence_parallel: choose a seq_len that is a multiple of tp")
-    if world > 1 and cfg.precision.name == PrecisionName.fp16:
-        raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
-                          f"(world {world}) yet: use precision=bf16")
-    gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
-    if pp > 1 and mb % pp_mb:
-        raise ConfigError(f"local micro batch train.micro_batch={mb} is not divisible by parallel.pp_microbatches="
-                          f"{pp_mb}: the pipeline splits each micro-batch into pp_microbatches chunks")
-    if t.seq_len is not None and t.seq_len > m.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: lower train.seq_len "
-            f"or raise model.max_seq_len"
-        )
-    return Plan(world, dp, tp, pp, gb, mb, ga, t.seq_len)

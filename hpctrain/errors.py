@@ -1,15 +1,40 @@
-"""The exceptions that mean bad input: each is reported as one line naming the fix, never as a traceback."""
+"""The exceptions that mean bad input: each is reported as one line naming the fix, never as a traceback.
+
+ConfigError (a config that cannot run) lives with the schema, DataError (unusable shards) with the shard
+format; the ones raised while a run starts or goes on are here, so that no module has to import the
+training code to recognise them.
+"""
 
 from __future__ import annotations
 
+import sys
 
-def bad_input() -> tuple[type[Exception], ...]:
-    # Imported here: the modules that define them import much of the package.
-    from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
-    from data_prep.shard_format import DataError
-    from hpctrain.checkpoint import CheckpointError
-    from hpctrain.config import ConfigError
-    from hpctrain.train import TrainingError
+from data_prep.shard_format import DataError
+from hpctrain.config import ConfigError
 
-    return ConfigError, DataError, TrainingError, CheckpointError, OmegaConfBaseException
+
+class TrainingError(RuntimeError):
+    """The run cannot continue; the message is one line naming the cause and the fix."""
+
+
+class CheckpointError(RuntimeError):
+    """One line: what is wrong, where, and the fix. `reason` alone (the what) words load_newest's fallbacks."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+BAD_INPUT: tuple[type[Exception], ...] = (ConfigError, DataError, TrainingError, CheckpointError,
+                                          OmegaConfBaseException)
+
+
+EXIT_BAD_INPUT = 2
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT):
+    """End the command with one line on stderr: `hpctrain: error: ...` (whitespace, newlines included, folded)."""
+    print(f"hpctrain: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(code)

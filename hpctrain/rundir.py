@@ -15,6 +15,8 @@ import time
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
+from hpctrain.files import free_name
+
 log = logging.getLogger("hpctrain")
 
 # What a run writes: the first four make a directory hold a previous run; all of them move aside with it.
@@ -36,15 +38,6 @@ class NoteNewDirs(Callback):
             path, _first_new = os.path.dirname(path), path
 
 
-def free_name(path: str) -> str:
-    """`path`, or `path-2`, `path-3`, ... : the first name nothing exists at."""
-    n, name = 1, path
-    while os.path.lexists(name):
-        n += 1
-        name = f"{path}-{n}"
-    return name
-
-
 def _made_since(path: str, since: float) -> bool:
     """Whether `path` and everything under it changed status after `since` (a directory's own time moves when
     entries come and go, so this says nothing of who made a directory that is still there: the leaf only)."""
@@ -63,7 +56,7 @@ def remove_if_fresh(path: str, since: float) -> None:
     """Take back the run directory of a run that failed its checks: only when all of it is newer than `since`
     (made by Hydra, or by a submission sbatch refused), and only on the main rank; then the parents Hydra made
     for it (noted by NoteNewDirs), while empty. Anything that existed before stays."""
-    from hpctrain.distributed import launched_rank
+    from hpctrain.parallel.process_group import launched_rank
 
     path = os.path.abspath(path)
     if launched_rank() != 0 or not os.path.isdir(path) or not _made_since(path, since):
@@ -84,7 +77,7 @@ def save_config(run_dir: str, cfg) -> None:
     (Hydra's own writing is off: `hydra.output_subdir: null`)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from hpctrain.distributed import launched_rank
+    from hpctrain.parallel.process_group import launched_rank
 
     if launched_rank() != 0:
         return

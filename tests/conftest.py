@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from hpctrain.config import register
+from hpctrain.compose import register
 
 CONF_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
 
@@ -19,6 +19,9 @@ SMALL_MODEL = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=176",
     "model.vocab_size=512", "model.max_seq_len=64",
 ]
+
+# The session's shard set (data_prep.demo): 512-token vocabulary, 64-token blocks, many small shards.
+DEMO_KW = dict(max_bytes=400_000, vocab_size=512, seq_len=64, shard_mb=0.05)
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 register()
@@ -29,7 +32,7 @@ def demo_data(tmp_path_factory) -> str:
     from data_prep.demo import build_demo
 
     out = str(tmp_path_factory.mktemp("shards"))
-    build_demo(out, max_bytes=400_000, vocab_size=512, seq_len=64, shard_mb=0.05)
+    build_demo(out, **DEMO_KW)
     return out
 
 
@@ -61,6 +64,13 @@ def _slurm_missing() -> str | None:
     if p.returncode != 0 or not any(s in p.stdout for s in ("idle", "mix")):
         return f"no available Slurm nodes ({(p.stderr or p.stdout).strip()[:100]}): run `make slurm-up`"
     return None
+
+
+def pytest_collection_modifyitems(items):
+    """A test that needs the cluster (the `slurm` fixture) is a `slurm` test: -m "not slurm" leaves it out."""
+    for item in items:
+        if "slurm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
 
 
 @pytest.fixture(scope="session")

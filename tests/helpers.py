@@ -14,7 +14,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from hpctrain.sweep import sacct_state
+from hpctrain.cluster.sweep import sacct_state
+from hpctrain.files import read_metrics
 
 
 def read(path) -> str:
@@ -23,8 +24,7 @@ def read(path) -> str:
 
 
 def records(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_metrics(str(run_dir))
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -187,3 +187,50 @@ class WarningLines(logging.Handler):
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+
+
+def one_line(error, *words: str) -> str:
+    """The message of an exception (raised, or a pytest.ExceptionInfo) or a text: one line without surrounding
+    space, holding every word. Returns it."""
+    msg = str(getattr(error, "value", error))
+    assert "\n" not in msg and msg.strip() == msg, msg
+    for word in words:
+        assert word in msg, (word, msg)
+    return msg
+
+
+# --- one layout against another: the same small run, compared step by step ---------------------------------------
+
+# 8 samples per step, micro-batches of 2: accumulation 4 in one process, 2 per rank with dp=2.
+LAYOUT_RUN = ("train.global_batch=8", "train.micro_batch=2", "train.max_steps=3", "train.eval_every=0",
+              "train.ckpt_every=0", "train.tensorboard=false", "cluster.num_threads=1", "optim.decay_steps=10")
+
+
+def step_metrics(run_dir) -> dict[int, tuple[float, float]]:
+    """{step: (loss, grad_norm)} of a run's logged training steps."""
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir) if "loss" in r}
+
+
+def run_layout(make_cfg, run_dir, *overrides) -> dict[int, tuple[float, float]]:
+    from hpctrain.training.run import train
+
+    result = train(make_cfg(*LAYOUT_RUN, *overrides), str(run_dir))
+    assert result["status"] == "completed"
+    return step_metrics(run_dir)
+
+
+def deltas(ref, got) -> tuple[float, float]:
+    """The largest loss difference and relative grad-norm difference over steps 1-3."""
+    assert sorted(got) == sorted(ref) == [1, 2, 3]
+    return (max(abs(ref[s][0] - got[s][0]) for s in ref),
+            max(abs(ref[s][1] - got[s][1]) / ref[s][1] for s in ref))
+
+
+def cli_args(run_dir, demo_data, *extra) -> list[str]:
+    """`python -m hpctrain` arguments of the same small run."""
+    from conftest import SMALL_MODEL
+
+    return [f"run_dir={run_dir}", f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL,
+            "train.global_batch=8", "train.micro_batch=2", "train.log_every=1", "train.eval_every=0",
+            "train.tensorboard=false", "cluster.num_threads=1", "optim.decay_steps=10", "optim.warmup_steps=2",
+            "optim.lr=1e-2", *extra]

@@ -17,7 +17,9 @@ from helpers import edit_tokens, run_forked, tree_digest
 
 from data_prep import demo as demo_cli
 from data_prep import shards as shards_cli
-from hpctrain import checkpoint, cli, generate, metrics
+from hpctrain import checkpoint, cli
+from hpctrain.tools import generate
+from hpctrain.tools import summary as metrics
 
 BASE = [*SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=2", "train.log_every=1",
         "train.eval_every=0", "train.tensorboard=false", "cluster.num_threads=1"]
@@ -38,7 +40,7 @@ def world(tmp_path_factory, demo_data):
     """Shard sets and runs, good and damaged, that the cases point at; built once per module."""
     from omegaconf import OmegaConf
 
-    from hpctrain.train import train
+    from hpctrain.training.run import train
 
     w = tmp_path_factory.mktemp("world")
     shutil.copytree(demo_data, w / "data")
@@ -143,6 +145,7 @@ CASES = [
     # Tracebacks that are one line now.
     ("n-heads-zero", *_hp("model.n_heads=0"), ["model.n_heads=0"]),
     ("n-layers-zero", *_hp("model.n_layers=0"), ["model.n_layers=0"]),
+    ("unknown-model-family", *_hp("model.family=gpt9"), ["model.family='gpt9'", "use one of llama"]),
     ("run-dir-is-a-file", cli.main, ["run_dir={w}/afile", "data.path={w}/data", *BASE], ["afile", "is a file"]),
     ("run-dir-under-a-file", cli.main, ["run_dir={w}/afile/run", "data.path={w}/data", *BASE], ["afile"]),
     ("trainer-state-not-json", *_hp("train.resume={w}/badstate/checkpoints/step-0000002"), ["trainer_state"]),
@@ -258,8 +261,8 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(world, tmp_path):
 def test_help_names_the_commands_and_launchers(tmp_path):
     ran = run_forked(cli.main, ["--help"], cwd=tmp_path)
     assert ran.code == 0, ran.err
-    for words in ("python -m hpctrain plan", "python -m hpctrain preflight", "python -m hpctrain.generate",
-                  "python -m hpctrain.metrics", "hydra/launcher=local", "hydra/launcher=slurm", "model: llama_125m"):
+    for words in ("python -m hpctrain plan", "python -m hpctrain preflight", "python -m hpctrain generate",
+                  "python -m hpctrain summary", "hydra/launcher=local", "hydra/launcher=slurm", "model: llama_125m"):
         assert words in ran.out, words
     assert "__main__" not in ran.out
     ran = run_forked(cli.main, ["--no-such-flag"], cwd=tmp_path)

@@ -12,10 +12,10 @@ from contextlib import suppress
 
 import pytest
 import torch
-from helpers import WarningLines
+from helpers import WarningLines, one_line
 
 from hpctrain import checkpoint
-from hpctrain.train import train
+from hpctrain.training.run import train
 
 
 class _Exploit:
@@ -183,18 +183,12 @@ def _step(run, n: int) -> str:
     return str(run / "checkpoints" / f"step-{n:07d}")
 
 
-def _one_line(e: pytest.ExceptionInfo, *words: str) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg and all(w in msg for w in words), msg
-    return msg
-
-
 def _refused_by_both_loaders(ckpt: str, *words: str) -> None:
     """What resuming (load) and generate/export (load_model) call: the same one-line CheckpointError."""
     for attempt in (lambda: checkpoint.load(ckpt, *_linear()), lambda: checkpoint.load_model(ckpt, _linear()[0])):
         with pytest.raises(checkpoint.CheckpointError) as e:
             attempt()
-        _one_line(e, ckpt, "train.resume=never", *words)
+        one_line(e, ckpt, "train.resume=never", *words)
     assert not os.path.exists("pwned")
 
 
@@ -283,7 +277,7 @@ def test_data_file_missing_its_last_bytes_is_one_line(small_run):
     os.truncate(data, os.path.getsize(data) - 1)
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.load(ckpt, *_linear())
-    _one_line(e, ckpt, "RuntimeError: PytorchStreamReader failed reading zip archive", "train.resume=never")
+    one_line(e, ckpt, "RuntimeError: PytorchStreamReader failed reading zip archive", "train.resume=never")
     model = torch.nn.Linear(4, 4)
     checkpoint.load_model(ckpt, model)
     assert torch.all(model.weight == 4)
@@ -301,7 +295,7 @@ def test_damaged_trainer_state_is_one_line(small_run, content, words):
         f.write(content)
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.load(ckpt, *_linear())
-    _one_line(e, ckpt, "train.resume=never", *words)
+    one_line(e, ckpt, "train.resume=never", *words)
 
 
 @pytest.fixture
@@ -325,9 +319,9 @@ def test_load_newest_without_checkpoints_is_none(tmp_path):
 
 def test_load_newest_falls_back_to_an_older_checkpoint(run_with_ckpts, make_cfg, warnings_logged):
     """A real training run's checkpoints (steps 2, 3, 4): step 4's data file is cut to half its size."""
-    from hpctrain.config import model_args
-    from hpctrain.model import Llama
-    from hpctrain.optim import build_optimizer
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.training.optim import build_optimizer
 
     cfg = make_cfg()
 
@@ -349,7 +343,7 @@ def test_load_newest_falls_back_to_an_older_checkpoint(run_with_ckpts, make_cfg,
         _cut_half(os.path.join(_step(run, n), "__0_0.distcp"))
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.load_newest(str(run), *fresh())
-    msg = _one_line(e, os.path.realpath(_step(run, 4)), "train.resume=PATH", "new run_dir")
+    msg = one_line(e, os.path.realpath(_step(run, 4)), "train.resume=PATH", "new run_dir")
     assert any(w in msg for w in TRUNCATED), msg
     assert len(warnings_logged) == 3
 
@@ -383,9 +377,10 @@ def _two_ranks_fall_back(run: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiproc
 def test_load_newest_falls_back_on_every_rank_when_one_rank_fails(tmp_path):
     """DCP raises a rank's read failure on all ranks: both ranks fall back to step 3 together (no hang)."""
-    from hpctrain.launch import spawn
+    from hpctrain.cluster.spawn import spawn
 
     spawn(2, _two_ranks_fall_back, (str(tmp_path / "run"), str(tmp_path)), threads=1)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -393,9 +388,9 @@ def test_load_newest_falls_back_on_every_rank_when_one_rank_fails(tmp_path):
 
 
 def test_real_checkpoints_load(run_with_ckpts, make_cfg):
-    from hpctrain.config import model_args
-    from hpctrain.model import Llama
-    from hpctrain.optim import build_optimizer
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.training.optim import build_optimizer
 
     model = Llama(model_args(make_cfg()))
     path, state = checkpoint.load_newest(str(run_with_ckpts), model, build_optimizer(model, make_cfg().optim, 0.1))
@@ -405,11 +400,12 @@ def test_real_checkpoints_load(run_with_ckpts, make_cfg):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), exported.state_dict().values()))
 
 
+@pytest.mark.multiproc
 def test_a_multi_rank_checkpoint_loads_in_one_process(make_cfg, tmp_path):
     """Saved by 2 ranks (FSDP, DTensor shards in two files): resumed and exported by one process."""
-    from hpctrain.config import model_args
-    from hpctrain.model import Llama
-    from hpctrain.optim import build_optimizer
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.training.optim import build_optimizer
 
     cfg = make_cfg("parallel=fsdp", "parallel.dp=2", "train.max_steps=2", "train.ckpt_every=2",
                    "train.eval_every=0", "cluster.num_threads=1")

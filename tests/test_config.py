@@ -10,9 +10,10 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from hpctrain.config import ConfigError, resolve
-from hpctrain.model import num_params
-from hpctrain.optim import lr_factor, scaled_lr
+from hpctrain.config import ConfigError
+from hpctrain.models.llama.model import num_params
+from hpctrain.resolve import resolve
+from hpctrain.training.optim import lr_factor, scaled_lr
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 
@@ -31,7 +32,7 @@ def test_defaults_compose(make_cfg):
     ("llama_70b", 68.977, 0.01),
 ])
 def test_model_sizes_are_real(make_cfg, name, params_b, tol):
-    from hpctrain.config import model_args
+    from hpctrain.models import model_args
 
     cfg = make_cfg(f"model={name}", small_model=False)
     n = num_params(model_args(cfg)) / 1e9

@@ -14,6 +14,8 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from conftest import DEMO_KW
+from helpers import one_line
 
 from data_prep import demo as demo_mod
 from data_prep.demo import build_demo
@@ -32,7 +34,6 @@ from hpctrain import data as data_mod
 from hpctrain.data import ShardStream, check_compat, read_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO_KW = dict(max_bytes=300_000, vocab_size=512, seq_len=64, shard_mb=0.2)
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega",
          "def", "return", "class", "import", "tensor", "shard", "token", "batch", "epoch", "ünïcödé", "数据", "λ"]
 
@@ -63,13 +64,6 @@ def tiny(corpus, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("demo"))
-    build_demo(out, **DEMO_KW)
-    return out
-
-
 def _tiny_split(corpus) -> dict[str, list[str]]:
     """The hold-out build_from_files chose for the `tiny` set (by file name, weighted by bytes)."""
     return split_names([os.path.basename(f) for f in corpus], 0.1,
@@ -88,14 +82,6 @@ def _take(stream: ShardStream, n_batches: int) -> torch.Tensor:
 def _tree_hashes(root: str) -> dict[str, str]:
     return {os.path.relpath(os.path.join(d, f), root): sha256_file(os.path.join(d, f))
             for d, _, fs in os.walk(root) for f in fs}
-
-
-def _one_line_error(excinfo, *needles: str) -> str:
-    msg = str(excinfo.value)
-    assert "\n" not in msg and msg.strip() == msg, msg
-    for needle in needles:
-        assert needle in msg, (needle, msg)
-    return msg
 
 
 # --------------------------------------------------------------------------- format + tokenizer
@@ -131,23 +117,23 @@ def test_tokenizer_trains_and_round_trips(corpus, tmp_path):
     assert load_tokenizer(str(tmp_path / "hf")).encode(_doc(6)) == tok.encode(_doc(6))
     with pytest.raises(DataError) as e:
         load_tokenizer(str(tmp_path / "nope.json"))
-    _one_line_error(e, "nope.json")
+    one_line(e, "nope.json")
 
 
 # --------------------------------------------------------------------------- writer
 
 
-def test_manifest_matches_tar_contents(demo_dir):
-    m = read_manifest(demo_dir)
+def test_manifest_matches_tar_contents(demo_data):
+    m = read_manifest(demo_data)
     assert m.block_len == 65 and m.dtype == "uint16" and m.vocab_size == 512 and m.eos_id == 0
     assert len(m.splits["train"]) >= 3 and len(m.splits["val"]) >= 1
-    assert sha256_file(os.path.join(demo_dir, m.tokenizer.path)) == m.tokenizer.sha256
-    assert sorted(os.listdir(demo_dir)) == sorted(
+    assert sha256_file(os.path.join(demo_data, m.tokenizer.path)) == m.tokenizer.sha256
+    assert sorted(os.listdir(demo_data)) == sorted(
         [MANIFEST_NAME, "tokenizer", ".build", ".hpctrain-demo"] + [s.name for v in m.splits.values() for s in v])
     for split, shards in m.splits.items():
         key = 0
         for i, shard in enumerate(shards):  # the demo is one work unit per split
-            path = os.path.join(demo_dir, shard.name)
+            path = os.path.join(demo_data, shard.name)
             assert shard.name == f"{split}-000000-{i:04d}.tar"
             assert (os.path.getsize(path), sha256_file(path)) == (shard.bytes, shard.sha256)
             with tarfile.open(path) as tf:
@@ -196,35 +182,35 @@ def test_val_documents_disjoint_from_train(corpus, tiny):
     assert any(f"@@doc-{i:04d}@@" in text["val"] for i in val_ids)
 
 
-def test_rebuild_is_byte_identical(demo_dir, tmp_path):
+def test_rebuild_is_byte_identical(demo_data, tmp_path):
     other = str(tmp_path / "again")
     build_demo(other, **DEMO_KW)
-    assert _tree_hashes(other) == _tree_hashes(demo_dir)
+    assert _tree_hashes(other) == _tree_hashes(demo_data)
 
 
-def test_cached_build_does_no_work(demo_dir, tmp_path, monkeypatch, capsys):
-    before = {p: os.stat(os.path.join(demo_dir, p)).st_mtime_ns for p in _tree_hashes(demo_dir)}
+def test_cached_build_does_no_work(demo_data, tmp_path, monkeypatch, capsys):
+    before = {p: os.stat(os.path.join(demo_data, p)).st_mtime_ns for p in _tree_hashes(demo_data)}
 
     def boom(*a, **k):
         raise AssertionError("cached build must not rebuild")
 
     monkeypatch.setattr(demo_mod, "build_from_files", boom)
     monkeypatch.setattr(demo_mod, "stdlib_files", boom)
-    assert build_demo(demo_dir, **DEMO_KW) == read_manifest(demo_dir)
+    assert build_demo(demo_data, **DEMO_KW) == read_manifest(demo_data)
     assert capsys.readouterr().out.startswith("demo data: cached")
-    assert {p: os.stat(os.path.join(demo_dir, p)).st_mtime_ns for p in before} == before
+    assert {p: os.stat(os.path.join(demo_data, p)).st_mtime_ns for p in before} == before
     monkeypatch.undo()
     # other settings -> rebuilt in place
     copy = str(tmp_path / "copy")
-    shutil.copytree(demo_dir, copy)
+    shutil.copytree(demo_data, copy)
     m = build_demo(copy, **{**DEMO_KW, "seq_len": 32})
     assert m.block_len == 33 and read_manifest(copy).block_len == 33
     assert "built" in capsys.readouterr().out
 
 
-def test_demo_cli_cached(demo_dir):
+def test_demo_cli_cached(demo_data):
     args = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_KW.items()]
-    r = subprocess.run([sys.executable, "-m", "data_prep.demo", "--out", demo_dir, *args],
+    r = subprocess.run([sys.executable, "-m", "data_prep.demo", "--out", demo_data, *args],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("demo data: cached") and len(r.stdout.splitlines()) == 1
@@ -251,87 +237,87 @@ def test_interrupted_write_not_picked_up_and_rerun_completes(corpus, tiny, tmp_p
     open(os.path.join(out, "train-000999.tar"), "wb").close()
     with pytest.raises(DataError) as e:
         ShardStream(out, "train", 4, seed=0)
-    _one_line_error(e, out, "make demo-data")
+    one_line(e, out, "make demo-data")
     m = write_shards({"train": texts[:40], "val": texts[40:]}, tok, out, seq_len=16, shard_mb=0.05)
     assert sorted(n for n in os.listdir(out) if n.endswith((".tar", ".tmp"))) == sorted(
         s.name for v in m.splits.values() for s in v)
     assert len(_take(ShardStream(out, "train", 4, seed=0, loop=False), 10**9)) == m.num_samples("train") // 4 * 4
     with pytest.raises(DataError) as e:  # a complete set is never overwritten silently
         write_shards({"train": texts}, tok, out, seq_len=16)
-    _one_line_error(e, out, "overwrite")
+    one_line(e, out, "overwrite")
 
 
 # --------------------------------------------------------------------------- loader
 
 
-def test_stream_deterministic_and_seeded(demo_dir):
-    a = _take(ShardStream(demo_dir, "train", 8, seed=1), 40)
-    b = _take(ShardStream(demo_dir, "train", 8, seed=1), 40)
-    c = _take(ShardStream(demo_dir, "train", 8, seed=2), 40)
+def test_stream_deterministic_and_seeded(demo_data):
+    a = _take(ShardStream(demo_data, "train", 8, seed=1), 40)
+    b = _take(ShardStream(demo_data, "train", 8, seed=1), 40)
+    c = _take(ShardStream(demo_data, "train", 8, seed=2), 40)
     assert a.dtype == torch.int64 and a.shape == (320, 65)
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_epoch_visits_every_sample_once(demo_dir):
-    n = ShardStream(demo_dir, "train", 1, seed=0).samples_per_epoch
-    plain = _take(ShardStream(demo_dir, "train", 1, seed=0, loop=False, shuffle=False), 10**9)
-    assert len(plain) == n == read_manifest(demo_dir).num_samples("train")
+def test_epoch_visits_every_sample_once(demo_data):
+    n = ShardStream(demo_data, "train", 1, seed=0).samples_per_epoch
+    plain = _take(ShardStream(demo_data, "train", 1, seed=0, loop=False, shuffle=False), 10**9)
+    assert len(plain) == n == read_manifest(demo_data).num_samples("train")
     for seed in (0, 5):
-        epochs = _take(ShardStream(demo_dir, "train", 1, seed=seed), 2 * n)
+        epochs = _take(ShardStream(demo_data, "train", 1, seed=seed), 2 * n)
         e0, e1 = epochs[:n], epochs[n:]
         assert not torch.equal(e0, plain) and not torch.equal(e0, e1)
         for e in (e0, e1):
             assert collections.Counter(map(bytes, e.numpy())) == collections.Counter(map(bytes, plain.numpy()))
 
 
-def test_resume_equals_uninterrupted_tail(demo_dir, monkeypatch):
+def test_resume_equals_uninterrupted_tail(demo_data, monkeypatch):
     bs = 16
-    stream = ShardStream(demo_dir, "train", bs, seed=3)
+    stream = ShardStream(demo_data, "train", bs, seed=3)
     n = stream.samples_per_epoch
     total = (n // bs) * 2 + 5  # crosses the first epoch boundary and more
     ref = _take(stream, total)
-    shard0 = read_manifest(demo_dir).splits["train"][0].samples
+    shard0 = read_manifest(demo_data).splits["train"][0].samples
     for k in sorted({1, shard0 // bs, shard0 // bs + 1, n // bs - 1, n // bs, n // bs + 1, total - 3}):
-        got = _take(ShardStream(demo_dir, "train", bs, seed=3, start_sample=k * bs), total - k)
+        got = _take(ShardStream(demo_data, "train", bs, seed=3, start_sample=k * bs), total - k)
         assert torch.equal(got, ref[k * bs:]), k
     # a start inside a batch shifts the sample sequence, and whole shards before it are never read
     reads = []
     real_read = data_mod.read_shard
     monkeypatch.setattr(data_mod, "read_shard", lambda url, *a: reads.append(url) or real_read(url, *a))
     start = n + 2 * shard0 + 5  # second epoch, third visited shard
-    got = _take(ShardStream(demo_dir, "train", 1, seed=3, start_sample=start), 10)
+    got = _take(ShardStream(demo_data, "train", 1, seed=3, start_sample=start), 10)
     assert torch.equal(got, ref[start: start + 10])
     assert len(reads) == 1
 
 
 @pytest.mark.parametrize("split,loop,shuffle,start", [("train", True, True, 0), ("train", True, True, 1000),
                                                       ("val", False, False, 0), ("train", False, True, 24)])
-def test_num_workers_do_not_change_the_sequence(demo_dir, split, loop, shuffle, start):
-    n = ShardStream(demo_dir, split, 1, seed=0).samples_per_epoch
+def test_num_workers_do_not_change_the_sequence(demo_data, split, loop, shuffle, start):
+    n = ShardStream(demo_data, split, 1, seed=0).samples_per_epoch
     batches = (2 * n) // 8 if loop else 10**9
-    seqs = [_take(ShardStream(demo_dir, split, 8, seed=7, start_sample=start, loop=loop, shuffle=shuffle,
+    seqs = [_take(ShardStream(demo_data, split, 8, seed=7, start_sample=start, loop=loop, shuffle=shuffle,
                               num_workers=w), batches) for w in (0, 1, 2)]
     assert len(seqs[0]) > 0
     assert torch.equal(seqs[0], seqs[1]) and torch.equal(seqs[0], seqs[2])
 
 
-def test_non_looping_stream_stops(demo_dir):
-    plain = _take(ShardStream(demo_dir, "val", 1, seed=0, loop=False, shuffle=False), 10**9)
+def test_non_looping_stream_stops(demo_data):
+    plain = _take(ShardStream(demo_data, "val", 1, seed=0, loop=False, shuffle=False), 10**9)
     n = len(plain)
     bs = 7 if n % 7 else 6
-    stream = ShardStream(demo_dir, "val", bs, seed=0, loop=False, shuffle=False)
+    stream = ShardStream(demo_data, "val", bs, seed=0, loop=False, shuffle=False)
     batches = list(stream)
     assert len(batches) == len(stream) == n // bs and n % bs  # the final partial batch is dropped
     assert all(b.shape == (bs, 65) for b in batches)
     assert torch.equal(torch.cat(batches), plain[: n // bs * bs])
     assert torch.equal(torch.cat(list(stream)), torch.cat(batches))  # re-iterable
-    assert list(ShardStream(demo_dir, "val", bs, seed=0, loop=False, start_sample=n)) == []
+    assert list(ShardStream(demo_data, "val", bs, seed=0, loop=False, start_sample=n)) == []
 
 
-def test_pipe_url_reads_same_samples(demo_dir):
-    m = read_manifest(demo_dir)
+def test_pipe_url_reads_same_samples(demo_data):
+    m = read_manifest(demo_data)
     shard = m.splits["train"][1]
-    path = os.path.join(demo_dir, shard.name)
+    path = os.path.join(demo_data, shard.name)
     np.testing.assert_array_equal(read_shard(f"pipe:cat {path}", shard, m), read_shard(path, shard, m))
 
 
@@ -345,79 +331,79 @@ def _edited_copy(src: str, dst: str, edit) -> str:
     return dst
 
 
-def test_bad_input_gives_one_line_data_errors(demo_dir, tmp_path):
+def test_bad_input_gives_one_line_data_errors(demo_data, tmp_path):
     missing = str(tmp_path / "missing")
     with pytest.raises(DataError) as e:
         ShardStream(missing, "train", 4, seed=0)
-    _one_line_error(e, missing, "make demo-data")
+    one_line(e, missing, "make demo-data")
 
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DataError) as e:
         ShardStream(str(empty), "train", 4, seed=0)
-    _one_line_error(e, str(empty), "manifest.json")
+    one_line(e, str(empty), "manifest.json")
 
     (empty / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(DataError) as e:
         ShardStream(str(empty), "train", 4, seed=0)
-    _one_line_error(e, str(empty / MANIFEST_NAME))
+    one_line(e, str(empty / MANIFEST_NAME))
 
-    old = _edited_copy(demo_dir, str(tmp_path / "old"), lambda r: r.update(format_version=0))
+    old = _edited_copy(demo_data, str(tmp_path / "old"), lambda r: r.update(format_version=0))
     with pytest.raises(DataError) as e:
         ShardStream(old, "train", 4, seed=0)
-    _one_line_error(e, old, "version")
+    one_line(e, old, "version")
 
-    nokeys = _edited_copy(demo_dir, str(tmp_path / "nokeys"), lambda r: r.pop("splits"))
+    nokeys = _edited_copy(demo_data, str(tmp_path / "nokeys"), lambda r: r.pop("splits"))
     with pytest.raises(DataError) as e:
         ShardStream(nokeys, "train", 4, seed=0)
-    _one_line_error(e, nokeys, "invalid")
+    one_line(e, nokeys, "invalid")
 
-    names = [s.name for s in read_manifest(demo_dir).splits["train"]]  # relative paths inside the set
+    names = [s.name for s in read_manifest(demo_data).splits["train"]]  # relative paths inside the set
     gone = str(tmp_path / "gone")
-    shutil.copytree(demo_dir, gone)
+    shutil.copytree(demo_data, gone)
     os.remove(os.path.join(gone, names[1]))
     with pytest.raises(DataError) as e:
         ShardStream(gone, "train", 4, seed=0)
-    _one_line_error(e, names[1], "missing")
+    one_line(e, names[1], "missing")
 
-    noval = _edited_copy(demo_dir, str(tmp_path / "noval"), lambda r: r["splits"].update(val=[]))
+    noval = _edited_copy(demo_data, str(tmp_path / "noval"), lambda r: r["splits"].update(val=[]))
     with pytest.raises(DataError) as e:
         ShardStream(noval, "val", 4, seed=0, loop=False)
-    _one_line_error(e, "'val'", "no samples")
+    one_line(e, "'val'", "no samples")
     with pytest.raises(DataError) as e:
-        ShardStream(demo_dir, "test", 4, seed=0)
-    _one_line_error(e, "'test'")
+        ShardStream(demo_data, "test", 4, seed=0)
+    one_line(e, "'test'")
 
-    n_val = read_manifest(demo_dir).num_samples("val")
+    n_val = read_manifest(demo_data).num_samples("val")
     with pytest.raises(DataError) as e:
-        ShardStream(demo_dir, "val", n_val + 1, seed=0, loop=False)
-    _one_line_error(e, f"batch_size={n_val + 1}", str(n_val))
-    assert len(_take(ShardStream(demo_dir, "val", n_val + 1, seed=0), 2)) == 2 * (n_val + 1)  # looping is fine
+        ShardStream(demo_data, "val", n_val + 1, seed=0, loop=False)
+    one_line(e, f"batch_size={n_val + 1}", str(n_val))
+    assert len(_take(ShardStream(demo_data, "val", n_val + 1, seed=0), 2)) == 2 * (n_val + 1)  # looping is fine
 
     def miscount(r):
         r["splits"]["train"][2]["samples"] += 1
 
-    wrong = _edited_copy(demo_dir, str(tmp_path / "wrong"), miscount)
+    wrong = _edited_copy(demo_data, str(tmp_path / "wrong"), miscount)
     for workers in (0, 1):
         with pytest.raises(DataError) as e:
             _take(ShardStream(wrong, "train", 4, seed=0, shuffle=False, loop=False, num_workers=workers), 10**9)
-        assert "worker" not in _one_line_error(e, names[2], "samples but the manifest says")
+        assert "worker" not in one_line(e, names[2], "samples but the manifest says")
 
     corrupt = str(tmp_path / "corrupt")
-    shutil.copytree(demo_dir, corrupt)
+    shutil.copytree(demo_data, corrupt)
     with open(os.path.join(corrupt, names[0]), "r+b") as f:
         f.truncate(3000)
     with pytest.raises(DataError) as e:
         _take(ShardStream(corrupt, "train", 4, seed=0, shuffle=False), 10**9)
-    _one_line_error(e, names[0])
+    one_line(e, names[0])
 
 
-def test_data_path_that_is_a_file(demo_dir):
-    manifest = os.path.join(demo_dir, MANIFEST_NAME)
+def test_data_path_that_is_a_file(demo_data):
+    manifest = os.path.join(demo_data, MANIFEST_NAME)
     for call in (lambda: read_manifest(manifest), lambda: ShardStream(manifest, "train", 4, seed=0)):
         with pytest.raises(DataError) as e:
             call()
-        _one_line_error(e, f"{manifest} is a file, not a shard directory", "holds manifest.json")
+        one_line(e, f"{manifest} is a file, not a shard directory", "holds manifest.json")
     r = subprocess.run([sys.executable, "-m", "data_prep.verify", manifest], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
@@ -425,11 +411,11 @@ def test_data_path_that_is_a_file(demo_dir):
     assert line.startswith(f"error: {manifest} is a file")
 
 
-def test_verify_command(demo_dir, tmp_path, capsys):
+def test_verify_command(demo_data, tmp_path, capsys):
     from data_prep import verify
 
     good = str(tmp_path / "good")
-    shutil.copytree(demo_dir, good)
+    shutil.copytree(demo_data, good)
     n = sum(len(v) for v in read_manifest(good).splits.values())
     assert verify.main([good]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -458,20 +444,20 @@ def test_verify_command(demo_dir, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith(f"error: data directory {missing} does not exist")
 
 
-def test_check_compat(demo_dir):
-    m = read_manifest(demo_dir)
+def test_check_compat(demo_data):
+    m = read_manifest(demo_data)
     check_compat(m, vocab_size=512, seq_len=64)
     check_compat(m, vocab_size=32000, seq_len=64)
     with pytest.raises(DataError) as e:
         check_compat(m, vocab_size=256, seq_len=64)
-    _one_line_error(e, "512", "256", "vocab_size")
+    one_line(e, "512", "256", "vocab_size")
     with pytest.raises(DataError) as e:
         check_compat(m, vocab_size=512, seq_len=128)
-    _one_line_error(e, "65", "128", "seq_len")
+    one_line(e, "65", "128", "seq_len")
 
 
-def test_demo_corpus_is_stdlib(demo_dir):
-    m = read_manifest(demo_dir)
+def test_demo_corpus_is_stdlib(demo_data):
+    m = read_manifest(demo_data)
     [src] = m.sources
     assert src["kind"] == "python-stdlib" and src["bytes"] >= DEMO_KW["max_bytes"] and src["files"] > 5
     assert m.created_by["settings"]["vocab_size"] == 512

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpctrain.hf_convert import from_hf, from_hf_config, save_hf, to_hf, to_hf_config
-from hpctrain.model import Llama, ModelArgs
+from hpctrain.models.llama.hf import from_hf, from_hf_config, save_hf, to_hf, to_hf_config
+from hpctrain.models.llama.model import Llama, ModelArgs
 
 TOL = 1e-5
 

@@ -27,9 +27,10 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
     (["parallel=fsdp", "cluster.nodes=4", "cluster.gpus_per_node=8"], (4, 8, 8)),
 ])
 def test_job_shape_from_layout(make_cfg, overrides, want):
-    from hpctrain.launcher import resources
+    from hpctrain.parallel.layout import job_shape
 
-    got = resources(make_cfg(*overrides))
+    cfg = make_cfg(*overrides)
+    got = job_shape(cfg.parallel, cfg.cluster)
     assert (got["nodes"], got["tasks_per_node"], got["gpus_per_node"]) == want
 
 
@@ -39,10 +40,11 @@ def test_job_shape_from_layout(make_cfg, overrides, want):
     (["parallel.dp=2", "cluster.nodes=3"], "needs 1 node"),
 ])
 def test_impossible_job_shape_is_one_line(make_cfg, overrides, words):
-    from hpctrain.launcher import resources
+    from hpctrain.parallel.layout import job_shape
 
     with pytest.raises(ConfigError, match=words):
-        resources(make_cfg(*overrides, "cluster.tasks_per_node=2"))
+        cfg = make_cfg(*overrides, "cluster.tasks_per_node=2")
+        job_shape(cfg.parallel, cfg.cluster)
 
 
 @pytest.mark.timeout(60)
@@ -71,10 +73,12 @@ def test_bad_sweep_point_is_refused_before_submitting(demo_data, tmp_path):
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_local_launcher_runs_a_sweep(demo_data, tmp_path):
     """hydra/launcher=local (submitit_local): the same sweep command, on this machine."""
-    from hpctrain.sweep import report
+    from hpctrain.cluster.sweep import report
 
     sweep = tmp_path / "s"
     p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "hydra/launcher=local",
@@ -88,11 +92,13 @@ def test_local_launcher_runs_a_sweep(demo_data, tmp_path):
     assert rows[0]["final_loss"] != rows[1]["final_loss"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_path):
     """USR2 to a local 2-rank run: both ranks stop after the same step, checkpoint, exit 75 (EX_TEMPFAIL);
     the same command resumes and ends where an uninterrupted run ends."""
-    from hpctrain.train import train
+    from hpctrain.training.run import train
 
     steps = 120
     common = ["parallel=ddp", "parallel.dp=2", "data.lanes=2", "cluster.num_threads=1", f"train.max_steps={steps}",
@@ -119,7 +125,7 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
 
 def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
     """A job requeued again and again without reaching a new checkpoint gives up after max_stalled_restarts."""
-    from hpctrain.job import record_attempt
+    from hpctrain.cluster.job import record_attempt
 
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
@@ -135,7 +141,7 @@ def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
 
 
 def test_no_record_outside_slurm(tmp_path, monkeypatch):
-    from hpctrain.job import record_attempt
+    from hpctrain.cluster.job import record_attempt
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert record_attempt(str(tmp_path), 0, 3) is None and not (tmp_path / "slurm.json").exists()
@@ -146,7 +152,7 @@ def test_srun_task_environment_becomes_torch_rank(monkeypatch):
     the job id (the same on every node, different per job)."""
     import shutil
 
-    from hpctrain.distributed import _slurm_env, launched_world
+    from hpctrain.parallel.process_group import _slurm_env, launched_world
 
     monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
                                         "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-10]"})
@@ -160,7 +166,7 @@ def test_srun_task_environment_becomes_torch_rank(monkeypatch):
 
 def test_plain_batch_script_is_not_a_rank(monkeypatch):
     """The batch shell of an allocation with --ntasks=4 (no srun step): not a rank; the layout forks its own."""
-    from hpctrain.distributed import _slurm_env, launched_world
+    from hpctrain.parallel.process_group import _slurm_env, launched_world
 
     monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
     assert launched_world() is None
@@ -169,7 +175,7 @@ def test_plain_batch_script_is_not_a_rank(monkeypatch):
 
 
 def test_nccl_settings_exported_unless_the_job_sets_them(monkeypatch):
-    from hpctrain.distributed import apply_env
+    from hpctrain.parallel.process_group import apply_env
 
     monkeypatch.setattr(os, "environ", {"NCCL_IB_HCA": "mlx5_0"})  # e.g. from a site module
     got = apply_env({"NCCL_IB_TIMEOUT": "22", "NCCL_IB_HCA": "mlx5_1", "NCCL_DEBUG": None})

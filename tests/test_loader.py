@@ -358,7 +358,7 @@ def test_pin_memory_flag_is_harmless_without_cuda(shards):
 
 
 def test_bench_data_smoke(shards, capsys):
-    from hpctrain import bench_data
+    from hpctrain.tools import bench_data
 
     doc = bench_data.main(["--data", shards, "--samples", "800", "--repeats", "1", "--train-steps", "0"])
     rates = doc["loader_tokens_per_s"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpctrain.model import Llama, ModelArgs, RMSNorm, flops_per_token, num_params
+from hpctrain.models.llama.model import Llama, ModelArgs, RMSNorm, flops_per_token, num_params
 
 SMALL = dict(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=32)
 

@@ -11,6 +11,8 @@ import sysconfig
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SOURCES = ("pyproject.toml", "README.md", "hpctrain", "conf", "data_prep", "hydra_plugins")
 
@@ -53,7 +55,7 @@ def _run(cmd, cwd) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_wheel_carries_the_configs(fresh):
     venv, empty = fresh
-    p = _run([venv / "bin" / "python", "-c", "import hpctrain.config as c; print(c.__file__); print(c.conf_dir())"],
+    p = _run([venv / "bin" / "python", "-c", "import hpctrain.compose as c; print(c.__file__); print(c.conf_dir())"],
              empty)
     module, conf = p.stdout.split()
     assert module.startswith(str(venv)) and conf.startswith(str(venv)), p.stdout  # the wheel, not the checkout
@@ -80,3 +82,4 @@ def test_console_script_has_every_command(fresh):
     assert p.returncode == 2 and p.stderr.strip() == (
         "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, generate, summary, report, "
         "bench (hpctrain --help)")
+

@@ -11,13 +11,12 @@ import sys
 import time
 
 import pytest
+from helpers import LAYOUT_RUN, cli_args, deltas, run_layout, step_metrics
 
-from hpctrain.config import ConfigError, resolve
-from hpctrain.train import TrainingError, train
+from hpctrain.config import ConfigError
+from hpctrain.resolve import resolve
+from hpctrain.training.run import TrainingError, train
 
-# 8 samples per step, micro-batches of 2: accumulation 4 in one process, 2 per rank with dp=2.
-COMMON = ("train.global_batch=8", "train.micro_batch=2", "train.max_steps=3", "train.eval_every=0",
-          "train.ckpt_every=0", "train.tensorboard=false", "cluster.num_threads=1", "optim.decay_steps=10")
 LAYOUTS = {
     "dp2_zero0": ["parallel=ddp", "parallel.dp=2"],
     "dp2_zero2": ["parallel=zero2", "parallel.dp=2"],
@@ -29,63 +28,49 @@ LAYOUTS = {
 _refs: dict[tuple, dict] = {}
 
 
-def metrics(run_dir) -> dict[int, tuple[float, float]]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in recs if "loss" in r}
-
-
-def run(make_cfg, run_dir, *overrides) -> dict[int, tuple[float, float]]:
-    result = train(make_cfg(*COMMON, *overrides), str(run_dir))
-    assert result["status"] == "completed"
-    return metrics(run_dir)
-
-
 def reference(make_cfg, tmp_path, *overrides):
     if overrides not in _refs:
-        _refs[overrides] = run(make_cfg, tmp_path / "single", *overrides)
+        _refs[overrides] = run_layout(make_cfg, tmp_path / "single", *overrides)
     return _refs[overrides]
 
 
-def deltas(ref, got) -> tuple[float, float]:
-    assert sorted(got) == sorted(ref) == [1, 2, 3]
-    return (max(abs(ref[s][0] - got[s][0]) for s in ref),
-            max(abs(ref[s][1] - got[s][1]) / ref[s][1] for s in ref))
-
-
+@pytest.mark.multiproc
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_equals_one_process(make_cfg, tmp_path, layout):
     """fp32, with accumulation: the loss (global mean) and the clipped-across-meshes grad norm match."""
     ref = reference(make_cfg, tmp_path)
-    dloss, dnorm = deltas(ref, run(make_cfg, tmp_path / layout, *LAYOUTS[layout]))
+    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / layout, *LAYOUTS[layout]))
     print(f"{layout}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
     assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
 
 
+@pytest.mark.multiproc
 def test_activation_checkpointing_with_tp_sp_fsdp(make_cfg, tmp_path):
     ref = reference(make_cfg, tmp_path)
-    got = run(make_cfg, tmp_path / "ac", "parallel=dp2_tp2", "parallel.activation_checkpointing=full")
+    got = run_layout(make_cfg, tmp_path / "ac", "parallel=dp2_tp2", "parallel.activation_checkpointing=full")
     dloss, dnorm = deltas(ref, got)
     assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["dp2_zero3", "tp2_sp"])
 def test_bf16_tracks_one_process_bf16(make_cfg, tmp_path, layout):
     # bf16 autocast in every layout (FSDP gathers fp32 parameters): only reduction order differs.
     ref = reference(make_cfg, tmp_path, "precision=bf16")
-    dloss, dnorm = deltas(ref, run(make_cfg, tmp_path / layout, "precision=bf16", *LAYOUTS[layout]))
+    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / layout, "precision=bf16", *LAYOUTS[layout]))
     print(f"bf16 {layout}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
     assert dloss <= 2e-3 and dnorm <= 2e-2, (dloss, dnorm)
 
 
+@pytest.mark.multiproc
 def test_checkpoint_reshards_across_layouts(make_cfg, tmp_path):
     """Save at dp2·ZeRO-3 after 3 steps; resume with tp2 and with one process: steps 4-6 as uninterrupted."""
     six = ("train.max_steps=6", "train.ckpt_every=3")
-    ref = run(make_cfg, tmp_path / "ref", *six)
-    run(make_cfg, tmp_path / "saved", "parallel=fsdp", "parallel.dp=2", "train.ckpt_every=3")
+    ref = run_layout(make_cfg, tmp_path / "ref", *six)
+    run_layout(make_cfg, tmp_path / "saved", "parallel=fsdp", "parallel.dp=2", "train.ckpt_every=3")
     for name, layout in (("tp2", ["parallel=tp2_sp"]), ("single", [])):
         shutil.copytree(tmp_path / "saved", tmp_path / name, symlinks=True)
-        got = run(make_cfg, tmp_path / name, *six, *layout)
+        got = run_layout(make_cfg, tmp_path / name, *six, *layout)
         assert sorted(got) == list(range(1, 7))
         for s in (4, 5, 6):
             assert abs(got[s][0] - ref[s][0]) <= 1e-5, (name, s, got[s], ref[s])
@@ -114,53 +99,50 @@ def test_dp_auto_fills_the_world(make_cfg):
     assert (plan.dp, plan.tp, plan.micro_batch, plan.grad_accum) == (4, 2, 2, 1)
 
 
+@pytest.mark.multiproc
 def test_sub_groups_get_the_timeout():
     """Every mesh dim's group, sub-groups included, gets cluster.pg_timeout_s (c10d would give them 30 min)."""
-    from hpctrain import distributed, launch
+    from hpctrain.cluster import spawn as launch
+    from hpctrain.parallel import process_group as distributed
+    from hpctrain.parallel.layout import Layout, group_timeouts
 
     def check():
         env = distributed.init(7.0)
-        mesh = distributed.build_mesh(env, 1, 2, 2, 7.0)
-        timeouts = distributed.group_timeouts(mesh)
+        mesh = Layout(pp=1, dp=2, tp=2).build_mesh(env.device.type, 7.0)
+        timeouts = group_timeouts(mesh)
         distributed.shutdown()
         assert timeouts["dp"] == timeouts["tp"] == 7.0, timeouts
 
     launch.spawn(4, check, threads=1)
 
 
+@pytest.mark.multiproc
 def test_failed_rank_is_named(make_cfg, tmp_path):
     # Damaged checkpoints are only found inside the ranks, when they resume: the parent reports which rank failed.
     from hpctrain import checkpoint
 
     run = str(tmp_path / "run")
-    train(make_cfg(*COMMON, "train.max_steps=2"), run)
+    train(make_cfg(*LAYOUT_RUN, "train.max_steps=2"), run)
     for ck in checkpoint.complete_checkpoints(run):
         with open(os.path.join(ck, checkpoint.STATE_FILE), "w") as f:
             f.write("{not json")
     with pytest.raises(TrainingError, match=r"rank \d of 2 failed \(exit code 1\)"):
-        train(make_cfg(*COMMON, "parallel=tp2", "train.max_steps=4"), run)
+        train(make_cfg(*LAYOUT_RUN, "parallel=tp2", "train.max_steps=4"), run)
 
 
-def _cli(run_dir, demo_data, *extra) -> list[str]:
-    from conftest import SMALL_MODEL
-
-    return [f"run_dir={run_dir}", f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL,
-            "train.global_batch=8", "train.micro_batch=2", "train.log_every=1", "train.eval_every=0",
-            "train.tensorboard=false", "cluster.num_threads=1", "optim.decay_steps=10", "optim.warmup_steps=2",
-            "optim.lr=1e-2", *extra]
-
-
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_torchrun(make_cfg, demo_data, tmp_path):
     """A real torchrun: each process is a rank; dp=auto takes the world size."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     run_dir = tmp_path / "tr"
     p = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "hpctrain",
-                        *_cli(run_dir, demo_data, "parallel=fsdp", "train.max_steps=3", "train.ckpt_every=0")],
+                        *cli_args(run_dir, demo_data, "parallel=fsdp", "train.max_steps=3", "train.ckpt_every=0")],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(run_dir / "result.json") as f:
         assert json.load(f)["world"] == 2
-    dloss, dnorm = deltas(reference(make_cfg, tmp_path), metrics(run_dir))
+    dloss, dnorm = deltas(reference(make_cfg, tmp_path), step_metrics(run_dir))
     assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
 
 
@@ -170,7 +152,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, "-m", "hpctrain", *_cli(run_dir, demo_data, *extra)],
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain", *cli_args(run_dir, demo_data, *extra)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not os.path.exists(run_dir / "metrics.jsonl") and proc.poll() is None and time.time() < deadline:
@@ -179,6 +161,8 @@ def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[subprocess
     return proc, _children(proc.pid)  # forked in rank order
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["dies", "stalls"])
 def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
     """SIGKILL one rank: the launcher names it at once. SIGSTOP one: the others' sub-group collectives

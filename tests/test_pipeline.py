@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from test_parallel import _cli, deltas, metrics, run
+from helpers import cli_args, deltas, run_layout, step_metrics
 
-from hpctrain.config import ConfigError, resolve
+from hpctrain.config import ConfigError
+from hpctrain.resolve import resolve
 
 # 4 layers (2 stages × 2 virtual stages), untied embeddings (they would sit on different stages);
 # 8 samples per step in micro-batches of 2: accumulation 4 in one process, each micro-batch in 2 pipeline chunks.
@@ -27,69 +28,76 @@ _refs: dict = {}
 
 def reference(make_cfg, tmp_path, *overrides):
     if overrides not in _refs:
-        _refs[overrides] = run(make_cfg, tmp_path / "single", *PP_MODEL, *overrides)
+        _refs[overrides] = run_layout(make_cfg, tmp_path / "single", *PP_MODEL, *overrides)
     return _refs[overrides]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_equals_one_process(make_cfg, tmp_path, layout):
     """fp32 with accumulation (and clipping across stages): loss (global mean) and grad norm match."""
     ref = reference(make_cfg, tmp_path)
-    dloss, dnorm = deltas(ref, run(make_cfg, tmp_path / layout, *PP_MODEL, *LAYOUTS[layout]))
+    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / layout, *PP_MODEL, *LAYOUTS[layout]))
     print(f"{layout}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
     assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("extra", [[], ["parallel.dp=2", "parallel.zero_stage=2"],
                                    ["parallel.tp=2", "parallel.sequence_parallel=true"]])
 def test_zero_bubble_equals_one_process(make_cfg, tmp_path, extra):
     """ScheduleInterleavedZeroBubble (split input/weight gradients); zero_stage=3 is refused (measured wrong)."""
     ref = reference(make_cfg, tmp_path)
-    got = run(make_cfg, tmp_path / "zb", *PP_MODEL, "parallel=pp2_interleaved", "parallel.pp_schedule=zero_bubble",
+    got = run_layout(make_cfg, tmp_path / "zb", *PP_MODEL, "parallel=pp2_interleaved", "parallel.pp_schedule=zero_bubble",
               *extra)
     dloss, dnorm = deltas(ref, got)
     print(f"pp2_zero_bubble {extra}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
     assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
 
 
+@pytest.mark.multiproc
 def test_eval_through_the_schedule(make_cfg, tmp_path):
     """Forward-only evaluation through the pipeline gives the one-process validation loss."""
     ev = ("train.eval_every=3", "train.eval_batches=2")
     runs = {}
     for name, layout in (("single", []), ("pp2", ["parallel=pp2"])):
-        run(make_cfg, tmp_path / name, *PP_MODEL, *ev, *layout)
+        run_layout(make_cfg, tmp_path / name, *PP_MODEL, *ev, *layout)
         with open(tmp_path / name / "result.json") as f:
             runs[name] = json.load(f)["final_val_loss"]
     print(f"eval pp2: |Δval_loss| {abs(runs['single'] - runs['pp2']):.2e}")
     assert abs(runs["single"] - runs["pp2"]) <= 1e-5, runs
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_dp2_tp2_pp2_through_the_cli(make_cfg, demo_data, tmp_path):
     """8 forked ranks via the public CLI: ZeRO-3 × tensor+sequence parallel × 1F1B pipeline, with accumulation."""
     run_dir = tmp_path / "3d"
     p = subprocess.run([sys.executable, "-m", "hpctrain", "parallel=dp2_tp2_pp2",
-                        *_cli(run_dir, demo_data, *PP_MODEL, "train.max_steps=3", "train.ckpt_every=0")],
+                        *cli_args(run_dir, demo_data, *PP_MODEL, "train.max_steps=3", "train.ckpt_every=0")],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(run_dir / "result.json") as f:
         assert json.load(f)["world"] == 8
-    ref = run(make_cfg, tmp_path / "single", *PP_MODEL)
-    dloss, dnorm = deltas(ref, metrics(run_dir))
+    ref = run_layout(make_cfg, tmp_path / "single", *PP_MODEL)
+    dloss, dnorm = deltas(ref, step_metrics(run_dir))
     print(f"dp2_tp2_pp2 (CLI): max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
     assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_checkpoints_reshard_to_and_from_the_pipeline(make_cfg, tmp_path):
     """DCP checkpoints (stage-local FQNs layers.{global index}): dp2·tp2 -> pp2·dp2 and pp2 -> one process;
     steps 4-6 after the resume match an uninterrupted run."""
     six = ("train.max_steps=6", "train.ckpt_every=3")
-    ref = run(make_cfg, tmp_path / "ref", *PP_MODEL, *six)
+    ref = run_layout(make_cfg, tmp_path / "ref", *PP_MODEL, *six)
     for saved_layout, resumed_layout in ((["parallel=dp2_tp2"], ["parallel=pp2", "parallel.dp=2"]),
                                          (["parallel=pp2"], [])):
         saved, resumed = tmp_path / f"saved-{saved_layout[0]}", tmp_path / f"resumed-{saved_layout[0]}"
-        run(make_cfg, saved, *PP_MODEL, *saved_layout, "train.ckpt_every=3")
+        run_layout(make_cfg, saved, *PP_MODEL, *saved_layout, "train.ckpt_every=3")
         shutil.copytree(saved, resumed, symlinks=True)
-        got = run(make_cfg, resumed, *PP_MODEL, *six, *resumed_layout)
+        got = run_layout(make_cfg, resumed, *PP_MODEL, *six, *resumed_layout)
         assert sorted(got) == list(range(1, 7))
         for s in (4, 5, 6):
             assert abs(got[s][0] - ref[s][0]) <= 1e-5, (saved_layout, resumed_layout, s, got[s], ref[s])

@@ -11,10 +11,11 @@ import time
 import pytest
 import torch
 
-from hpctrain.config import model_args, resolve
-from hpctrain.model import Llama, num_params
-from hpctrain.optim import build_optimizer
-from hpctrain.plan import estimate, layer_map, report, stage_params
+from hpctrain.models import model_args
+from hpctrain.models.llama.model import Llama, num_params
+from hpctrain.resolve import resolve
+from hpctrain.tools.planner import estimate, layer_map, report, stage_params
+from hpctrain.training.optim import build_optimizer
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 LLAMA_70B = ["model=llama_70b", "parallel.dp=8", "parallel.tp=8", "parallel.pp=4", "parallel.sequence_parallel=true",

@@ -1,4 +1,4 @@
-"""`hpctrain.preflight`: real local ranks, the pure verdict on measured numbers, and real Slurm jobs.
+"""`hpctrain.cluster.preflight`: real local ranks, the pure verdict on measured numbers, and real Slurm jobs.
 
 The Slurm tests are skipped when no cluster answers; with HPCTRAIN_REQUIRE_SLURM=1 a missing cluster is a
 failure instead (the same rule as tests/test_slurm.py).
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from hpctrain.launch import free_port
-from hpctrain.preflight import main, ring_phases, verdict
+from hpctrain.cluster.preflight import main, ring_phases, verdict
+from hpctrain.cluster.spawn import free_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SMALL = ["--size-mb", "1", "--gemm", "256", "--iters", "3"]
@@ -29,7 +29,7 @@ def _local_env(**extra: str) -> dict[str, str]:
 
 
 def _preflight(args: list[str], env: dict[str, str] | None = None, timeout: int = 120):
-    return subprocess.run([sys.executable, "-m", "hpctrain.preflight", *args], cwd=ROOT, env=env or _local_env(),
+    return subprocess.run([sys.executable, "-m", "hpctrain.cluster.preflight", *args], cwd=ROOT, env=env or _local_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -41,6 +41,7 @@ def local_run(tmp_path_factory):
     return p, data
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_local_two_ranks_ok(local_run):
     p, data = local_run
@@ -57,6 +58,7 @@ def test_local_two_ranks_ok(local_run):
     assert data["allreduce"]["busbw_gbps"] == pytest.approx(data["allreduce"]["algbw_gbps"])  # 2(n-1)/n = 1
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_verdict_on_measured_numbers(local_run):
     _, data = local_run
@@ -76,6 +78,7 @@ def test_verdict_on_measured_numbers(local_run):
     assert status == "broken" and msg == "preflight: BROKEN: n1 (rank 0: gemm result not finite)", msg
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_verdict_localises_slow_link_and_slow_rank(local_run):
     """Four ranks built from the two measured ones, all links at rank 0's measured p2p speed but some."""
@@ -117,6 +120,7 @@ def test_bad_arguments_exit_2(args, capsys):
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(60)
 def test_missing_rank_fails_fast_and_is_named():
     """Rank 0 of a 2-rank world started alone: it must give up after --timeout and name rank 1."""
@@ -135,11 +139,12 @@ def _srun(shell: str, timeout: int = 120):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(150)
 def test_slurm_two_nodes_ok(slurm, tmp_path):
     out = tmp_path / "pf.json"
     p = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", sys.executable, "-m",
-                        "hpctrain.preflight", *SMALL, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        "hpctrain.cluster.preflight", *SMALL, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "preflight: ok (2 ranks on 2 nodes)" in p.stdout, p.stdout
@@ -149,14 +154,16 @@ def test_slurm_two_nodes_ok(slurm, tmp_path):
     assert data["allreduce"]["busbw_gbps"] > 0
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(150)
 def test_slurm_node_whose_rank_never_starts(slurm):
     """The task on the second node exits before starting preflight: rank 0 names it after --timeout."""
-    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && exit 0; exec "$PY" -m hpctrain.preflight {" ".join(SMALL)} --timeout 5')
+    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && exit 0; exec "$PY" -m hpctrain.cluster.preflight {" ".join(SMALL)} --timeout 5')
     assert p.returncode == 1, p.stdout + p.stderr
     assert "preflight: BROKEN: rank 1 of 2 never joined within 5s" in p.stderr, p.stderr
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(150)
 def test_slurm_slow_node_detected(slurm, tmp_path):
     """A real slow node: rank 1 (n2) shares its one pinned core with 6 busy loops started in its own session
@@ -164,7 +171,7 @@ def test_slurm_slow_node_detected(slurm, tmp_path):
     Each GEMM (1024^3, tens of ms) spans many scheduler slices, so the median iteration sees the slowdown."""
     out = tmp_path / "pf.json"
     hog = 'for i in 1 2 3 4 5 6; do timeout 60 taskset -c 1 "$PY" -c "while True: pass" & done'
-    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && {{ {hog}; }}; taskset -c "$SLURM_PROCID" "$PY" -m hpctrain.preflight '
+    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && {{ {hog}; }}; taskset -c "$SLURM_PROCID" "$PY" -m hpctrain.cluster.preflight '
               f'--size-mb 1 --gemm 1024 --iters 3 --out {out}; rc=$?; kill $(jobs -p) 2>/dev/null; exit $rc')
     assert p.returncode == 1, p.stdout + p.stderr
     data = json.loads(out.read_text())

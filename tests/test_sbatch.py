@@ -17,6 +17,8 @@ import pytest
 from conftest import SMALL_MODEL
 from helpers import job_gone, last_step, losses, read, records, sbatch_run, until, wait_job
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 ENV = dict(os.environ, PYTHON=sys.executable)
 TWO_NODES = ["-N2", "--ntasks-per-node=1", "--cpus-per-task=1"]
@@ -58,7 +60,7 @@ def test_train_sbatch_two_nodes(slurm, demo_data, tmp_path, slurm_jobs):
 def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg, tmp_path, slurm_jobs):
     """USR2 mid-run: the ranks checkpoint, the job requeues itself and resumes in the same run dir, appending
     to the same log; the final loss equals an uninterrupted run's."""
-    from hpctrain.train import train
+    from hpctrain.training.run import train
 
     steps, run = 150, tmp_path / "run"
     # ckpt_every=0: the only checkpoint is the one the signal writes, so the resume must use it.
@@ -101,8 +103,8 @@ def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg,
 def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, slurm_jobs):
     from omegaconf import OmegaConf
 
-    from hpctrain.sweep import report
-    from hpctrain.train import train
+    from hpctrain.cluster.sweep import report
+    from hpctrain.training.run import train
 
     sweep = tmp_path / "sweep"
     common = [*SMALL_MODEL, f"data.path={demo_data}", "data.prepare_demo=false", "train.max_steps=3",
@@ -113,11 +115,11 @@ def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, slur
     assert p.returncode == 0 and "submitted sweep array" in p.stdout, p.stdout + p.stderr
     job = p.stdout.split("submitted sweep array ")[1].split(":")[0]
     slurm_jobs.append(job)
-    assert f"python -m hpctrain.sweep report {sweep}" in p.stdout
+    assert f"python -m hpctrain report {sweep}" in p.stdout
     until("every array task to end", lambda: job_gone(job), 300, every=1)
     logs = "".join(_logs(d)[-2000:] for d in sorted(glob.glob(str(sweep / "*"))))
 
-    rep = subprocess.run([sys.executable, "-m", "hpctrain.sweep", "report", str(sweep), "--no-plot"], cwd=ROOT,
+    rep = subprocess.run([sys.executable, "-m", "hpctrain.cluster.sweep", "report", str(sweep), "--no-plot"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0 and "4 points: 4 completed" in rep.stdout, rep.stdout + rep.stderr + logs
     grid = [["optim.lr=1e-2", "train.global_batch=8"], ["optim.lr=1e-2", "train.global_batch=16"],

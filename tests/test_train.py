@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from hpctrain.train import TrainingError, train
+from hpctrain.training.run import TrainingError, train
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_wait_frac", "mem_gb",
                "step_time_s"}
@@ -69,8 +69,8 @@ def test_run_writes_metrics_tensorboard_checkpoints_result(make_cfg, tmp_path):
 def test_mfu_with_peak_tflops(make_cfg, tmp_path):
     train(make_cfg("train.max_steps=2", "train.eval_every=0", "cluster.peak_tflops=1.0"), str(tmp_path))
     r = records(tmp_path)[-1]
-    from hpctrain.config import model_args
-    from hpctrain.model import flops_per_token
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import flops_per_token
 
     cfg = make_cfg()
     assert r["mfu"] == pytest.approx(flops_per_token(model_args(cfg), 64) * r["tokens_per_s"] / 1e12)
@@ -128,11 +128,11 @@ def test_fp16_overflow_is_skipped_and_logged(make_cfg, tmp_path):
 
 
 def test_fp16_skipped_step_leaves_weights_untouched(make_cfg):
-    from hpctrain.config import model_args
-    from hpctrain.model import Llama
-    from hpctrain.optim import build_optimizer
-    from hpctrain.precision import setup_precision
-    from hpctrain.step import TrainStep
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.precision import setup_precision
+    from hpctrain.training.step import TrainStep
 
     cfg = make_cfg("precision=fp16", "precision.loss_scale_init=1099511627776")
     torch.manual_seed(0)
@@ -158,11 +158,11 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path):
 
 
 def test_nonfinite_step_does_not_touch_weights(make_cfg):
-    from hpctrain.config import model_args
-    from hpctrain.model import Llama
-    from hpctrain.optim import build_optimizer
-    from hpctrain.precision import setup_precision
-    from hpctrain.step import TrainStep
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.precision import setup_precision
+    from hpctrain.training.step import TrainStep
 
     cfg = make_cfg()
     model = Llama(model_args(cfg))
@@ -186,6 +186,7 @@ def _cli(run_dir, demo_data, *extra):
             "cluster.num_threads=1", *extra]
 
 
+@pytest.mark.slow
 def test_resume_after_kill_equals_uninterrupted(demo_data, tmp_path):
     """SIGKILL a run right after a checkpoint; rerunning in the same directory continues exactly."""
     steps = "train.max_steps=40"
@@ -240,16 +241,16 @@ def test_generate_cli(make_cfg, tmp_path, demo_data):
 
     OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
     train(cfg, str(tmp_path))
-    p = subprocess.run([sys.executable, "-m", "hpctrain.generate", f"run_dir={tmp_path}", "prompt=def ",
+    p = subprocess.run([sys.executable, "-m", "hpctrain.tools.generate", f"run_dir={tmp_path}", "prompt=def ",
                         "max_new_tokens=12", "seed=1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("def ") and len(p.stdout.strip()) > len("def")
 
 
 def test_sample_greedy_is_deterministic(make_cfg):
-    from hpctrain.config import model_args
-    from hpctrain.generate import sample
-    from hpctrain.model import Llama
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.tools.generate import sample
 
     torch.manual_seed(0)
     model = Llama(model_args(make_cfg())).eval()
@@ -262,11 +263,11 @@ def test_sample_greedy_is_deterministic(make_cfg):
 
 def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
     """Accumulation streams: the step holds one micro-batch (plus one looked ahead), never the whole global batch."""
-    from hpctrain.config import model_args
-    from hpctrain.model import Llama
-    from hpctrain.optim import build_optimizer
-    from hpctrain.precision import setup_precision
-    from hpctrain.step import TrainStep
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.precision import setup_precision
+    from hpctrain.training.step import TrainStep
 
     cfg = make_cfg()
     torch.manual_seed(0)
@@ -296,9 +297,9 @@ def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path):
     """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: resumed from a
     checkpoint holding a NaN weight, as an older version or a flipped bit would leave it)."""
     from hpctrain import checkpoint
-    from hpctrain.config import model_args
-    from hpctrain.model import Llama
-    from hpctrain.optim import build_optimizer, build_scheduler
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import Llama
+    from hpctrain.training.optim import build_optimizer, build_scheduler
 
     cfg = make_cfg("train.max_steps=2", "train.eval_every=0", "train.ckpt_every=2")
     train(cfg, str(tmp_path / "good"))
@@ -370,6 +371,7 @@ def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, de
     assert checkpoint.latest(str(tmp_path / "run")).endswith("step-0000002")
 
 
+@pytest.mark.slow
 def test_cli_start_over_moves_the_old_config_and_log_too(demo_data, tmp_path):
     """From the command line the old run's .hydra/ and train.log move aside with it, before the new run writes."""
     run = tmp_path / "run"

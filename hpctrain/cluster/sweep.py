@@ -1,4 +1,4 @@
-"""`python -m hpctrain.sweep report <sweep_dir>`: one table (and a PNG) for a Hydra multirun sweep.
+"""`python -m hpctrain report <sweep_dir>`: one table (and a PNG) for a Hydra multirun sweep.
 
 A sweep dir holds `multirun.yaml` and one run dir per grid point, named by job number. Points that never
 started have no dir; they are listed from the grid in multirun.yaml. Status comes from each point's
@@ -7,14 +7,14 @@ result.json, and from Slurm (sacct) where result.json cannot tell: missing, or a
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import math
 import os
 import re
 import subprocess
 import sys
+
+from hpctrain.files import read_json, read_metrics
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
@@ -132,28 +132,18 @@ def _submitit_jobs(sweep_dir: str) -> dict[int, str]:
 
 def _read_json(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            doc = json.load(f)
+        doc = read_json(path)
         return doc if isinstance(doc, dict) else None
     except (OSError, ValueError):  # missing, or caught mid-write
         return None
 
 
 def _records(run_dir: str) -> list[dict] | None:
-    from hpctrain.metrics import read_metrics
-
     try:
-        return read_metrics(run_dir)
+        # A live or crashed run can end in a line cut short; a resume drops it, the report skips it.
+        return read_metrics(run_dir, lenient=True)
     except OSError:
         return None
-    except ValueError:
-        # A live or crashed run can end in a line cut short; a resume drops it, the report skips it.
-        records = []
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                with contextlib.suppress(ValueError):
-                    records.append(json.loads(line))
-        return records
 
 
 def _run_row(run_dir: str) -> dict:
@@ -403,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpctrain.cmdline import Parser
 
     parser = Parser(
-        prog="python -m hpctrain.sweep",
+        prog="python -m hpctrain",
         description="Summarize a Hydra multirun sweep of hpctrain runs: status, losses, throughput per point.")
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="print a table of the sweep's points and write a PNG of their losses")
@@ -416,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = report(args.sweep_dir)
     except SweepError as e:
-        print(f"hpctrain.sweep: error: {e}", file=sys.stderr)
+        print(f"hpctrain report: error: {e}", file=sys.stderr)
         return 2
     if args.sort == "loss":
         _, key = _best(rows)
@@ -427,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"plot: {plot(rows, path)}")
         except OSError as e:
-            print(f"hpctrain.sweep: error: cannot write {path}: {e.strerror}; pass --plot PATH", file=sys.stderr)
+            print(f"hpctrain report: error: cannot write {path}: {e.strerror}; pass --plot PATH", file=sys.stderr)
             return 2
     return 0
 

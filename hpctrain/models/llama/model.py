@@ -146,6 +146,10 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos.unsqueeze(1))
         self.rope_sin.copy_(sin.unsqueeze(1))
 
+    def init_buffers(self) -> None:
+        """Fill the non-persistent buffers (after `to_empty()`), without touching the parameters."""
+        self.reset_rope_cache()
+
     def tie_weights(self) -> None:
         """With tie_embeddings, make output.weight the embedding Parameter (to_empty() from meta unties them)."""
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:

@@ -1,4 +1,4 @@
-"""Sample text from a trained run: `python -m hpctrain.generate run_dir=… prompt="def " [max_new_tokens=…]`."""
+"""Sample text from a trained run: `python -m hpctrain generate run_dir=… prompt="def " [max_new_tokens=…]`."""
 
 from __future__ import annotations
 
@@ -11,15 +11,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain import checkpoint
-from hpctrain.model import Llama
 
-USAGE = ("usage: python -m hpctrain.generate run_dir=DIR [prompt=TEXT] [max_new_tokens=N] [temperature=T] "
+USAGE = ("usage: python -m hpctrain generate run_dir=DIR [prompt=TEXT] [max_new_tokens=N] [temperature=T] "
          "[top_k=K] [seed=S] [checkpoint=DIR]\nsamples from the run's latest checkpoint (or checkpoint=DIR); "
          "temperature=0 is greedy, top_k=0 samples from the whole vocabulary, an empty prompt starts a new document")
 
 
 @torch.no_grad()
-def sample(model: Llama, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
+def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
            top_k: int | None = 50, eos_id: int | None = None, generator: torch.Generator | None = None) -> list[int]:
     """Autoregressive sampling (full recompute per token: fine for the context lengths we demo)."""
     ctx = model.args.max_seq_len
@@ -44,9 +43,10 @@ class GenerateError(ValueError):
     """Bad arguments or an unusable run directory: one line naming the fix."""
 
 
-def load_run(run_dir: str, ckpt: str | None = None) -> tuple[Llama, object, str]:
+def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, object, str]:
     """The model of a run's latest (or the given) checkpoint, its config, and its data directory."""
-    from hpctrain.config import model_args, register
+    from hpctrain.compose import register
+    from hpctrain.models import build_model
 
     register()  # the saved config may use hpctrain's resolvers (e.g. the demo data path)
     config = os.path.join(run_dir, ".hydra", "config.yaml")
@@ -58,7 +58,7 @@ def load_run(run_dir: str, ckpt: str | None = None) -> tuple[Llama, object, str]
     if ckpt is None:
         raise GenerateError(f"no complete checkpoint in {run_dir}/checkpoints: train longer (a checkpoint is "
                             "written every train.ckpt_every steps and at the end) or pass checkpoint=DIR")
-    model = Llama(model_args(cfg))
+    model = build_model(cfg)
     checkpoint.load_model(ckpt, model)
     return model.eval(), cfg, os.path.expanduser(cfg.data.path)
 
@@ -106,13 +106,13 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    from hpctrain.checkpoint import CheckpointError
     from hpctrain.data import DataError
+    from hpctrain.errors import CheckpointError
 
     try:
         print(run(parse(argv)))
     except (GenerateError, CheckpointError, DataError, OmegaConfBaseException) as e:
-        print(f"hpctrain.generate: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"hpctrain generate: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -26,18 +26,12 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.config import (
-    ActCkpt,
-    ConfigError,
-    OptimName,
-    Plan,
-    PrecisionName,
-    layout_world,
-    model_args,
-    resolve,
-)
-from hpctrain.metrics import PEAK_TFLOPS
-from hpctrain.model import Llama, ModelArgs, flops_per_token
+from hpctrain.config import ActCkpt, ConfigError, OptimName, PrecisionName
+from hpctrain.models import ModelSpec, spec_of
+from hpctrain.parallel.layout import world_of
+from hpctrain.parallel.process_group import local_device_count
+from hpctrain.resolve import RunShape, resolve
+from hpctrain.training.metrics import PEAK_TFLOPS
 
 GiB = 2**30
 HEADROOM = 0.9  # usable share of device memory: allocator fragmentation, NCCL buffers, CUDA context
@@ -83,22 +77,26 @@ def _count(st: StageParams, params) -> int:
     return total
 
 
-def stage_params(args: ModelArgs, pp: int, v: int = 1) -> list[StageParams]:
+def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None) -> list[StageParams]:
     """Count each stage's parameters on a meta-device model (no memory is allocated)."""
+    spec = spec or _default_spec()
     with torch.device("meta"):
-        model = Llama(args)
+        model = spec.build(args)
     stages = [StageParams(chunks) for chunks in layer_map(args.n_layers, pp, v)]
     for i, st in enumerate(stages):
         for chunk in st.layers:
             for layer in chunk:
                 st.largest_unit = max(st.largest_unit, _count(st, model.layers[str(layer)].parameters()))
-        root = []
-        if i == 0:
-            root.append(model.tok_embeddings.weight)
-        if i == pp - 1:
-            root += [model.norm.weight] + ([] if args.tie_embeddings and pp == 1 else [model.output.weight])
-        st.largest_unit = max(st.largest_unit, _count(st, root))
+        names = (spec.first_stage if i == 0 else ()) + (spec.last_stage if i == pp - 1 else ())
+        root = {id(t): t for name in names for t in getattr(model, name).parameters()}  # a tied weight once
+        st.largest_unit = max(st.largest_unit, _count(st, root.values()))
     return stages
+
+
+def _default_spec() -> ModelSpec:
+    from hpctrain.models import get_spec
+
+    return get_spec("llama")
 
 
 def _describe(i: int, st: StageParams, pp: int) -> str:
@@ -109,21 +107,22 @@ def _describe(i: int, st: StageParams, pp: int) -> str:
     return " + ".join(parts) or "(nothing)"
 
 
-def estimate(cfg, plan: Plan, seq_len: int) -> dict:
+def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     """Per-stage memory parts in bytes, keyed by activation-checkpointing mode, plus the step numbers."""
-    args, p, pr = model_args(cfg), cfg.parallel, cfg.precision
-    dp, tp, pp, v = plan.dp, plan.tp, plan.pp, p.pp_virtual_stages
+    spec, p, pr, layout = spec_of(cfg), cfg.parallel, cfg.precision, plan.layout
+    args = spec.args(cfg.model)
+    dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.pp_virtual_stages
     c = 2 if PrecisionName(pr.name) in (PrecisionName.bf16, PrecisionName.fp16) else 4
     z3, z2 = (dp if p.zero_stage == 3 else 1), (dp if p.zero_stage >= 2 else 1)
     # The pipeline splits each micro-batch into pp_microbatches (default pp) chunks; grad_accum rounds follow.
-    m = (p.pp_microbatches or pp) if pp > 1 else 1
+    m = layout.pp_microbatches if layout.pipelined else 1
     b = plan.micro_batch / m
     sp = tp if p.sequence_parallel else 1
     h, kvd, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden
     act_layer = seq_len * b * c * (4 * h / sp + (3 * h + 3 * kvd + 4 * f) / tp)
     act_input = seq_len * b * c * h / sp
-    schedule = p.pp_schedule if pp > 1 else "none"
-    stages = stage_params(args, pp, v)
+    schedule = layout.pp_schedule if layout.pipelined else "none"
+    stages = stage_params(args, pp, v, spec)
     rows = []
     for i, st in enumerate(stages):
         P = st.per_device(tp)
@@ -152,7 +151,7 @@ def estimate(cfg, plan: Plan, seq_len: int) -> dict:
                      "params": off * 4 * P / z3, "grads": off * 4 * P / z2, "optim": off * opt / z2, "copies": copies,
                      "acts": acts, "logits": logits, "flight": flight})
     bubble = (pp - 1) / (m * v + pp - 1)
-    flops = flops_per_token(args, seq_len) * plan.global_batch * seq_len
+    flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len
     return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
             "flops": flops, "args": args, "c": c}
 
@@ -161,7 +160,7 @@ def total(row: dict, mode: str) -> float:
     return row["params"] + row["grads"] + row["optim"] + row["copies"] + row["acts"][mode] + row["logits"]
 
 
-def worst_stage_bytes(cfg, plan: Plan, seq_len: int) -> float:
+def worst_stage_bytes(cfg, plan: RunShape, seq_len: int) -> float:
     """Estimated memory of the most loaded device, with the run's activation checkpointing."""
     mode = ActCkpt(cfg.parallel.activation_checkpointing).value
     return max(total(row, mode) for row in estimate(cfg, plan, seq_len)["rows"])
@@ -175,7 +174,7 @@ def _peak_tflops(cfg) -> float | None:
     return table[str(PrecisionName(cfg.precision.name).value)] if table else None
 
 
-def report(cfg, plan: Plan, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
+def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
     """The printed plan and the verdict (None when cluster.gpu_mem_gb is unset)."""
     e = estimate(cfg, plan, seq_len)
     p, args, rows = cfg.parallel, e["args"], e["rows"]
@@ -186,7 +185,7 @@ def report(cfg, plan: Plan, seq_len: int, notes: list[str]) -> tuple[str, bool |
            f", seq_len {seq_len}; precision {PrecisionName(cfg.precision.name).value}, zero_stage {p.zero_stage}"
            f", sequence_parallel {p.sequence_parallel}, activation_checkpointing {mode}"]
     out += [f"note: {n}" for n in notes]
-    out.append(f"\nlayer-to-stage map ({plan.pp} stage(s) × {p.pp_virtual_stages} virtual):")
+    out.append(f"\nlayer-to-stage map ({plan.pp} stage(s) × {plan.layout.pp_virtual_stages} virtual):")
     out += [f"  stage {r['stage']}: {r['desc']}  ({r['params_per_device'] / 1e6:.1f}M params per device)" for r in rows]
     gib = lambda x: f"{x / GiB:8.2f}"  # noqa: E731
     out.append("\nper-device memory, GiB (one column per stage):")
@@ -203,7 +202,7 @@ def report(cfg, plan: Plan, seq_len: int, notes: list[str]) -> tuple[str, bool |
     flight = ", ".join(f"{r['flight']:g}" for r in rows)
     out.append(f"  micro-batches in flight: {flight} "
                f"(schedule {e['schedule']}, m={e['m']} micro-batches of {e['b']:g} sample(s))")
-    pp, v, m = plan.pp, p.pp_virtual_stages, e["m"]
+    pp, v, m = plan.pp, plan.layout.pp_virtual_stages, e["m"]
     out.append(f"\npipeline bubble: (pp−1)/(m·v + pp−1) = ({pp}−1)/({m}·{v} + {pp}−1) = {e['bubble']:.1%} "
                "of each micro-batch's schedule (m = pp_microbatches, v = virtual stages)")
     line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
@@ -228,7 +227,7 @@ def report(cfg, plan: Plan, seq_len: int, notes: list[str]) -> tuple[str, bool |
     return "\n".join(out), fits
 
 
-def _suggest(cfg, plan: Plan, worst: dict, usable: float, args: ModelArgs) -> str:
+def _suggest(cfg, plan: RunShape, worst: dict, usable: float, args) -> str:
     p, tips = cfg.parallel, []
     if ActCkpt(p.activation_checkpointing) != ActCkpt.full and worst["full"] <= usable:
         return "set parallel.activation_checkpointing=full (fits then)"
@@ -248,7 +247,7 @@ def _suggest(cfg, plan: Plan, worst: dict, usable: float, args: ModelArgs) -> st
 
 def main(cfg) -> int:
     """Validate like a run would, then print the plan; returns 0 (or exits 2 on a config error)."""
-    notes, world = [], layout_world(cfg)
+    notes, world = [], world_of(cfg.parallel, local_device_count())
     if cfg.parallel.dp == "auto":
         notes.append(f"parallel.dp=auto: planned for dp={world // (cfg.parallel.tp * cfg.parallel.pp)} "
                      "(this node's devices); set parallel.dp to plan another size")

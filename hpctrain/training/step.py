@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hpctrain.precision import Precision
+from hpctrain.parallel.layout import PP_SCHEDULES, Layout
+from hpctrain.training.precision import Precision
 
 
 @dataclass
@@ -110,19 +111,21 @@ def clip_grads(params: list[torch.Tensor], max_norm: float, norm: float) -> None
 class TrainStep:
     """One optimizer step; the same code for every layout.
 
-    `mesh` (optional for one process) gives the groups: the loss is normalised by the tokens of all dp
-    ranks and gradients are summed over dp, so every layout computes the one-process gradients.
-    `loss_parallel`: the model yields vocab-sharded logits (tensor parallel).
+    `mesh` (optional for one process) gives the groups: the loss is normalised by the tokens of all the ranks
+    the batch is split over (`batch_mesh`, default the "dp" dim) and gradients are summed over them, so every
+    layout computes the one-process gradients. `loss_parallel`: the model yields vocab-sharded logits (tensor
+    parallel).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                 grad_clip: float, device: torch.device, mesh=None, loss_parallel: bool = False):
+                 grad_clip: float, device: torch.device, mesh=None, loss_parallel: bool = False, batch_mesh=None):
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.grad_clip, self.device, self.mesh = grad_clip, device, mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.loss_parallel = loss_parallel
         self.loss_ctx = loss_parallel_ctx(loss_parallel)
-        self.dp = mesh["dp"].size() if mesh is not None else 1
+        self.batch_mesh = batch_mesh if batch_mesh is not None or mesh is None else mesh["dp"]
+        self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
         # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch.
         self.grad_sync = getattr(model, "set_requires_gradient_sync", None)
 
@@ -138,7 +141,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         total = self._forward_backward(micro_batches, n_tokens)
         if self.dp > 1:  # tensor-parallel ranks hold the same (replicated) loss already
-            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            dist.all_reduce(total, group=self.batch_mesh.get_group())
         if scaler:
             scaler.unscale_(self.optimizer)
         norm = grad_norm(self.params, self.mesh)
@@ -181,12 +184,6 @@ class TrainStep:
         return evaluate(self.model, batches, self.precision, self.device, self.loss_parallel)
 
 
-# Schedule names of `parallel.pp_schedule` -> torch.distributed.pipelining classes (multi: several stages a rank).
-PP_SCHEDULES = {"gpipe": ("ScheduleGPipe", False), "1f1b": ("Schedule1F1B", False),
-                "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
-                "zero_bubble": ("ScheduleInterleavedZeroBubble", True)}
-
-
 class PipelineTrainStep(TrainStep):
     """pp > 1: the same step, with forward/backward run by a pipeline schedule over this rank's stages.
 
@@ -199,10 +196,10 @@ class PipelineTrainStep(TrainStep):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
                  grad_clip: float, device: torch.device, mesh, loss_parallel: bool, schedule: str,
-                 n_microbatches: int):
+                 n_microbatches: int, batch_mesh=None):
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        super().__init__(model, optimizer, precision, grad_clip, device, mesh, loss_parallel)
+        super().__init__(model, optimizer, precision, grad_clip, device, mesh, loss_parallel, batch_mesh)
         self.grad_sync = None  # the schedule runs FSDP's gradient reduction after its last microbatch
         group = mesh["pp"].get_group()
         stages = [PipelineStage(chunk, s, model.n_stages, device, group=group)
@@ -251,12 +248,13 @@ class PipelineTrainStep(TrainStep):
 
 
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                     device: torch.device, mesh, loss_parallel: bool, pcfg) -> TrainStep:
+                     device: torch.device, mesh, layout: Layout) -> TrainStep:
     """The layout's step, chosen here once: the loop only calls it (and its `evaluate`)."""
-    if mesh["pp"].size() > 1:
-        return PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, loss_parallel,
-                                 pcfg.pp_schedule, pcfg.pp_microbatches or mesh["pp"].size())
-    return TrainStep(model, optimizer, precision, grad_clip, device, mesh, loss_parallel)
+    if layout.pipelined:
+        return PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
+                                 layout.pp_schedule, layout.pp_microbatches, layout.batch_mesh(mesh))
+    return TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
+                     layout.batch_mesh(mesh))
 
 
 def loss_parallel_ctx(enabled: bool):

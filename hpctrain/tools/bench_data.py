@@ -1,10 +1,10 @@
-"""`python -m hpctrain.bench_data`: loader throughput per process vs what training consumes, in one run.
+"""`python -m hpctrain.tools.bench_data`: loader throughput per process vs what training consumes, in one run.
 
 Measures, on the demo shards (or --data DIR) from local disk:
   1. reading one shard: the fast local tar path vs webdataset's per-sample tar iterator;
   2. ShardStream end to end (int64 micro-batches out) for several lanes / dp / worker settings, and once
      with every shard read through webdataset only;
-  3. the tiny model's training rate (real `hpctrain.train.train()`, model=tiny, default batch) and its
+  3. the tiny model's training rate (real `hpctrain.training.run.train()`, model=tiny, default batch) and its
      data_wait_frac from metrics.jsonl.
 Tokens are counted as training tokens (samples x seq_len) everywhere, so the ratios compare like with like.
 Whatever is measured is reported; there is no pass/fail threshold.
@@ -13,7 +13,6 @@ Whatever is measured is reported; there is no pass/fail threshold.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ import torch
 
 from hpctrain import data as data_mod
 from hpctrain.data import ShardStream, read_manifest, read_shard_wds
+from hpctrain.files import read_metrics, write_json
 
 TARGET = 10e6  # loader tokens/s per process
 
@@ -56,8 +56,8 @@ def stream_rate(data_dir: str, samples: int, repeats: int, batch: int = 8, **kw)
 
 
 def train_rate(steps: int, warmup: int, threads: int) -> dict:
-    from hpctrain.config import compose
-    from hpctrain.train import train
+    from hpctrain.compose import compose
+    from hpctrain.training.run import train
 
     cfg = compose([
         "model=tiny", "data=demo", "parallel=single", "precision=fp32", f"train.max_steps={steps}",
@@ -65,15 +65,14 @@ def train_rate(steps: int, warmup: int, threads: int) -> dict:
         "train.progress=false", "train.resume=never", f"cluster.num_threads={threads}"])
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-data-") as run_dir:
         train(cfg, run_dir)
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            records = [r for r in map(json.loads, filter(str.strip, f)) if "tokens_per_s" in r][warmup:]
+        records = [r for r in read_metrics(run_dir) if "tokens_per_s" in r][warmup:]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
             "data_wait_frac": statistics.mean(r["data_wait_frac"] for r in records),
             "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m hpctrain.bench_data", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_data", description=__doc__.splitlines()[0])
     p.add_argument("--data", help="shard directory (default: the demo shards, built on first use)")
     p.add_argument("--samples", type=int, default=20_000, help="samples per stream measurement")
     p.add_argument("--repeats", type=int, default=3)
@@ -130,8 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  loader (lanes=1, workers=0, in the training process) / training consumption: "
               f"{loader / tr['tokens_per_s']:.0f}x")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(a.json, doc)
     return doc
 
 

@@ -19,59 +19,23 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config import ConfigError
+from hpctrain.errors import BAD_INPUT, fail
+from hpctrain.parallel.layout import job_shape
 
 log = logging.getLogger("hpctrain")
 _INIT_KEYS = {"submitit_folder", "max_num_timeout"}
 
 
-def resources(cfg) -> dict[str, int | None]:
-    """Slurm shape of a run: nodes, tasks per node (= ranks), GPUs per node; ConfigError if it cannot fit."""
-    p, c = cfg.parallel, cfg.cluster
-    per_node = c.gpus_per_node or c.tasks_per_node
-    what = "cluster.gpus_per_node" if c.gpus_per_node else "cluster.tasks_per_node"
-    if per_node < 1:
-        raise ConfigError(f"{what}={per_node} must be >= 1")
-    if p.dp == "auto":  # fill the nodes asked for
-        if not c.nodes:
-            raise ConfigError("parallel.dp=auto on Slurm needs cluster.nodes (or set parallel.dp)")
-        if per_node % (p.tp * p.pp):
-            raise ConfigError(f"parallel.dp=auto: {what}={per_node} is not a multiple of tp×pp={p.tp * p.pp}")
-        world = c.nodes * per_node
-    else:
-        world = int(p.dp) * p.tp * p.pp
-    nodes, tasks = (1, world) if world <= per_node else (world // per_node, per_node)
-    if nodes * tasks != world:
-        raise ConfigError(f"dp×tp×pp={world} ranks do not fill whole nodes of {per_node} ({what}): make the "
-                          f"layout a multiple of {per_node} ranks")
-    if c.nodes and c.nodes != nodes:
-        raise ConfigError(f"cluster.nodes={c.nodes} but the layout dp×tp×pp={world} needs {nodes} node(s) of "
-                          f"{per_node} ranks: drop cluster.nodes or change parallel.dp")
-    return {"nodes": nodes, "tasks_per_node": tasks, "gpus_per_node": tasks if c.gpus_per_node else None}
-
-
-def resolver(key: str, *, _root_: DictConfig):
-    """`${hpctrain_slurm:nodes}` etc. in the launcher configs (bad layouts are reported by `check`)."""
-    if key == "sbatch_extra":
-        return {"requeue": True, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
-    try:
-        return resources(_root_)[key]
-    except ConfigError:
-        return 1
-
-
 def check(cfg) -> None:
     """Everything a job would check at its start, run on the login node before submitting (its memory is
     not the compute nodes': the memory check is left to the job)."""
-    from hpctrain.train import prepare
+    from hpctrain.training.run import prepare
 
-    shape = resources(cfg)
+    shape = job_shape(cfg.parallel, cfg.cluster)
     prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False)
 
 
-def _bad_input() -> tuple[type[Exception], ...]:
-    from hpctrain.errors import bad_input
-
-    return (*bad_input(), OSError)  # OSError: a sweep or submitit folder that cannot be made
+_BAD_INPUT = (*BAD_INPUT, OSError)  # OSError: a sweep or submitit folder that cannot be made
 
 
 class RunJob:
@@ -81,9 +45,9 @@ class RunJob:
         self.cfg, self.run_dir, self.job_logging = cfg, run_dir, job_logging
 
     def __call__(self) -> dict:
+        from hpctrain.cluster.job import Stopped, quiet_other_ranks
         from hpctrain.config import Config
-        from hpctrain.job import Stopped, quiet_other_ranks
-        from hpctrain.train import train
+        from hpctrain.training.run import train
 
         if self.job_logging:
             logging.config.dictConfig(self.job_logging)  # train.log in the run dir, as in a local run
@@ -141,24 +105,24 @@ class Submitting:
         for i, cfg in enumerate(configs):
             try:
                 check(cfg)
-                if resources(cfg) != resources(self.config):
+                if job_shape(cfg.parallel, cfg.cluster) != job_shape(self.config.parallel, self.config.cluster):
                     raise ConfigError("sweep points must share one layout (one job shape per array): "
                                       "sweep parallel.*/cluster.* in separate commands")
-            except _bad_input() as e:
+            except _BAD_INPUT as e:
                 common = set.intersection(*map(set, job_overrides)) if len(job_overrides) > 1 else set()
                 point = " ".join(o for o in filter_overrides(job_overrides[i]) if o not in common)
-                _fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
+                fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         args = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
                  plugin.Singleton.get_state()) for i, o in enumerate(job_overrides)]
         try:
             executor = self.executor(self.params["submitit_folder"], self.config.cluster)
             sweep_dir.mkdir(parents=True, exist_ok=True)
-            jobs = _or_fail(lambda: executor.map_array(self, *zip(*args)))
-        except _bad_input() as e:
-            _fail(str(e))
+            jobs = _orfail(lambda: executor.map_array(self, *zip(*args)))
+        except _BAD_INPUT as e:
+            fail(str(e))
         print(f"hpctrain: submitted {len(jobs)} job(s) {_ids(jobs)} ({self._shape()} each) -> {sweep_dir}\n"
-              f"hpctrain: progress: python -m hpctrain.sweep report {sweep_dir}", flush=True)
+              f"hpctrain: progress: python -m hpctrain report {sweep_dir}", flush=True)
         if self.config.cluster.wait:
             _wait(jobs, str(sweep_dir))
         return [JobReturn(overrides=list(o), cfg=c, _return_value=j.job_id, working_dir=str(sweep_dir),
@@ -176,15 +140,15 @@ class Submitting:
             check(cfg)
             executor = self.executor(folder, cfg.cluster)
             rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
-            job = _or_fail(lambda: executor.submit(RunJob(OmegaConf.to_container(cfg, resolve=True), run_dir,
+            job = _orfail(lambda: executor.submit(RunJob(OmegaConf.to_container(cfg, resolve=True), run_dir,
                                                           job_logging)))
-        except _bad_input() as e:
+        except _BAD_INPUT as e:
             rundir.remove_if_fresh(run_dir, started)
-            _fail(str(e))
+            fail(str(e))
         rundir.save_config(run_dir, cfg)
         print(f"hpctrain: submitted job {job.job_id} ({self._shape()}) -> {run_dir}\n"
               f"hpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
-              f"python -m hpctrain.sweep report {run_dir}", flush=True)
+              f"python -m hpctrain report {run_dir}", flush=True)
         if cfg.cluster.wait:
             _wait([job], run_dir)
 
@@ -198,7 +162,7 @@ def _wait(jobs, where: str) -> None:
     """Block until every job ends; report the ones that ended without a result by their Slurm state."""
     import submitit
 
-    from hpctrain.sweep import sacct_state
+    from hpctrain.cluster.sweep import sacct_state
 
     bad = []
     for job in jobs:
@@ -215,12 +179,12 @@ def _wait(jobs, where: str) -> None:
             bad.append(f"job {job.job_id} {state}")
             log.debug("job %s: %s", job.job_id, e)
     if bad:
-        _fail(f"{len(bad)} of {len(jobs)} job(s) did not complete ({'; '.join(bad)}): see "
-              f"python -m hpctrain.sweep report {where}", code=1)
+        fail(f"{len(bad)} of {len(jobs)} job(s) did not complete ({'; '.join(bad)}): see "
+              f"python -m hpctrain report {where}", code=1)
     print(f"hpctrain: {len(jobs)} job(s) completed", flush=True)
 
 
-def _or_fail(submit):
+def _orfail(submit):
     """submit(); sbatch refusing the job (a bad partition, account, time limit...) becomes one line."""
     import contextlib
     import io
@@ -236,7 +200,3 @@ def _or_fail(submit):
                           "cluster.account, cluster.qos, cluster.time_min and cluster.sbatch_extra") from None
 
 
-def _fail(message: str, code: int = 2):
-    from hpctrain.cli import fail  # here: the CLI module loads this one (through Hydra's launcher plugin)
-
-    fail(message, code)

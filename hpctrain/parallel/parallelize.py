@@ -3,6 +3,7 @@
 Order (torchtitan's, for the reasons it gives): pipeline split -> tensor/sequence parallel ->
 activation checkpointing -> compile -> FSDP on the "dp" mesh dim -> pipeline schedule. Every
 function is a no-op for its dimension of size 1, so one process runs the same path as many.
+What is model-specific (module names, the tensor-parallel plan) comes from the model's spec.
 """
 
 from __future__ import annotations
@@ -18,16 +19,11 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 
 from hpctrain.config import ActCkpt
+from hpctrain.models import ModelSpec
+from hpctrain.parallel.layout import Layout
 
 
 def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -44,12 +40,12 @@ class StageParts(nn.Module):
     layout and reshard across them. It has no forward: the pipeline schedule runs the chunks.
     """
 
-    def __init__(self, chunks: list[nn.Module], stages: list[int], n_stages: int):
+    def __init__(self, chunks: list[nn.Module], stages: list[int], n_stages: int, spec: ModelSpec):
         super().__init__()
         self.chunks, self.stages, self.n_stages = chunks, stages, n_stages  # a plain list: no duplicate FQNs
         self.layers = nn.ModuleDict()
         for chunk in chunks:
-            for name in ("tok_embeddings", "norm", "output"):
+            for name in (*spec.first_stage, *spec.last_stage):
                 if getattr(chunk, name) is not None:
                     self.register_module(name, getattr(chunk, name))
             for name, block in chunk.layers.items():
@@ -65,9 +61,9 @@ class StageParts(nn.Module):
             chunk.train(mode)
         return super().train(mode)
 
-    def reset_rope_cache(self) -> None:
+    def init_buffers(self) -> None:
         for chunk in self.chunks:
-            chunk.reset_rope_cache()
+            chunk.init_buffers()
 
     def tie_weights(self) -> None:
         pass  # resolve() refuses tied embeddings with pp > 1
@@ -76,11 +72,13 @@ class StageParts(nn.Module):
         raise RuntimeError("a pipeline-parallel model runs through its schedule (PipelineTrainStep), not forward()")
 
 
-def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, virtual_stages: int = 1) -> list[nn.Module]:
+def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, virtual_stages: int,
+                         spec: ModelSpec) -> list[nn.Module]:
     """Manual split into pp × virtual_stages stages of consecutive layers; returns this rank's chunks.
 
     A chunk is a copy of the (meta) model keeping only its stage's layers; the first stage keeps the
-    embedding, the last the final norm and output head. pp=1: the model itself, untouched.
+    spec's first-stage modules (the embedding), the last its last-stage ones (final norm, output head).
+    pp=1: the model itself, untouched.
     """
     pp = pp_mesh.size()
     if pp == 1:
@@ -97,51 +95,22 @@ def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, virtual_stages: 
         for name in names:
             if name not in keep:
                 del chunk.layers[name]
-        if s != 0:
-            chunk.tok_embeddings = None
-        if s != n_stages - 1:
-            chunk.norm, chunk.output = None, None
+        for name in (spec.first_stage if s != 0 else ()) + (spec.last_stage if s != n_stages - 1 else ()):
+            setattr(chunk, name, None)
         chunks.append(chunk)
     return chunks
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Megatron-style tensor parallel: column-shard wq/wk/wv/w1/w3 and the vocab, row-shard wo/w2.
-
-    With sequence parallelism the activations between blocks (norms, residual stream) are sharded
-    along the sequence, turning each all-reduce into a reduce-scatter + all-gather pair. The output
-    head stays vocab-sharded (a DTensor) for `loss_parallel`, so full logits are never gathered.
-    """
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spec: ModelSpec) -> None:
+    """Tensor (and sequence) parallel with the model's own plan: its root modules, then each block."""
     if tp_mesh.size() == 1:
         return
-    seq = Shard(1) if sequence_parallel else Replicate()
-    root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
-    }
-    if sequence_parallel:
-        root_plan["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k) is not None})
-    model.tie_weights()  # both halves of a tied embedding are sharded Shard(0) on the vocab: re-share one
+    root_plan, block_plan = spec.tp_plan(sequence_parallel)
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k, None) is not None})
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # both halves of a tied embedding are sharded Shard(0) on the vocab: re-share one
     for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }
-        if sequence_parallel:
-            plan.update({
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: ActCkpt, every: int) -> None:
@@ -189,21 +158,16 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, pcfg, param_dtype: torch.dtype | None = None) -> nn.Module:
+def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg, spec: ModelSpec,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
     """The layout's model: the model itself (pp=1) or a StageParts view of this rank's pipeline stages."""
-    pp = mesh["pp"].size()
-    virtual = pcfg.pp_virtual_stages if pp > 1 else 1
-    chunks = apply_pipeline_split(model, mesh["pp"], virtual)
+    chunks = apply_pipeline_split(model, mesh["pp"], layout.pp_virtual_stages, spec)
     for chunk in chunks:
-        apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel)
+        apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel, spec)
         apply_activation_checkpointing(chunk, pcfg.activation_checkpointing, pcfg.ac_every)
         apply_compile(chunk, pcfg.compile)
-        apply_fsdp(chunk, mesh["dp"], pcfg.zero_stage, param_dtype, pcfg.cpu_offload)
-    if pp == 1:
+        apply_fsdp(chunk, layout.batch_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload)
+    if not layout.pipelined:
         return chunks[0]
-    return StageParts(chunks, stage_ids(mesh["pp"].get_local_rank(), pp, virtual), pp * virtual)
-
-
-def uses_loss_parallel(mesh: DeviceMesh) -> bool:
-    """The output head yields vocab-sharded logits: the loss must run under `loss_parallel()`."""
-    return mesh["tp"].size() > 1
+    stages = stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.pp_virtual_stages)
+    return StageParts(chunks, stages, layout.pp_stages, spec)

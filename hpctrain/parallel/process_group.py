@@ -1,4 +1,7 @@
-"""Process group and the ("pp", "dp", "tp") device mesh: the same code for one process and for many."""
+"""The process group: who this process is (torchrun, srun or our own launcher), NCCL settings, init and shutdown.
+
+The same code for one process and for many; the device mesh over it is the layout's (`Layout.build_mesh`).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-MESH_DIMS = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,11 @@ def launched_world() -> int | None:
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_STEP_ID" in os.environ:
         return int(os.environ["SLURM_NTASKS"])  # a task of `srun`, not just a batch script in an allocation
     return None
+
+
+def local_device_count() -> int:
+    """Ranks this machine can start (for parallel.dp=auto): one per GPU, or one without."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
 def launched_rank() -> int:
@@ -96,24 +101,6 @@ def init(timeout_s: float = 600.0) -> Env:
         else:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     return Env(rank, world, local_rank, device)
-
-
-def build_mesh(env: Env, pp: int, dp: int, tp: int, timeout_s: float = 600.0) -> DeviceMesh:
-    mesh = init_device_mesh(env.device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
-    # Sub-groups are created with c10d's default timeout (30 min), not the one of the default group:
-    # set it on each, so a rank that dies or stalls makes the others fail within timeout_s.
-    timeout = timedelta(seconds=timeout_s)
-    for name in MESH_DIMS:
-        group = mesh[name].get_group()
-        if group is not dist.group.WORLD and dist.get_world_size(group) > 1:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
-    return mesh
-
-
-def group_timeouts(mesh: DeviceMesh) -> dict[str, float]:
-    """Timeout in seconds of each mesh dim's process group (CPU backend), for tests and diagnostics."""
-    return {name: mesh[name].get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for name in MESH_DIMS}
 
 
 def shutdown() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpctrain.model import Llama, ModelArgs
+from hpctrain.models.llama.model import Llama, ModelArgs
 
 # Per-layer names: ours -> transformers (under "model.layers.{i}.").
 _LAYER_KEYS = {

@@ -1,8 +1,8 @@
-"""`python -m hpctrain.bench`: training throughput of hpctrain vs a plain transformers loop, in one run.
+"""`python -m hpctrain bench`: training throughput of hpctrain vs a plain transformers loop, in one run.
 
 Both sides train the same model (model=tiny), on the same batches of the demo shards, with the same
 batch, precision, optimizer, grad clipping, seed and thread count. The hpctrain side runs the real
-`hpctrain.train.train()` and reads its metrics.jsonl; the HF side is a hand-written
+`hpctrain.training.run.train()` and reads its metrics.jsonl; the HF side is a hand-written
 `LlamaForCausalLM` loop. Runs alternate and repeat (median taken) because shared machines are noisy.
 Whatever is measured is reported: there is no pass/fail threshold.
 """
@@ -10,7 +10,6 @@ Whatever is measured is reported: there is no pass/fail threshold.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -20,7 +19,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hpctrain.config import compose, model_args, register, resolve
+from hpctrain.compose import compose, register
+from hpctrain.files import read_metrics, write_json
+from hpctrain.models import model_args
+from hpctrain.resolve import resolve
 
 BATCH = 8
 VARIANTS = {"hf": "transformers (HF)", "hpctrain": "hpctrain", "compile": "hpctrain + compile"}
@@ -43,7 +45,7 @@ def measure(tokens: list[float], times: list[float], warmup: int, final_loss: fl
 
 
 def run_hpctrain(precision: str, compile_: bool, steps: int, warmup: int, threads: int) -> dict:
-    from hpctrain.train import train
+    from hpctrain.training.run import train
 
     if compile_:
         torch._dynamo.reset()  # every compiled run starts cold; its compile falls in the warmup steps
@@ -51,8 +53,7 @@ def run_hpctrain(precision: str, compile_: bool, steps: int, warmup: int, thread
                        f"train.max_steps={steps}", f"cluster.num_threads={threads}"])
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as run_dir:
         train(cfg, run_dir)
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = read_metrics(run_dir)
     per_step = [r for r in records if "tokens_per_s" in r]
     assert [r["step"] for r in per_step] == list(range(1, steps + 1)), "expected one metrics record per step"
     # log_every=1: each record is one step, so tokens_per_s * step_time_s is that step's token count.
@@ -65,7 +66,7 @@ def run_hf(precision: str, steps: int, warmup: int, args, data_dir: str, seed: i
     import transformers
 
     from hpctrain.data import ShardStream
-    from hpctrain.hf_convert import to_hf_config
+    from hpctrain.models.llama.hf import to_hf_config
 
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(to_hf_config(args, attn_implementation="sdpa")).float().train()
@@ -100,7 +101,7 @@ def cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m hpctrain.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m hpctrain bench", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="first steps excluded from tokens/s (default 5)")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default fp32,bf16)")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_flush_denormal(True)
     import transformers
 
-    from hpctrain.train import prepare_data
+    from hpctrain.training.run import prepare_data
 
     cfg = compose_cfg([])
     data_dir, seq_len = prepare_data(cfg, resolve(cfg))  # builds the demo shards on first use
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "seq_len": seq_len, "model": cfg.model.name, "seed": seed},
            "summary": summary, "runs": runs}
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(a.json, doc)
     return doc
 
 

@@ -22,8 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpctrain import distributed
 from hpctrain.cmdline import Parser
+from hpctrain.parallel import process_group
 
 JOIN_KEY = "preflight/joined/{}"
 
@@ -101,7 +101,7 @@ def check_gemm(n: int, iters: int, device: torch.device) -> dict:
     return {"gemm_tflops": 2 * n**3 / sec / 1e12, "gemm_rel_err": err, "problem": problem}
 
 
-def check_allreduce(numel: int, iters: int, env: distributed.Env) -> dict:
+def check_allreduce(numel: int, iters: int, env: process_group.Env) -> dict:
     """Verify one all-reduce of known values exactly, then time `iters` of them (nccl-tests' algbw/busbw)."""
     n = env.world
     buf = torch.arange(numel, device=env.device, dtype=torch.float32).remainder_(7).add_(env.rank + 1)
@@ -125,7 +125,7 @@ def ring_phases(n: int) -> list[list[tuple[int, int]]]:
     return [ph for ph in (even, odd, [links[-1]]) if ph] if n % 2 else [links[0::2], links[1::2]]
 
 
-def check_p2p(numel: int, iters: int, env: distributed.Env) -> dict:
+def check_p2p(numel: int, iters: int, env: process_group.Env) -> dict:
     """GB/s (one direction, both at once) of the exchange with each ring neighbour; received data checked."""
     send = torch.full((numel,), float(env.rank + 1), device=env.device)
     recv = torch.empty_like(send)
@@ -238,13 +238,13 @@ def run_rank(args: argparse.Namespace) -> int:
     """Everything one rank does; returns the exit code (the same verdict on every rank)."""
     if "SLURM_CPUS_PER_TASK" in os.environ:  # ranks sharing a host must not each use all its cores
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
-    distributed._slurm_env()  # RANK/WORLD_SIZE/MASTER_* from srun's variables, before the store needs them
+    process_group._slurm_env()  # RANK/WORLD_SIZE/MASTER_* from srun's variables, before the store needs them
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     store = None
     try:
         if world > 1:
             store = _register(rank, world, args.timeout)
-        env = distributed.init(args.timeout)
+        env = process_group.init(args.timeout)
     except RuntimeError as e:  # DistStoreError / DistNetworkError / gloo connect timeouts
         missing = _missing(store, world) if store is not None else []
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -264,10 +264,10 @@ def run_rank(args: argparse.Namespace) -> int:
               f"stalled past {args.timeout:g}s): {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     finally:
-        distributed.shutdown()
+        process_group.shutdown()
 
 
-def _measure_and_report(args: argparse.Namespace, env: distributed.Env) -> int:
+def _measure_and_report(args: argparse.Namespace, env: process_group.Env) -> int:
     numel = max(1, int(args.size_mb * 2**20) // 4)
     mine = {"rank": env.rank, "node": node_name(), "local_rank": env.local_rank, "device": str(env.device)}
     if env.device.type == "cuda":
@@ -304,13 +304,13 @@ def main(argv: list[str]) -> int:
         args = parse_args(argv)
     except SystemExit as e:  # argparse: --help exits 0, bad arguments 2
         return e.code if isinstance(e.code, int) else 2
-    launched = distributed.launched_world()
+    launched = process_group.launched_world()
     if launched is not None or args.ranks == 1:
         if launched is not None and args.ranks not in (1, launched):
             print(f"preflight: error: --ranks {args.ranks} but srun/torchrun started {launched}", file=sys.stderr)
             return 2
         return run_rank(args)
-    from hpctrain.launch import LaunchError, spawn
+    from hpctrain.cluster.spawn import LaunchError, spawn
 
     codes = mp.get_context("fork").Array("i", [-1] * args.ranks, lock=False)
     try:

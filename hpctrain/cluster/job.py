@@ -8,7 +8,6 @@ checkpoint. None of this knows about the parallel layout.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.config import signal_number
+from hpctrain.files import read_json, write_json
 
 log = logging.getLogger("hpctrain")
 
@@ -82,6 +82,10 @@ class StopSignals:
         job = os.environ.get("SLURM_JOB_ID")
         if not job:
             return
+        # Requeueing cancels this job step: Slurm's SIGTERM can arrive before scontrol returns and would cut off
+        # the line saying what happened. This process is stopping anyway (it exits right after, well within
+        # KillWait), so the signal is ignored from here on.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
         if p.returncode == 0:
             log.info("requeued Slurm job %s", job)
@@ -95,7 +99,7 @@ class StopSignals:
 
 def quiet_other_ranks() -> None:
     """Under srun/torchrun every rank configures logging: only rank 0 writes train.log and INFO lines."""
-    from hpctrain.distributed import launched_rank
+    from hpctrain.parallel.process_group import launched_rank
 
     if launched_rank() == 0:
         return
@@ -120,8 +124,7 @@ def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
     path = os.path.join(run_dir, "slurm.json")
     prev = {}
     if os.path.isfile(path):
-        with open(path) as f:
-            prev = json.load(f)
+        prev = read_json(path)
     restarts = int(e.get("SLURM_RESTART_COUNT", 0))
     stalled = 0
     if restarts and prev.get("job_id") == e["SLURM_JOB_ID"] and restarts > prev.get("restart_count", 0):
@@ -130,10 +133,7 @@ def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
            "array_task_id": e.get("SLURM_ARRAY_TASK_ID"), "nodelist": e.get("SLURM_JOB_NODELIST"),
            "restart_count": restarts, "start_step": latest_step, "stalled_restarts": stalled,
            "nccl": nccl or {}}
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    write_json(path, doc)
     if stalled > max_stalled:
         return (f"Slurm job {doc['job_id']} was restarted {stalled} times in a row without reaching a new "
                 f"checkpoint (still at step {latest_step}): see the job's logs for the cause, fix it and "

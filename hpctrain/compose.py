@@ -1,0 +1,59 @@
+"""Hydra set-up: the schema and resolvers registered, the config groups found, and a run's config composed.
+
+The one place that knows where `conf/` lives and what `${...}` interpolations the configs may use.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from hpctrain.config import Config, ConfigError
+
+
+def _slurm(key: str, *, _root_: DictConfig):
+    """`${hpctrain_slurm:nodes}` etc. in the launcher configs: the job shape of the layout (a layout that cannot
+    be placed is reported by the launcher's checks, with its fix, before anything is submitted)."""
+    from hpctrain.parallel.layout import job_shape
+
+    if key == "sbatch_extra":
+        return {"requeue": True, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
+    try:
+        return job_shape(_root_.parallel, _root_.cluster)[key]
+    except ConfigError:
+        return 1
+
+
+def _demo_data_dir() -> str:
+    from data_prep.demo import default_out_dir
+
+    return default_out_dir()
+
+
+def register() -> None:
+    """Make the schema and the `${demo_data_dir:}` / `${hpctrain_slurm:KEY}` resolvers known to Hydra (idempotent)."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+    if not OmegaConf.has_resolver("demo_data_dir"):
+        OmegaConf.register_new_resolver("demo_data_dir", _demo_data_dir)
+    if not OmegaConf.has_resolver("hpctrain_slurm"):
+        OmegaConf.register_new_resolver("hpctrain_slurm", _slurm)
+
+
+def conf_dir() -> str:
+    """The config groups: `conf/` beside the package in a checkout (an editable install), or the copy a wheel
+    installs inside it (`hpctrain/conf/`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "conf")
+    return installed if os.path.isdir(installed) else os.path.abspath(os.path.join(here, os.pardir, "conf"))
+
+
+def compose(overrides: list[str]):
+    """The config a run with these overrides gets, composed as `python -m hpctrain` does (no run directory)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -1,0 +1,69 @@
+"""Model families, found by `model.family`: each is a `ModelSpec` that keeps together what generic code needs
+of a model (its class and arguments, tensor-parallel plan, pipeline split rule, layout rules, FLOPs formula
+and transformers adapter).
+
+Generic code (parallelization, training, planning, generation) builds and inspects models only through a
+spec. A family is a package `hpctrain.models.<family>` whose `SPEC` is its ModelSpec, listed in FAMILIES.
+
+The module contract every family's model follows: blocks in `model.layers`, an `nn.ModuleDict` keyed by the
+global layer index (names stay stable when a pipeline stage drops layers); the modules named in
+`first_stage` / `last_stage` may be None on the stages that do not hold them; `forward(tokens)` returns
+logits (a middle stage takes and returns hidden states); `init_weights()` draws every parameter and
+`init_buffers()` fills the non-persistent buffers (after `to_empty()`); `tie_weights()` re-ties shared ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hpctrain.config import ConfigError
+
+FAMILIES = {"llama": "hpctrain.models.llama"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    args_type: type  # the model's own arguments (a dataclass); filled from the same-named model.* keys
+    model_type: type  # nn.Module subclass, built from args_type
+    first_stage: tuple[str, ...]  # modules only the first pipeline stage holds (the embedding)
+    last_stage: tuple[str, ...]  # modules only the last stage holds (final norm, output head)
+    tp_plan: Callable[[bool], tuple[dict, dict]]  # sequence_parallel -> (root plan, per-block plan)
+    check_layout: Callable[[Any, Any, bool], None]  # (args, Layout, sequence_parallel): ConfigError if it cannot
+    flops_per_token: Callable[[Any, int], float]  # (args, seq_len): training FLOPs per token
+    num_params: Callable[[Any], int]  # parameter count (a module or args)
+    hf_adapter: str  # module with to_hf / from_hf / from_hf_config / to_hf_config (imports transformers)
+
+    def args(self, model_cfg) -> Any:
+        """The model's arguments from the `model` config group."""
+        return self.args_type(**{f.name: model_cfg[f.name] for f in fields(self.args_type)})
+
+    def build(self, args) -> Any:
+        return self.model_type(args)
+
+    def hf(self):
+        return importlib.import_module(self.hf_adapter)
+
+
+def get_spec(family: str) -> ModelSpec:
+    if family not in FAMILIES:
+        raise ConfigError(f"model.family={family!r} is not a known model family: use one of {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[family]).SPEC
+
+
+def spec_of(cfg) -> ModelSpec:
+    return get_spec(cfg.model.get("family", "llama"))  # (a run saved before families existed: llama)
+
+
+def model_args(cfg) -> Any:
+    """The arguments of the model a run config describes."""
+    return spec_of(cfg).args(cfg.model)
+
+
+def build_model(cfg) -> Any:
+    """The model a run config describes (on the current default device: `with torch.device("meta")` for none)."""
+    spec = spec_of(cfg)
+    return spec.build(spec.args(cfg.model))

@@ -1,0 +1,69 @@
+"""How Llama parallelizes: its Megatron-style tensor-parallel plan and the sizes each layout must divide."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from hpctrain.config import ConfigError
+
+
+def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
+    """(root plan, per-block plan): column-shard wq/wk/wv/w1/w3 and the vocab, row-shard wo/w2.
+
+    With sequence parallelism the activations between blocks (norms, residual stream) are sharded along the
+    sequence, turning each all-reduce into a reduce-scatter + all-gather pair. The output head stays
+    vocab-sharded (a DTensor) for `loss_parallel`, so full logits are never gathered.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    block = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        root["norm"] = SequenceParallel()
+        block.update({
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return root, block
+
+
+def check_layout(args, layout, sequence_parallel: bool) -> None:
+    """What the layout's degrees must divide; ConfigError with one line naming the fix."""
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}")
+    kv = args.kv_heads
+    if args.n_heads % kv:
+        raise ConfigError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={kv}")
+    if (args.dim // args.n_heads) % 2:
+        raise ConfigError(f"head_dim = model.dim/n_heads = {args.dim // args.n_heads} must be even for RoPE")
+    if layout.pipelined:
+        stages, pp, v = layout.pp_stages, layout.pp, layout.pp_virtual_stages
+        if args.n_layers % stages:
+            raise ConfigError(f"model.n_layers={args.n_layers} is not divisible by parallel.pp×pp_virtual_stages="
+                              f"{pp}×{v}={stages} pipeline stages: choose pp and virtual stages that divide the layers")
+        if args.tie_embeddings:
+            raise ConfigError(f"model.tie_embeddings=true with parallel.pp={pp}: embedding and output head live on "
+                              "different pipeline stages: set model.tie_embeddings=false")
+    for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", kv), ("model.vocab_size", args.vocab_size),
+                    ("model.ffn_hidden", args.ffn_hidden)):
+        if n % layout.tp:
+            raise ConfigError(f"{what}={n} is not divisible by parallel.tp={layout.tp}: choose a tp that divides it")

@@ -1,0 +1,201 @@
+"""The parallel layout: one object that owns the degrees of every parallel dimension.
+
+It derives `parallel.dp=auto`, checks the degrees against each other and against the ranks there are,
+places them on Slurm nodes (`job_shape`), and builds the named device mesh. The planner, the config
+checks (`hpctrain.resolve`), the launcher and the step builder all read it; nothing else multiplies
+degrees. Model-specific rules (which sizes a tensor-parallel degree must divide, how layers split into
+pipeline stages) are the model spec's (`hpctrain.models`).
+
+A new dimension (context or expert parallel) is a name in `DIMS`, a field here, and one `apply_*`
+function in `hpctrain.parallel.parallelize`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpctrain.config import ConfigError
+
+# Mesh order, outermost first: pipeline stages span nodes, tensor parallel stays inside one (fastest links).
+DIMS = ("pp", "dp", "tp")
+_SHOWN = ("dp", "tp", "pp")  # the order messages and logs name them in (as the README does)
+
+# parallel.pp_schedule -> (torch.distributed.pipelining class, whether a rank holds several stages).
+PP_SCHEDULES = {"gpipe": ("ScheduleGPipe", False), "1f1b": ("Schedule1F1B", False),
+                "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+                "zero_bubble": ("ScheduleInterleavedZeroBubble", True)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules)
+    pp_microbatches: int = 1  # chunks each micro-batch is split into for the pipeline
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIMS}
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one replica of the model between them (every dimension but dp)."""
+        return self.world // self.dp
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def pp_stages(self) -> int:
+        return self.pp * self.pp_virtual_stages
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The output head yields vocab-sharded logits: the loss must run under `loss_parallel()`."""
+        return self.tp > 1
+
+    def batch_mesh(self, mesh):
+        """The ranks the global batch is split over (data parallel): each reads its own samples, FSDP shards over
+        them, and gradients, loss and token counts are summed over them."""
+        return mesh["dp"]
+
+    def describe(self) -> str:
+        """`dp×tp×pp=2×2×1`."""
+        return "×".join(_SHOWN) + "=" + "×".join(str(getattr(self, name)) for name in _SHOWN)
+
+    @classmethod
+    def from_config(cls, p, world: int) -> Layout:
+        """The layout of `parallel` (a ParallelConfig) on `world` ranks; ConfigError naming the fix."""
+        for name in DIMS:
+            if name != "dp" and p[name] < 1:
+                raise ConfigError(f"parallel.{name}={p[name]} must be >= 1")
+        dp = _dp(p, world, f"world size {world}")
+        layout = cls(pp=p.pp, dp=dp, tp=p.tp, pp_schedule=p.pp_schedule,
+                     pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1,
+                     pp_microbatches=_pp_microbatches(p))
+        if layout.world != world:
+            raise ConfigError(f"parallel {layout.describe()}={layout.world} does not match world size {world}")
+        _check_sharding(p, layout)
+        return layout
+
+    def build_mesh(self, device_type: str, timeout_s: float = 600.0):
+        """The named ("pp", "dp", "tp") device mesh; every group fails within `timeout_s` when a rank dies."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=DIMS)
+        # Sub-groups are created with c10d's default timeout (30 min), not the one of the default group.
+        timeout = timedelta(seconds=timeout_s)
+        for name in DIMS:
+            group = mesh[name].get_group()
+            if group is not dist.group.WORLD and dist.get_world_size(group) > 1:
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+        return mesh
+
+
+def group_timeouts(mesh) -> dict[str, float]:
+    """Timeout in seconds of each mesh dim's process group (CPU backend), for tests and diagnostics."""
+    import torch
+
+    return {name: mesh[name].get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name in DIMS}
+
+
+def _dp(p, ranks: int, what: str) -> int:
+    """parallel.dp as a number; `auto`: what the other dimensions leave of `ranks` (named `what`)."""
+    others = p.tp * p.pp
+    if p.dp == "auto":
+        if ranks % others:
+            raise ConfigError(f"parallel.dp=auto: {what} is not divisible by tp×pp={p.tp}×{p.pp}")
+        return ranks // others
+    try:
+        dp = int(p.dp)
+    except ValueError:
+        raise ConfigError(f"parallel.dp={p.dp!r} must be a positive integer or 'auto'") from None
+    if dp < 1:
+        raise ConfigError(f"parallel.dp={dp} must be >= 1")
+    return dp
+
+
+def world_of(p, available: int) -> int:
+    """Ranks the layout takes when `available` are there: dp·tp·pp, with dp=auto filling them (at least one
+    replica). For a layout that cannot be read, 1: `Layout.from_config` names the bad value."""
+    try:
+        if p.dp == "auto":
+            return max(1, available // (p.tp * p.pp)) * p.tp * p.pp
+        return int(p.dp) * p.tp * p.pp
+    except (ValueError, TypeError, ZeroDivisionError):
+        return 1
+
+
+def job_shape(p, c) -> dict[str, int | None]:
+    """Slurm shape of a run: nodes, tasks per node (= ranks), GPUs per node; ConfigError if it cannot fit."""
+    per_node = c.gpus_per_node or c.tasks_per_node
+    what = "cluster.gpus_per_node" if c.gpus_per_node else "cluster.tasks_per_node"
+    if per_node < 1:
+        raise ConfigError(f"{what}={per_node} must be >= 1")
+    if p.dp == "auto" and not c.nodes:  # fill the nodes asked for
+        raise ConfigError("parallel.dp=auto on Slurm needs cluster.nodes (or set parallel.dp)")
+    if p.dp == "auto" and per_node % (p.tp * p.pp):
+        raise ConfigError(f"parallel.dp=auto: {what}={per_node} is not a multiple of tp×pp={p.tp * p.pp}")
+    world = _dp(p, (c.nodes or 1) * per_node, f"{what}={per_node}") * p.tp * p.pp
+    nodes, tasks = (1, world) if world <= per_node else (world // per_node, per_node)
+    if nodes * tasks != world:
+        raise ConfigError(f"dp×tp×pp={world} ranks do not fill whole nodes of {per_node} ({what}): make the "
+                          f"layout a multiple of {per_node} ranks")
+    if c.nodes and c.nodes != nodes:
+        raise ConfigError(f"cluster.nodes={c.nodes} but the layout dp×tp×pp={world} needs {nodes} node(s) of "
+                          f"{per_node} ranks: drop cluster.nodes or change parallel.dp")
+    return {"nodes": nodes, "tasks_per_node": tasks, "gpus_per_node": tasks if c.gpus_per_node else None}
+
+
+_PP_INTERLEAVED = tuple(name for name, (_, multi) in PP_SCHEDULES.items() if multi)
+
+
+def _pp_microbatches(p) -> int:
+    """Pipeline rules (schedule, virtual stages, microbatches); return the pipeline microbatch count."""
+    pp, v, sched = p.pp, p.pp_virtual_stages, p.pp_schedule
+    if sched not in PP_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={sched!r} is not one of {', '.join(PP_SCHEDULES)}")
+    n_mb = p.pp_microbatches if p.pp_microbatches is not None else pp
+    if pp == 1:
+        return n_mb
+    if sched in _PP_INTERLEAVED and v < 2:
+        raise ConfigError(f"parallel.pp_schedule={sched} needs parallel.pp_virtual_stages >= 2 (got {v}): "
+                          "raise it or use pp_schedule=1f1b")
+    if sched not in _PP_INTERLEAVED and v != 1:
+        raise ConfigError(f"parallel.pp_schedule={sched} runs one stage per rank: parallel.pp_virtual_stages={v} "
+                          "must be 1, or use pp_schedule=interleaved_1f1b")
+    if n_mb < 1 or (sched != "gpipe" and n_mb < pp):
+        raise ConfigError(f"parallel.pp_microbatches={n_mb} must be >= parallel.pp={pp} for pp_schedule={sched} "
+                          "(>= 1 for gpipe)")
+    if sched in _PP_INTERLEAVED and n_mb % pp:
+        raise ConfigError(f"parallel.pp_microbatches={n_mb} must be a multiple of parallel.pp={pp} for "
+                          f"pp_schedule={sched}")
+    return n_mb
+
+
+def _check_sharding(p, layout: Layout) -> None:
+    """How the dimensions are applied: ZeRO stage, offload, sequence parallel."""
+    if layout.pipelined and p.pp_schedule == "zero_bubble" and layout.dp > 1 and p.zero_stage == 3:
+        # Measured: its split weight-gradient pass does not match one process with parameters resharded.
+        raise ConfigError("parallel.pp_schedule=zero_bubble with parallel.zero_stage=3 and dp > 1 gives wrong "
+                          "gradients: use zero_stage=2 (or 0), or pp_schedule=interleaved_1f1b")
+    if p.zero_stage not in (0, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (replicate), 2 (shard gradients and "
+                          "optimizer state) or 3 (shard parameters too)")
+    if p.cpu_offload and (p.zero_stage != 3 or layout.dp == 1):
+        raise ConfigError(f"parallel.cpu_offload needs parallel.zero_stage=3 and dp > 1 (got zero_stage="
+                          f"{p.zero_stage}, dp={layout.dp}): set parallel=fsdp or parallel.cpu_offload=false")
+    if p.sequence_parallel and layout.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")

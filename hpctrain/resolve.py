@@ -1,0 +1,100 @@
+"""From a composed config to the numbers a run is built from: the layout, the batch split, the sequence length.
+
+`resolve()` runs every check that relates several keys, before anything is spawned, submitted or written,
+and raises ConfigError with one line that names the numbers and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.config import ConfigError, PrecisionName, check_keys, check_values, signal_number
+from hpctrain.models import spec_of
+from hpctrain.parallel.layout import Layout
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """A run's layout and batch split, after derivation and checks."""
+
+    layout: Layout
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    seq_len: int | None  # None until the data manifest is known
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+
+def _batch(global_batch, micro_batch, grad_accum, dp) -> tuple[int, int, int]:
+    fix = "set two of train.global_batch / train.micro_batch / train.grad_accum and let the third be derived"
+    for name, v in (("global_batch", global_batch), ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+        if v is not None and v < 1:
+            raise ConfigError(f"train.{name}={v} must be >= 1")
+    if micro_batch is None and grad_accum is None:
+        grad_accum = 1
+    if global_batch is None:
+        if micro_batch is None:
+            raise ConfigError(f"train.global_batch and train.micro_batch are both unset: {fix}")
+        return micro_batch * (grad_accum or 1) * dp, micro_batch, grad_accum or 1
+    if micro_batch is None:
+        if global_batch % (grad_accum * dp):
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by grad_accum×dp={grad_accum}×{dp}: "
+                f"choose a global_batch that is a multiple of {grad_accum * dp}"
+            )
+        return global_batch, global_batch // (grad_accum * dp), grad_accum
+    if grad_accum is None:
+        if global_batch % (micro_batch * dp):
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by micro_batch×dp={micro_batch}×{dp}: "
+                f"choose a global_batch that is a multiple of {micro_batch * dp}, or another micro_batch"
+            )
+        return global_batch, micro_batch, global_batch // (micro_batch * dp)
+    if micro_batch * grad_accum * dp != global_batch:
+        raise ConfigError(
+            f"train.global_batch={global_batch} != micro_batch×grad_accum×dp={micro_batch}×{grad_accum}×{dp}"
+            f"={micro_batch * grad_accum * dp}: {fix}"
+        )
+    return global_batch, micro_batch, grad_accum
+
+
+def resolve(cfg, world: int = 1) -> RunShape:
+    """Derive and check the numbers a run on `world` ranks needs; raise ConfigError on the first problem."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    check_keys(cfg)
+    check_values(cfg)
+    signal_number(cfg.cluster.signal)
+    spec = spec_of(cfg)
+    layout = Layout.from_config(p, world)
+    spec.check_layout(spec.args(m), layout, p.sequence_parallel)
+    if p.sequence_parallel and t.seq_len is not None and t.seq_len % layout.tp:
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={layout.tp} with "
+                          "sequence_parallel: choose a seq_len that is a multiple of tp")
+    if world > 1 and cfg.precision.name == PrecisionName.fp16:
+        raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
+                          f"(world {world}) yet: use precision=bf16")
+    gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, layout.dp)
+    if layout.pipelined and mb % layout.pp_microbatches:
+        raise ConfigError(f"local micro batch train.micro_batch={mb} is not divisible by parallel.pp_microbatches="
+                          f"{layout.pp_microbatches}: the pipeline splits each micro-batch into pp_microbatches chunks")
+    if t.seq_len is not None and t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: lower train.seq_len "
+            f"or raise model.max_seq_len"
+        )
+    return RunShape(layout, gb, mb, ga, t.seq_len)

@@ -1,0 +1,56 @@
+"""`python -m hpctrain summary RUN_DIR`: a run's status and loss curve in one line."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from hpctrain.files import read_metrics, read_result
+
+
+def _status(run_dir: str) -> str:
+    result = read_result(run_dir)
+    if result is None:
+        return "status: running or never finished (no result.json)"
+    text = f"status: {result.get('status')} after step {result.get('steps')}"
+    return text + (f" ({result['error']})" if result.get("error") else "")
+
+
+def summarize(run_dir: str) -> str:
+    """The run's status, then its loss curve in one glance: first and last logged train loss, last
+    validation loss, throughput."""
+    status = _status(run_dir)
+    try:
+        records = read_metrics(run_dir)
+    except FileNotFoundError:
+        return f"{run_dir}: {status}; no metrics.jsonl yet (no step logged)"
+    except ValueError as e:
+        return f"{run_dir}: {status}; metrics.jsonl is not JSON lines ({e})"
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    if not train:
+        return f"{run_dir}: {status}; no training steps logged"
+    first, last = train[0], train[-1]
+    text = f"{status}; loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']})"
+    if val:
+        text += f"; val loss {val[-1]['val_loss']:.3f} (ppl {val[-1]['val_ppl']:.1f})"
+    tps = [r["tokens_per_s"] for r in train[1:]] or [first["tokens_per_s"]]
+    return text + f"; {sum(tps) / len(tps):,.0f} tokens/s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hpctrain.cmdline import Parser
+
+    p = Parser(prog="python -m hpctrain summary", description="A run's status and loss curve in one line.")
+    p.add_argument("run_dir", help="the directory of a training run")
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.run_dir):
+        print(f"hpctrain summary: error: {a.run_dir} is not a directory: pass a training run's directory",
+              file=sys.stderr)
+        return 2
+    print(summarize(a.run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

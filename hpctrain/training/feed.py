@@ -1,0 +1,83 @@
+"""The training split as the step consumes it: the shard stream at the run's position, bound to the run's
+tokenizer and data lanes, timed (the loop's data wait)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from hpctrain.data import ShardStream, choose_lanes, read_manifest
+from hpctrain.errors import TrainingError
+
+
+def val_stream(data_dir: str, micro_batch: int, cfg) -> ShardStream:
+    return ShardStream(data_dir, "val", micro_batch, cfg.train.seed, loop=False, shuffle=False,
+                       on_corrupt=cfg.data.on_corrupt)
+
+
+def bind_run(cfg, data_dir: str, state, dp: int) -> int:
+    """Check the shards against what the run was trained on (tokenizer, lanes), record both in the run state;
+    return the data lanes."""
+    manifest = read_manifest(data_dir)
+    if state.tokenizer_sha256 not in (None, manifest.tokenizer.sha256):
+        raise TrainingError(f"the shards in {data_dir} were tokenised with a different tokenizer than this run's "
+                            f"checkpoints (sha256 {manifest.tokenizer.sha256[:12]} vs "
+                            f"{state.tokenizer_sha256[:12]}): point data.path at shards built with the run's "
+                            "tokenizer, or start a new run_dir")
+    state.tokenizer_sha256 = manifest.tokenizer.sha256
+    lanes = state.data_lanes or choose_lanes(cfg.data.lanes, dp, manifest)
+    if cfg.data.lanes is not None and cfg.data.lanes != lanes:
+        raise TrainingError(f"data.lanes={cfg.data.lanes} but this run was trained with {lanes} lanes: drop the "
+                            f"override or set data.lanes={lanes} (lanes fix the sample order)")
+    state.data_lanes = lanes
+    return lanes
+
+
+class TrainFeed:
+    """Micro-batches of this data-parallel rank, from the run's sample position on."""
+
+    def __init__(self, cfg, data_dir: str, shape, state, device: torch.device, dp_mesh):
+        """`dp_mesh`: the ranks the global batch is split over (`Layout.batch_mesh`)."""
+        lanes = bind_run(cfg, data_dir, state, shape.dp)
+        pin = device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory
+        self.stream = ShardStream(
+            data_dir, "train", shape.micro_batch, cfg.train.seed, start_sample=state.samples,
+            shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers, lanes=lanes,
+            dp_rank=dp_mesh.get_local_rank(), dp_size=shape.dp, global_batch=shape.global_batch, pin_memory=pin,
+            on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
+        self.dp_mesh, self.grad_accum = dp_mesh, shape.grad_accum
+        self._it, self._wait = iter(self.stream), 0.0
+
+    def next_step(self):
+        """The step's micro-batches, pulled one at a time as the step consumes them: memory stays one
+        micro-batch whatever the accumulation."""
+        return itertools.islice(self._timed(), self.grad_accum)
+
+    def _timed(self):
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                return
+            finally:
+                self._wait += time.perf_counter() - t0
+            yield batch
+
+    def take_wait(self) -> float:
+        """Seconds spent waiting for data since the last call."""
+        wait, self._wait = self._wait, 0.0
+        return wait
+
+    @property
+    def corrupt_shards(self) -> int:
+        return self.stream.corrupt_shards
+
+    def corrupt_total(self) -> int:
+        """Shards skipped as corrupt on all data-parallel ranks (collective over dp)."""
+        n = torch.tensor([self.stream.corrupt_shards], dtype=torch.int64)
+        if self.dp_mesh.size() > 1:
+            torch.distributed.all_reduce(n, group=self.dp_mesh.get_group())
+        return int(n.item())

@@ -1,0 +1,228 @@
+"""Step metrics: what a logged step reports (throughput, MFU against a peak-FLOPs table, data wait, memory),
+when (`train.log_every`), and where: pluggable sinks (metrics.jsonl, TensorBoard, the console; a tracker or an
+alert rule is one more sink) and a progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+from hpctrain.files import METRICS_FILE, step_of
+
+log = logging.getLogger("hpctrain")
+
+# Dense peak TFLOPS per device by compute dtype (vendor datasheets, no sparsity).
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},
+    "GH200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "V100": {"bf16": 0.0, "fp16": 125.0, "tf32": 15.7, "fp32": 15.7},
+    "MI300X": {"bf16": 1307.0, "fp16": 1307.0, "tf32": 653.7, "fp32": 163.4},
+    "MI250X": {"bf16": 383.0, "fp16": 383.0, "tf32": 95.7, "fp32": 95.7},
+}
+
+
+def peak_flops(device, precision: str, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device, or None when unknown (then MFU is reported as null)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    import torch  # here, not at the top: reading metrics (the sweep report) must not pay for importing torch
+
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_TFLOPS.items():  # most specific names first
+        if key in name:
+            return table[precision] * 1e12 or None
+    return None
+
+
+def memory_gb(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # Peak resident set size of this process (Linux reports KiB).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class JsonlSink:
+    """<run_dir>/metrics.jsonl, one JSON record per line. A resumed or requeued run continues the same file;
+    records a crashed attempt wrote after the checkpoint it resumes from are dropped, so each step appears once."""
+
+    def __init__(self, run_dir: str, start_step: int):
+        path = os.path.join(run_dir, METRICS_FILE)
+        _truncate_after(path, start_step)
+        self.file = open(path, "a")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """<run_dir>/tb: every finite number as a scalar, `train/...` and `val/...`."""
+
+    def __init__(self, run_dir: str, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops events a crashed attempt logged after the checkpoint we resume from.
+        self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1 if start_step else None)
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(key.replace("val_", "val/") if key.startswith("val_") else f"train/{key}",
+                                   value, record["step"])
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+class ConsoleSink:
+    """One log line per record (through tqdm while a progress bar is shown: see `Metrics.redirect`)."""
+
+    def write(self, record: dict) -> None:
+        log.info("  ".join(f"{k} {_fmt(v)}" for k, v in record.items() if v is not None))
+
+    def close(self) -> None:
+        pass
+
+
+def default_sinks(run_dir: str, start_step: int, tensorboard: bool) -> list:
+    sinks = [JsonlSink(run_dir, start_step)]
+    if tensorboard:
+        sinks.append(TensorBoardSink(run_dir, start_step))
+    return [*sinks, ConsoleSink()]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What turns a window of steps into tokens/s and MFU."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None  # per device; None: MFU unknown
+    world: int
+    device: object
+
+
+class Metrics:
+    """The metrics component: decides which steps are logged and sends each record to every sink (main rank).
+
+    Every rank calls `after_step` (a logged step sums the corrupt-shard count over data-parallel ranks).
+    """
+
+    def __init__(self, sinks: list, throughput: Throughput, log_every: int, last_step: int, start_step: int,
+                 bar=None, corrupt_total=lambda: 0):
+        self.sinks, self.throughput, self.bar = sinks, throughput, bar
+        self.log_every, self.last_step, self.first_step = log_every, last_step, start_step + 1
+        self.corrupt_total = corrupt_total
+        self._window = _Window()
+
+    @classmethod
+    def for_run(cls, run_dir: str, is_main: bool, tcfg, start_step: int, throughput: Throughput,
+                corrupt_total) -> Metrics:
+        sinks, bar = [], None
+        if is_main:
+            sinks = default_sinks(run_dir, start_step, tcfg.tensorboard)
+            if tcfg.progress if tcfg.progress is not None else sys.stderr.isatty():
+                from tqdm import tqdm
+
+                bar = tqdm(total=tcfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        return cls(sinks, throughput, tcfg.log_every, tcfg.max_steps, start_step, bar, corrupt_total)
+
+    def due(self, step: int) -> bool:
+        """Every log_every-th step, and always the first (the loss curve's start) and the last."""
+        return step % self.log_every == 0 or step in (self.first_step, self.last_step)
+
+    def after_step(self, state, result, lr: float, step_time_s: float, data_wait_s: float) -> None:
+        self._window.add(step_time_s, data_wait_s)
+        if self.bar is not None:
+            self.bar.update(1)
+            if result.loss is not None:
+                self.bar.set_postfix(loss=f"{result.loss:.4f}")
+        if self.due(state.step):
+            record = self._window.record(state, result, lr, self.throughput)
+            record["data_corrupt_shards"] = self.corrupt_total()
+            self.log(record)
+            self._window = _Window()
+
+    def log(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def redirect(self):
+        """While a progress bar is shown, log lines go through tqdm (they would tear the bar otherwise)."""
+        if self.bar is None:
+            return contextlib.nullcontext()
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        return logging_redirect_tqdm()
+
+    def close(self) -> None:
+        for obj in (self.bar, *self.sinks):
+            if obj is not None:
+                obj.close()
+
+
+class _Window:
+    """The steps since the last logged one: their time and the part of it spent waiting for data."""
+
+    def __init__(self):
+        self.steps, self.time, self.data = 0, 0.0, 0.0
+
+    def add(self, step_time_s: float, data_wait_s: float) -> None:
+        self.steps += 1
+        self.time += step_time_s
+        self.data += data_wait_s
+
+    def record(self, state, result, lr: float, tp: Throughput) -> dict:
+        elapsed = max(self.time, 1e-9)
+        tps = self.steps * tp.tokens_per_step / elapsed
+        return {
+            "step": state.step,
+            "loss": result.loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_s": tps,
+            "mfu": (tp.flops_per_token * tps / (tp.peak_flops * tp.world)) if tp.peak_flops else None,
+            "data_wait_frac": self.data / elapsed,
+            "mem_gb": memory_gb(tp.device),
+            "step_time_s": elapsed / self.steps,
+            "loss_scale": result.loss_scale,
+            "skipped_nonfinite": state.skipped_nonfinite,
+            "skipped_overflow": state.skipped_overflow,
+        }
+
+
+def _truncate_after(path: str, step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line, s in zip(lines, map(step_of, lines)) if s is not None and s <= step]
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -1,0 +1,190 @@
+"""Starting a run: every check before anything is spawned or written (`prepare`), the local ranks forked when
+the layout needs several processes (`train`), and each rank's set-up around the Trainer (`_rank_main`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from hpctrain import checkpoint, rundir
+from hpctrain.cluster import job
+from hpctrain.config import signal_number
+from hpctrain.data import DataError, ShardStream, check_compat, choose_lanes, read_manifest
+from hpctrain.errors import BAD_INPUT, CheckpointError, TrainingError
+from hpctrain.files import RESULT_FILE, read_json
+from hpctrain.parallel import process_group
+from hpctrain.parallel.layout import world_of
+from hpctrain.resolve import RunShape, resolve
+from hpctrain.training.feed import val_stream
+from hpctrain.training.trainer import Trainer
+
+log = logging.getLogger("hpctrain")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated run: its shape (layout and batch split), its data directory and sequence length."""
+
+    shape: RunShape
+    data_dir: str
+    seq_len: int
+
+
+def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
+    """Every check a run makes before it spawns, submits or writes anything; one-line errors.
+
+    `world`: the job's ranks (else this launch's); `local`: the run will use this machine's memory.
+    """
+    world = world or process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
+    shape = resolve(cfg, world)
+    data_dir, seq_len = prepare_data(cfg, shape)
+    _check_resume(cfg.train.resume)
+    if local:
+        _check_memory(cfg, shape, seq_len)
+    return Prepared(shape, data_dir, seq_len)
+
+
+def _demo_requested(cfg, path: str) -> bool:
+    """The demo corpus is only ever built into its own cache directory: a mistyped data.path, or a shard set
+    whose merge has not run, must fail naming it, not be replaced by the demo."""
+    from data_prep.demo import default_out_dir
+
+    return bool(cfg.data.prepare_demo) and os.path.realpath(path) == os.path.realpath(default_out_dir())
+
+
+def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
+    """Make sure the shards exist and fit the model; return (data dir, seq_len). Runs before any spawn."""
+    path = os.path.expanduser(cfg.data.path)
+    if _demo_requested(cfg, path):
+        from data_prep.demo import build_demo
+
+        build_demo(path)
+    manifest = read_manifest(path)
+    seq_len = shape.seq_len or manifest.block_len - 1
+    if seq_len > cfg.model.max_seq_len:
+        raise TrainingError(
+            f"the shards in {path} hold {manifest.block_len}-token blocks (seq_len {seq_len}) but "
+            f"model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len or re-shard with SEQ_LEN"
+        )
+    check_compat(manifest, cfg.model.vocab_size, seq_len)
+    if cfg.parallel.sequence_parallel and seq_len % shape.tp:
+        raise TrainingError(f"seq_len {seq_len} (from the shards in {path}) is not divisible by parallel.tp="
+                            f"{shape.tp} with sequence_parallel: set train.seq_len to a multiple of {shape.tp}")
+    if shape.global_batch > manifest.num_samples("train"):
+        raise DataError(f"train.global_batch={shape.global_batch} is more than the {manifest.num_samples('train')} "
+                        f"samples of the train split in {path}: one step would repeat samples; lower "
+                        "train.global_batch or use more data")
+    # Checks the lane/dp divisibility rules and that every shard is there, before any spawn.
+    ShardStream(path, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
+                lanes=choose_lanes(cfg.data.lanes, shape.dp, manifest), dp_size=shape.dp,
+                global_batch=shape.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
+    if cfg.train.eval_every:
+        if manifest.num_samples("val") < shape.micro_batch:
+            raise DataError(f"evaluation needs a validation split of at least train.micro_batch={shape.micro_batch} "
+                            f"samples, the shards in {path} have {manifest.num_samples('val')}: set "
+                            "train.eval_every=0, or rebuild the shards with a validation split (--val-fraction, e.g. 0.01)")
+        val_stream(path, shape.micro_batch, cfg)  # every val shard is there
+    return path, seq_len
+
+
+def _check_resume(resume: str) -> None:
+    # Checked once, by the main rank (which may move it aside next) of a job's first start.
+    if resume in ("auto", "never") or rundir.requeued() or process_group.launched_rank() != 0:
+        return
+    path = os.path.expanduser(resume)
+    if not os.path.isfile(os.path.join(path, checkpoint.STATE_FILE)):
+        raise CheckpointError(
+            f"train.resume={resume} is not a complete checkpoint directory (no {checkpoint.STATE_FILE}): pass "
+            "a <run_dir>/checkpoints/step-NNNNNNN directory, or train.resume=auto|never")
+    checkpoint.check_loadable(path)
+
+
+def _available_memory() -> float | None:
+    """Bytes this machine can still give (MemAvailable), or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_memory(cfg, shape: RunShape, seq_len: int) -> None:
+    """Refuse a micro-batch that cannot fit. A CPU-only torch trains on the host: against this machine's
+    available memory, for all its local ranks; a CUDA build trains on GPUs: against cluster.gpu_mem_gb when
+    given. No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's
+    estimate is approximate, so only what exceeds the whole capacity is refused."""
+    from hpctrain.tools.planner import worst_stage_bytes
+
+    if torch.backends.cuda.is_built():  # one rank per device
+        cap, where, ranks = (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}", 1
+    else:  # every rank started here shares this machine
+        cap, where = _available_memory() or 0, "this machine's available memory"
+        ranks = shape.world if process_group.launched_world() is None else 1
+    need = worst_stage_bytes(cfg, shape, seq_len) * ranks if cap else 0
+    if need > cap:
+        raise TrainingError(
+            f"train.micro_batch={shape.micro_batch} (seq_len {seq_len}) needs about {need / 2**30:.1f} GiB, more "
+            f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain shape ...` shows the parts): lower "
+            "train.micro_batch (train.grad_accum keeps the global batch) or set "
+            "parallel.activation_checkpointing=full")
+
+
+def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
+    """Run (or resume) training in `run_dir`; return the result also written to result.json.
+
+    Everything is validated first (`prepare`, unless given). A layout needing N > 1 processes, started
+    outside torchrun/srun, forks its N local ranks here; each runs `_rank_main`, as every process does
+    under torchrun/srun.
+    """
+    prepared = prepared or prepare(cfg)
+    os.makedirs(run_dir, exist_ok=True)
+    if process_group.launched_world() is None and prepared.shape.world > 1:
+        from hpctrain.cluster import spawn
+
+        try:
+            spawn.spawn(prepared.shape.world, _rank_main, (cfg, run_dir, prepared),
+                        threads=cfg.cluster.num_threads, quiet=(*BAD_INPUT, KeyboardInterrupt),
+                        ok_codes=(0, job.EXIT_PREEMPTED, job.EXIT_TERMINATED),
+                        forward=(signal_number(cfg.cluster.signal), signal.SIGTERM))
+        except spawn.LaunchError as e:
+            raise TrainingError(str(e)) from None
+        result = read_json(os.path.join(run_dir, RESULT_FILE))
+        kind = {"preempted": job.PREEMPT, "terminated": job.TERMINATE}.get(result["status"])
+        if kind:
+            raise job.Stopped(kind, result["steps"], "SIGTERM" if kind == job.TERMINATE else
+                              signal_number(cfg.cluster.signal).name)
+        return result
+    return _rank_main(cfg, run_dir, prepared)
+
+
+def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
+    nccl = process_group.apply_env(cfg.cluster.nccl)
+    env = process_group.init(cfg.cluster.pg_timeout_s)
+    try:
+        # Hydra's default run dir has a timestamp: ranks started apart could disagree; rank 0 decides, also
+        # where the run starts from (moving a previous run aside first when it starts over).
+        shared = [run_dir, None, None]
+        if env.is_main:
+            rundir.start_over(run_dir, cfg)  # (done already when launched by the CLI or a submission)
+            start = rundir.start_point(run_dir, cfg.train.resume)
+            last = checkpoint.latest(run_dir) if start == "auto" else None
+            shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
+                                           cfg.cluster.max_stalled_restarts, nccl)
+            shared[2] = start
+        if env.world > 1:
+            torch.distributed.broadcast_object_list(shared, src=0)
+        run_dir, stalled, start = shared
+        if stalled:
+            raise TrainingError(stalled)
+        if env.is_main and env.device.type == "cuda":  # logged once the run dir holds only this run
+            log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
+        return Trainer(cfg, run_dir, prepared, env, start).fit()
+    finally:
+        process_group.shutdown()

@@ -1,0 +1,175 @@
+"""The Trainer: builds a run's components from a validated config, then sequences them step by step.
+
+Each component owns its cadence and its state: the step (one optimizer step for any layout), the feed
+(micro-batches at the run's data position), the metrics (what is logged when, to which sinks), the
+checkpointer (when to save, what a checkpoint holds, where to resume from), the evaluator, and the stop
+agreement (preemption and termination signals, the same decision on every rank). The loop knows nothing
+of the parallel layout, and a new feature is a component, not a branch in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+
+import torch
+
+from hpctrain.cluster import job
+from hpctrain.config import PrecisionName
+from hpctrain.data import DataError
+from hpctrain.errors import TrainingError
+from hpctrain.files import RESULT_FILE, write_json
+from hpctrain.models import spec_of
+from hpctrain.training.checkpointer import Checkpointer
+from hpctrain.training.evaluator import Evaluator
+from hpctrain.training.feed import TrainFeed, val_stream
+from hpctrain.training.metrics import Metrics, Throughput, peak_flops
+from hpctrain.training.model_init import build_model
+from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
+from hpctrain.training.precision import setup_precision
+from hpctrain.training.state import RunState
+from hpctrain.training.step import build_train_step
+
+log = logging.getLogger("hpctrain")
+# The schedule advances on every step, skipped ones included (step s always has lr(s)).
+warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+
+_STATUS = {0: "completed", job.PREEMPT: "preempted", job.TERMINATE: "terminated"}
+
+
+class Trainer:
+    def __init__(self, cfg, run_dir: str, prepared, env, start: str | None):
+        """`prepared`: the run's checked shape and data (`run.prepare`); `start`: what to resume from ("auto",
+        a checkpoint directory, or None)."""
+        t, shape = cfg.train, prepared.shape
+        self.cfg, self.run_dir, self.env, self.shape = cfg, run_dir, env, shape
+        self.tokens_per_step = shape.global_batch * prepared.seq_len
+        _set_threads(cfg.cluster.num_threads)
+        spec = spec_of(cfg)
+        self.mesh = shape.layout.build_mesh(env.device.type, cfg.cluster.pg_timeout_s)
+        self.model = build_model(cfg, spec, shape.layout, env.device, self.mesh)
+        self.precision = setup_precision(cfg.precision, env.device)
+        self.lr = scaled_lr(cfg.optim, shape.global_batch)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
+        self.step = build_train_step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip, env.device,
+                                     self.mesh, shape.layout)
+        self.state = RunState()
+        self.checkpointer = Checkpointer(run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps, self.model, self.optimizer,
+                                         {"run": self.state, "scheduler": self.scheduler},
+                                         {"scaler": self.precision.scaler})
+        self.resumed_from = self.checkpointer.restore(start)
+        self.feed = TrainFeed(cfg, prepared.data_dir, shape, self.state, env.device,
+                              shape.layout.batch_mesh(self.mesh))
+        self.n_params = spec.num_params(self.model)
+        self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
+        peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
+        throughput = Throughput(self.tokens_per_step, self.flops_per_token, peak, env.world, env.device)
+        self.metrics = Metrics.for_run(run_dir, env.is_main, t, self.state.step, throughput, self.feed.corrupt_total)
+        self.evaluator = Evaluator(t.eval_every, t.max_steps, t.eval_batches,
+                                   lambda: val_stream(prepared.data_dir, shape.micro_batch, cfg), self.step,
+                                   self.metrics)
+        self.signals = job.StopSignals(cfg.cluster.signal)
+        self._log_start(prepared.seq_len)
+
+    def fit(self) -> dict:
+        """Train to train.max_steps (or a stop signal); return the result, also written to result.json."""
+        status, error, stop = "running", None, 0
+        self.state.started_at = time.time()  # wall time counts training, not building
+        try:
+            with self.metrics.redirect():
+                while self.state.step < self.cfg.train.max_steps:
+                    self._train_step()
+                    stop = self.signals.agreed()  # every rank stops after the same step
+                    # The step's checkpoint first: an evaluation that fails must not cost finished steps.
+                    saved = self.checkpointer.due(self.state.step, bool(stop))
+                    if saved:
+                        self.checkpointer.save(self.state.step)
+                    if stop:
+                        break
+                    self._evaluate(saved)
+            status = _STATUS[stop]
+        except BaseException as e:
+            status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
+            raise
+        finally:
+            result = self._finish(status, error)
+        if stop:
+            self._stopped(stop)
+        return result
+
+    def _train_step(self) -> None:
+        t0 = time.perf_counter()
+        result = self.step(self.feed.next_step(), self.tokens_per_step)
+        self.scheduler.step()
+        self.state.advance(self.shape.global_batch, self.tokens_per_step)
+        step_time = time.perf_counter() - t0
+        self._account(result)
+        self.metrics.after_step(self.state, result, self.scheduler.get_last_lr()[0], step_time, self.feed.take_wait())
+
+    def _account(self, result) -> None:
+        """Count a skipped step; too many non-finite ones in a row end the run."""
+        s = self.state
+        if result.status == "ok":
+            s.consecutive_nonfinite = 0
+            s.last_loss = result.loss
+        elif result.status == "overflow":
+            s.skipped_overflow += 1
+            log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", s.step,
+                        result.loss_scale)
+        else:
+            s.skipped_nonfinite += 1
+            s.consecutive_nonfinite += 1
+            log.warning("step %d: non-finite loss %s / grad norm %s; step skipped (%d in a row)", s.step, result.loss,
+                        result.grad_norm, s.consecutive_nonfinite)
+            if s.consecutive_nonfinite >= self.cfg.train.max_nonfinite:
+                raise TrainingError(f"{s.consecutive_nonfinite} consecutive non-finite steps (last at step {s.step}): "
+                                    "lower optim.lr, raise optim.warmup_steps or use precision=bf16; resume from the "
+                                    "last checkpoint")
+
+    def _evaluate(self, saved: bool) -> None:
+        if not self.evaluator.due(self.state.step):
+            return
+        try:
+            self.evaluator.run(self.state)
+        except DataError:  # (every rank evaluates the same batches: all of them are here)
+            if not saved:
+                self.checkpointer.save(self.state.step)
+            raise
+
+    def _finish(self, status: str, error: str | None) -> dict:
+        self.signals.restore()
+        self.metrics.close()
+        s = self.state
+        result = {"status": status, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
+                  "steps": s.step, "tokens": s.tokens, "samples": s.samples, "skipped_nonfinite": s.skipped_nonfinite,
+                  "skipped_overflow": s.skipped_overflow, "data_corrupt_shards": self.feed.corrupt_shards,
+                  "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world}
+        if self.env.is_main:
+            write_json(os.path.join(self.run_dir, RESULT_FILE), result)
+        return result
+
+    def _stopped(self, stop: int):
+        log.warning("stopped by %s after step %d; checkpoint written", self.signals.name(stop), self.state.step)
+        if stop == job.PREEMPT and self.env.is_main:
+            self.signals.requeue()
+        raise job.Stopped(stop, self.state.step, self.signals.name(stop))
+
+    def _log_start(self, seq_len: int) -> None:
+        if self.resumed_from:
+            log.info("resumed from %s at step %d (sample %d)", self.resumed_from, self.state.step, self.state.samples)
+        if not self.env.is_main:
+            return
+        sh = self.shape
+        log.info("model %s: %.2fM parameters, %.3g training FLOPs/token; layout %s; global batch %d = micro %d × "
+                 "accum %d × dp %d, seq_len %d; lr %.3g; %d CPU threads/rank; run dir %s", self.cfg.model.name,
+                 self.n_params / 1e6, self.flops_per_token, sh.layout.describe(), sh.global_batch, sh.micro_batch,
+                 sh.grad_accum, sh.dp, seq_len, self.lr, torch.get_num_threads(), self.run_dir)
+
+
+def _set_threads(num_threads: int | None) -> None:
+    torch.set_flush_denormal(True)  # denormals make CPU fp32 steps ~10× slower late in training
+    if num_threads:
+        torch.set_num_threads(num_threads)

@@ -1,0 +1,164 @@
+"""The structure the code map promises, checked on the source: no import cycles, config a leaf, generic code that
+names no model's modules, a training loop of small functions, and model families found through the registry."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctrain.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hpctrain", "data_prep", "hydra_plugins")
+
+
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (root / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, at any depth of the file: an import inside a function is an
+    import all the same (it is how the old cycle through config.register() was hidden)."""
+    mods = _modules(root)
+
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in mods.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
+        graph[mod] = {o for n in names if (o := owner(n)) and o != mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path):
+    """The check itself: a two-module cycle through a function-level import is reported."""
+    pkg = tmp_path / "hpctrain"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from hpctrain import b\n")
+    (pkg / "b.py").write_text("def f():\n    from hpctrain.a import x\n")
+    assert cycles(import_graph(tmp_path)) == [["hpctrain.a", "hpctrain.b"]]
+
+
+def test_config_is_a_leaf():
+    """Every module may read the schema: config.py imports nothing of the project."""
+    assert import_graph()["hpctrain.config"] == set()
+
+
+@pytest.mark.parametrize("module", ["hpctrain.parallel.parallelize", "hpctrain.parallel.layout",
+                                    "hpctrain.training.trainer", "hpctrain.training.step",
+                                    "hpctrain.training.model_init", "hpctrain.tools.planner",
+                                    "hpctrain.tools.generate"])
+def test_generic_code_names_no_model_modules(module):
+    """Module names of one family (Llama's) belong to its spec: generic code takes them from there."""
+    source = _modules()[module].read_text()
+    for name in ("tok_embeddings", "wq", "feed_forward", "Llama(", "hpctrain.models.llama"):
+        assert name not in source, f"{module} names {name}"
+
+
+def test_training_functions_fit_on_a_screen():
+    too_long = []
+    for path in sorted((ROOT / "hpctrain" / "training").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert too_long == []
+
+
+def test_generate_does_not_load_the_cluster_code():
+    """Sampling text needs the model and a checkpoint, not the Slurm launcher or the trainer."""
+    code = ("import sys, hpctrain.tools.generate; "
+            "print(sorted(m for m in sys.modules if m.startswith(('hpctrain.cluster', 'hpctrain.training', "
+            "'hydra_plugins', 'submitit'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_families_come_from_the_registry():
+    from hpctrain.models import get_spec
+    from hpctrain.models.llama.model import Llama
+
+    spec = get_spec("llama")
+    assert spec.model_type is Llama and spec.first_stage == ("tok_embeddings",)
+    with pytest.raises(ConfigError, match="model.family='gpt9' is not a known model family: use one of llama"):
+        get_spec("gpt9")
+
+
+def test_every_package_is_listed():
+    """pyproject.toml lists packages by name (the configs are mapped in, hydra_plugins is a namespace package): a
+    new subpackage left off the list would be missing from every wheel."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for top in ("hpctrain", "data_prep", "hydra_plugins")
+             for init in (ROOT / top).rglob("__init__.py")}
+    assert listed - {"hpctrain.conf", "hydra_plugins"} == found - {"hydra_plugins"}
+
+
+def test_the_schema_holds_every_model_argument():
+    """config.ModelConfig (the keys users set) and each family's own arguments are declared apart, so that the
+    model knows nothing of configs and config imports nothing: every argument must be a key, with its default."""
+    import dataclasses
+
+    from hpctrain.config import ModelConfig
+    from hpctrain.models import FAMILIES, get_spec
+
+    keys = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for family in FAMILIES:
+        for f in dataclasses.fields(get_spec(family).args_type):
+            assert f.name in keys and keys[f.name] == f.default, (family, f.name)
