@@ -111,12 +111,18 @@ def group_timeouts(mesh) -> dict[str, float]:
             for name in DIMS}
 
 
+def _replica(p) -> tuple[int, str]:
+    """Ranks of one model replica (every dimension but dp) of a ParallelConfig, and how to name them."""
+    others = [name for name in _SHOWN if name != "dp"]
+    return math.prod(p[name] for name in others), "×".join(others) + "=" + "×".join(str(p[n]) for n in others)
+
+
 def _dp(p, ranks: int, what: str) -> int:
     """parallel.dp as a number; `auto`: what the other dimensions leave of `ranks` (named `what`)."""
-    others = p.tp * p.pp
+    others, named = _replica(p)
     if p.dp == "auto":
         if ranks % others:
-            raise ConfigError(f"parallel.dp=auto: {what} is not divisible by tp×pp={p.tp}×{p.pp}")
+            raise ConfigError(f"parallel.dp=auto: {what} is not divisible by {named}")
         return ranks // others
     try:
         dp = int(p.dp)
@@ -131,9 +137,8 @@ def world_of(p, available: int) -> int:
     """Ranks the layout takes when `available` are there: dp·tp·pp, with dp=auto filling them (at least one
     replica). For a layout that cannot be read, 1: `Layout.from_config` names the bad value."""
     try:
-        if p.dp == "auto":
-            return max(1, available // (p.tp * p.pp)) * p.tp * p.pp
-        return int(p.dp) * p.tp * p.pp
+        others = _replica(p)[0]
+        return (max(1, available // others) if p.dp == "auto" else int(p.dp)) * others
     except (ValueError, TypeError, ZeroDivisionError):
         return 1
 
@@ -146,15 +151,16 @@ def job_shape(p, c) -> dict[str, int | None]:
         raise ConfigError(f"{what}={per_node} must be >= 1")
     if p.dp == "auto" and not c.nodes:  # fill the nodes asked for
         raise ConfigError("parallel.dp=auto on Slurm needs cluster.nodes (or set parallel.dp)")
-    if p.dp == "auto" and per_node % (p.tp * p.pp):
-        raise ConfigError(f"parallel.dp=auto: {what}={per_node} is not a multiple of tp×pp={p.tp * p.pp}")
-    world = _dp(p, (c.nodes or 1) * per_node, f"{what}={per_node}") * p.tp * p.pp
+    others, named = _replica(p)
+    if p.dp == "auto" and per_node % others:
+        raise ConfigError(f"parallel.dp=auto: {what}={per_node} is not a multiple of {named}")
+    world = _dp(p, (c.nodes or 1) * per_node, f"{what}={per_node}") * others
     nodes, tasks = (1, world) if world <= per_node else (world // per_node, per_node)
     if nodes * tasks != world:
-        raise ConfigError(f"dp×tp×pp={world} ranks do not fill whole nodes of {per_node} ({what}): make the "
+        raise ConfigError(f"{'×'.join(_SHOWN)}={world} ranks do not fill whole nodes of {per_node} ({what}): make the "
                           f"layout a multiple of {per_node} ranks")
     if c.nodes and c.nodes != nodes:
-        raise ConfigError(f"cluster.nodes={c.nodes} but the layout dp×tp×pp={world} needs {nodes} node(s) of "
+        raise ConfigError(f"cluster.nodes={c.nodes} but the layout {'×'.join(_SHOWN)}={world} needs {nodes} node(s) of "
                           f"{per_node} ranks: drop cluster.nodes or change parallel.dp")
     return {"nodes": nodes, "tasks_per_node": tasks, "gpus_per_node": tasks if c.gpus_per_node else None}
 
