@@ -89,6 +89,10 @@ class ParallelConfig:
     pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     zero_stage: int = 0
+    # ZeRO-2/3 with train.grad_accum > 1: reduce-scatter after every micro-batch, so gradients stay the 1/dp
+    # share (true); false accumulates full-size gradients and reduces once per step (less traffic, 4 bytes per
+    # parameter more on every rank).
+    sharded_accumulation: bool = True
     activation_checkpointing: ActCkpt = ActCkpt.none
     ac_every: int = 1  # selective: checkpoint every N-th block
     compile: bool = False

@@ -234,3 +234,24 @@ def cli_args(run_dir, demo_data, *extra) -> list[str]:
             "train.global_batch=8", "train.micro_batch=2", "train.log_every=1", "train.eval_every=0",
             "train.tensorboard=false", "cluster.num_threads=1", "optim.decay_steps=10", "optim.warmup_steps=2",
             "optim.lr=1e-2", *extra]
+
+
+def held_grad_bytes(model) -> int:
+    """Bytes of gradients this rank holds now: the (local shards of the) parameters' .grad, plus what FSDP2 keeps
+    unsharded between micro-batches when it does not reduce each one (FSDP internals: for tests only)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fp in group.fsdp_params if group else ():
+            held = [getattr(fp, "unsharded_accumulated_grad", None)]
+            if hasattr(fp, "_unsharded_param"):
+                held.append(fp._unsharded_param.grad)
+            total += sum(nbytes(g) for g in held if g is not None)
+    return total

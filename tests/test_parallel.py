@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from helpers import LAYOUT_RUN, cli_args, deltas, run_layout, step_metrics
+from helpers import LAYOUT_RUN, cli_args, deltas, held_grad_bytes, read, run_layout, step_metrics
 
 from hpctrain.config import ConfigError
 from hpctrain.resolve import resolve
@@ -182,3 +182,54 @@ def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
         assert f"rank {victim} of 2 failed (killed by SIGKILL)" in err, err[-2000:]
     else:
         assert f"Timed out waiting {timeout * 1000}ms" in err and "of 4 failed" in err, err[-2000:]
+
+
+def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
+    """One ZeRO-2 step of three micro-batches on this rank; write the most gradient bytes held whenever the step
+    fetches a micro-batch (between backwards) and the parameters' own bytes."""
+    import torch
+
+    from hpctrain.models import spec_of
+    from hpctrain.parallel import process_group
+    from hpctrain.parallel.layout import Layout
+    from hpctrain.training.model_init import build_model
+    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.precision import setup_precision
+    from hpctrain.training.step import build_train_step
+
+    env = process_group.init(60.0)
+    layout = Layout(dp=2)
+    mesh = layout.build_mesh(env.device.type, 60.0)
+    model = build_model(cfg, spec_of(cfg), layout, env.device, mesh)
+    step = build_train_step(model, build_optimizer(model, cfg.optim, 1e-3), setup_precision(cfg.precision, env.device),
+                            1.0, env.device, mesh, layout, reduce_every_microbatch=sharded)
+    held = []
+
+    def micro_batches():
+        g = torch.Generator().manual_seed(env.rank)
+        for _ in range(3):
+            held.append(held_grad_bytes(model))
+            yield torch.randint(0, cfg.model.vocab_size, (2, 65), generator=g)
+
+    step(micro_batches(), n_tokens=2 * 3 * 2 * 64)
+    full = sum(p.numel() * 4 for p in model.parameters())  # a DTensor's numel() is the whole parameter's
+    with open(f"{out}.{env.rank}", "w") as f:
+        f.write(f"{max(held)} {full}")
+    process_group.shutdown()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "unsharded"])
+def test_accumulation_keeps_zero2_gradients_sharded(make_cfg, tmp_path, sharded):
+    """parallel.sharded_accumulation (the default) reduce-scatters after every micro-batch: between micro-batches
+    a rank holds its 1/dp share of the fp32 gradients, not the whole of them; false holds the whole (and is the
+    faster choice the planner counts)."""
+    from hpctrain.cluster.spawn import spawn
+
+    cfg = make_cfg("parallel=zero2", "parallel.dp=2", "model.tie_embeddings=false")
+    out = str(tmp_path / "held")
+    spawn(2, _grad_bytes_mid_accumulation, (cfg, sharded, out), threads=1)
+    for rank in range(2):
+        held, full = map(int, read(f"{out}.{rank}").split())
+        share = held / full
+        assert (0.45 <= share <= 0.55 if sharded else share >= 0.95), (rank, held, full)

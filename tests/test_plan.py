@@ -108,6 +108,11 @@ def test_sharded_shares(make_cfg):
     assert (z3["params"], z3["grads"], z3["optim"]) == (2 * full, 2 * full, 4 * full)
     z2 = row("parallel=zero2", "parallel.dp=2", "train.global_batch=2")
     assert (z2["params"], z2["grads"], z2["optim"]) == (4 * full, 2 * full, 4 * full)
+    # Accumulating: the share stays the share, unless full-size accumulation is chosen (then both are held).
+    assert row("parallel=zero2", "parallel.dp=2", "train.global_batch=4", "train.micro_batch=1", "train.grad_accum=null")["grads"] == 2 * full
+    unsharded = row("parallel=zero2", "parallel.dp=2", "train.global_batch=4", "train.micro_batch=1", "train.grad_accum=null",
+                    "parallel.sharded_accumulation=false")
+    assert unsharded["grads"] == 4 * full + 2 * full
 
 
 def test_does_not_fit_suggests(make_cfg):

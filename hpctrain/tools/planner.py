@@ -5,7 +5,7 @@ Memory per device, in bytes, with P the parameters a device holds (TP-sharded ma
 norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one micro-batch:
 
   parameters   4·P / (dp if zero_stage=3)            fp32 master weights
-  gradients    4·P / (dp if zero_stage>=2)           fp32
+  gradients    4·P / (dp if zero_stage>=2)           fp32; + 4·P with accumulation and sharded_accumulation=false
   optimizer    AdamW 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms); / (dp if zero>=2)
   compute copy zero 3: 2 FSDP units unsharded (current + prefetch) · c; zero 2: all of P · c (gathered once
                per step); otherwise bf16/fp16 only: P · 2 (autocast weight cache / replicate cast)
@@ -114,6 +114,9 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.pp_virtual_stages
     c = 2 if PrecisionName(pr.name) in (PrecisionName.bf16, PrecisionName.fp16) else 4
     z3, z2 = (dp if p.zero_stage == 3 else 1), (dp if p.zero_stage >= 2 else 1)
+    # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines:
+    # each schedule run reduces).
+    full_grads = z2 > 1 and plan.grad_accum > 1 and not p.sharded_accumulation and not layout.pipelined
     # The pipeline splits each micro-batch into pp_microbatches (default pp) chunks; grad_accum rounds follow.
     m = layout.pp_microbatches if layout.pipelined else 1
     b = plan.micro_batch / m
@@ -148,7 +151,7 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         logits = flight * seq_len * b * args.vocab_size / tp * 4 if i == pp - 1 else 0
         off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
         rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P,
-                     "params": off * 4 * P / z3, "grads": off * 4 * P / z2, "optim": off * opt / z2, "copies": copies,
+                     "params": off * 4 * P / z3, "grads": off * 4 * P / z2 + (4 * P if full_grads else 0), "optim": off * opt / z2, "copies": copies,
                      "acts": acts, "logits": logits, "flight": flight})
     bubble = (pp - 1) / (m * v + pp - 1)
     flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len

@@ -114,11 +114,13 @@ class TrainStep:
     `mesh` (optional for one process) gives the groups: the loss is normalised by the tokens of all the ranks
     the batch is split over (`batch_mesh`, default the "dp" dim) and gradients are summed over them, so every
     layout computes the one-process gradients. `loss_parallel`: the model yields vocab-sharded logits (tensor
-    parallel).
+    parallel). `reduce_every_microbatch`: FSDP reduces (reduce-scatters) the gradients after each micro-batch
+    instead of once after the last, so sharded gradients are never held whole.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                 grad_clip: float, device: torch.device, mesh=None, loss_parallel: bool = False, batch_mesh=None):
+                 grad_clip: float, device: torch.device, mesh=None, loss_parallel: bool = False, batch_mesh=None,
+                 reduce_every_microbatch: bool = False):
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.grad_clip, self.device, self.mesh = grad_clip, device, mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -126,8 +128,8 @@ class TrainStep:
         self.loss_ctx = loss_parallel_ctx(loss_parallel)
         self.batch_mesh = batch_mesh if batch_mesh is not None or mesh is None else mesh["dp"]
         self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
-        # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch.
-        self.grad_sync = getattr(model, "set_requires_gradient_sync", None)
+        # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch, unless asked every time.
+        self.grad_sync = None if reduce_every_microbatch else getattr(model, "set_requires_gradient_sync", None)
 
     def __call__(self, micro_batches: Iterable[torch.Tensor], n_tokens: int | None = None) -> StepResult:
         """One step over `micro_batches` (an iterator is consumed lazily: one micro-batch in memory at a time);
@@ -248,13 +250,14 @@ class PipelineTrainStep(TrainStep):
 
 
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                     device: torch.device, mesh, layout: Layout) -> TrainStep:
-    """The layout's step, chosen here once: the loop only calls it (and its `evaluate`)."""
+                     device: torch.device, mesh, layout: Layout, reduce_every_microbatch: bool = False) -> TrainStep:
+    """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipeline schedule
+    reduces after each of its runs, one per accumulation micro-batch, whatever `reduce_every_microbatch` says."""
     if layout.pipelined:
         return PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
                                  layout.pp_schedule, layout.pp_microbatches, layout.batch_mesh(mesh))
     return TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
-                     layout.batch_mesh(mesh))
+                     layout.batch_mesh(mesh), reduce_every_microbatch)
 
 
 def loss_parallel_ctx(enabled: bool):

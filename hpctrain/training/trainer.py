@@ -55,7 +55,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.step = build_train_step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip, env.device,
-                                     self.mesh, shape.layout)
+                                     self.mesh, shape.layout, sharded_gradients(cfg.parallel))
         self.state = RunState()
         self.checkpointer = Checkpointer(run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
@@ -167,6 +167,11 @@ class Trainer:
                  "accum %d × dp %d, seq_len %d; lr %.3g; %d CPU threads/rank; run dir %s", self.cfg.model.name,
                  self.n_params / 1e6, self.flops_per_token, sh.layout.describe(), sh.global_batch, sh.micro_batch,
                  sh.grad_accum, sh.dp, seq_len, self.lr, torch.get_num_threads(), self.run_dir)
+
+
+def sharded_gradients(p) -> bool:
+    """Whether gradients stay sharded through accumulation (ZeRO-2/3 with parallel.sharded_accumulation)."""
+    return p.zero_stage >= 2 and p.sharded_accumulation
 
 
 def _set_threads(num_threads: int | None) -> None:
