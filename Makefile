@@ -29,7 +29,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -65,6 +65,9 @@ bench: install
 bench-data: install
 	$(PY) -m data_prep.bench
 	$(PY) -m hpctrain.tools.bench_data
+
+bench-host: install
+	$(PY) -m hpctrain.tools.bench_host
 
 # --- data preparation (data_prep/) ---------------------------------------------------------------
 CORPUS ?=

@@ -101,7 +101,9 @@ def test_checkpoints_reshard_to_and_from_the_pipeline(make_cfg, tmp_path):
         assert sorted(got) == list(range(1, 7))
         for s in (4, 5, 6):
             assert abs(got[s][0] - ref[s][0]) <= 1e-5, (saved_layout, resumed_layout, s, got[s], ref[s])
-            assert got[s][1] == pytest.approx(ref[s][1], rel=1e-5), (saved_layout, resumed_layout, s)
+            # Gradient norms are more sensitive to summation order than the loss: with these weights, step 5's
+            # differs by up to 3.6e-5 between one process and an uninterrupted dp2_tp2 run (loss identical).
+            assert got[s][1] == pytest.approx(ref[s][1], rel=1e-4), (saved_layout, resumed_layout, s)
 
 
 @pytest.mark.parametrize("overrides,world,words", [

@@ -51,6 +51,7 @@ class StopSignals:
         self.preempt_sig = signal_number(signame)
         self.noted = 0
         self._previous = {}
+        self._vote = None  # (work, flag) of the agreement started after the last step
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread may handle signals (e.g. train() called from a worker thread)
         for sig, kind in ((self.preempt_sig, PREEMPT), (signal.SIGTERM, TERMINATE)):
@@ -65,12 +66,23 @@ class StopSignals:
         return (self.preempt_sig if kind == PREEMPT else signal.SIGTERM).name
 
     def agreed(self) -> int:
-        """0, PREEMPT or TERMINATE: the strongest request noted on any rank (collective when world > 1)."""
+        """0, PREEMPT or TERMINATE: the strongest request any rank had noted by the end of the previous step
+        (collective when world > 1: every rank calls it after every step).
+
+        The vote is an all-reduce started after one step and collected after the next, so it runs while that
+        step computes and never holds a step back as a global barrier would: a stop takes effect one step later.
+        """
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.noted
+        if self._vote is not None:
+            work, flag = self._vote
+            work.wait()
+            self._vote = None
+            if flag.item():
+                return int(flag.item())
         flag = torch.tensor([self.noted], dtype=torch.int32)  # CPU tensor: gloo, no device sync
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        self._vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return 0
 
     def requeue(self) -> None:
         """Rank 0, after the checkpoint: put the job back in the queue (under submitit, its own handler does
@@ -92,7 +104,12 @@ class StopSignals:
         else:
             log.error("could not requeue Slurm job %s (%s): resubmit it to resume", job, p.stderr.strip())
 
-    def restore(self) -> None:
+    def restore(self, drain: bool = True) -> None:
+        """Put the previous handlers back. `drain`: first collect the vote in flight, so that no collective is left
+        pending (not after a failure: a rank that died might never join it, and this process is ending)."""
+        if self._vote is not None and drain:
+            self._vote[0].wait()
+        self._vote = None
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
 

@@ -35,6 +35,7 @@ class ModelSpec:
     check_layout: Callable[[Any, Any, bool], None]  # (args, Layout, sequence_parallel): ConfigError if it cannot
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len): training FLOPs per token
     num_params: Callable[[Any], int]  # parameter count (a module or args)
+    init_rule: Callable[[Any], Callable[[str], tuple[str, float]]]  # args -> (name -> ("normal", std) | ("ones", 0))
     hf_adapter: str  # module with to_hf / from_hf / from_hf_config / to_hf_config (imports transformers)
 
     def args(self, model_cfg) -> Any:

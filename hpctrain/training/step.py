@@ -63,7 +63,7 @@ def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
     sharded over; each group is then summed over exactly those dims (replicated pieces are counted
     once). Equals the one-process norm; `clip_grad_norm_` cannot mix meshes or DTensor and Tensor.
     """
-    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             continue
@@ -74,8 +74,10 @@ def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
         if isinstance(g, DTensor):
             names = g.device_mesh.mesh_dim_names
             dims = tuple(sorted(names[i] for i, pl in enumerate(g.placements) if _is_shard(pl)))
-        sq = torch.linalg.vector_norm(_local(g), dtype=torch.float32).square()
-        sums[dims] = sums[dims] + sq if dims in sums else sq
+        groups.setdefault(dims, []).append(_local(g))
+    # One grouped (foreach) kernel per group instead of a Python loop over hundreds of tensors.
+    sums = {dims: torch.stack(torch._foreach_norm(local, dtype=torch.float32)).square().sum()
+            for dims, local in groups.items()}
     if not sums:
         return torch.zeros(())
     total = torch.zeros((), device=next(iter(sums.values())).device)
@@ -103,9 +105,9 @@ def params_finite(model: nn.Module) -> bool:
 def clip_grads(params: list[torch.Tensor], max_norm: float, norm: float) -> None:
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
 
 
 class TrainStep:

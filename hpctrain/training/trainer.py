@@ -49,7 +49,9 @@ class Trainer:
         _set_threads(cfg.cluster.num_threads)
         spec = spec_of(cfg)
         self.mesh = shape.layout.build_mesh(env.device.type, cfg.cluster.pg_timeout_s)
+        built = time.perf_counter()
         self.model = build_model(cfg, spec, shape.layout, env.device, self.mesh)
+        self.init_s = time.perf_counter() - built
         self.precision = setup_precision(cfg.precision, env.device)
         self.lr = scaled_lr(cfg.optim, shape.global_batch)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
@@ -140,7 +142,7 @@ class Trainer:
             raise
 
     def _finish(self, status: str, error: str | None) -> dict:
-        self.signals.restore()
+        self.signals.restore(drain=status not in ("failed", "interrupted"))
         self.metrics.close()
         s = self.state
         result = {"status": status, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
@@ -167,6 +169,7 @@ class Trainer:
                  "accum %d × dp %d, seq_len %d; lr %.3g; %d CPU threads/rank; run dir %s", self.cfg.model.name,
                  self.n_params / 1e6, self.flops_per_token, sh.layout.describe(), sh.global_batch, sh.micro_batch,
                  sh.grad_accum, sh.dp, seq_len, self.lr, torch.get_num_threads(), self.run_dir)
+        log.info("model built and initialised in %.2f s (each rank draws only its own shards)", self.init_s)
 
 
 def sharded_gradients(p) -> bool:

@@ -2,7 +2,7 @@
 transformers adapter (`hf.py`), bound together in SPEC."""
 
 from hpctrain.models import ModelSpec
-from hpctrain.models.llama.model import Llama, ModelArgs, flops_per_token, num_params
+from hpctrain.models.llama.model import Llama, ModelArgs, flops_per_token, init_rule, num_params
 from hpctrain.models.llama.parallel import check_layout, tp_plan
 
 SPEC = ModelSpec(
@@ -15,5 +15,6 @@ SPEC = ModelSpec(
     check_layout=check_layout,
     flops_per_token=flops_per_token,
     num_params=num_params,
+    init_rule=init_rule,
     hf_adapter="hpctrain.models.llama.hf",
 )

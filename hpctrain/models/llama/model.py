@@ -187,6 +187,19 @@ class Llama(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
+def init_rule(args: ModelArgs):
+    """The same initialisation as `Llama.init_weights`, by parameter name (for sharded initialisation): norms 1,
+    matrices N(0, init_std), residual projections (wo, w2) scaled by 1/sqrt(2 n_layers)."""
+    residual_std = args.init_std / math.sqrt(2 * args.n_layers)
+
+    def rule(name: str) -> tuple[str, float]:
+        if name.endswith("norm.weight"):
+            return "ones", 0.0
+        return "normal", residual_std if name.endswith(("wo.weight", "w2.weight")) else args.init_std
+
+    return rule
+
+
 def _matmul_params_per_layer(a: ModelArgs) -> int:
     return a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads) + 3 * a.dim * a.ffn_hidden
 
