@@ -255,3 +255,16 @@ def held_grad_bytes(model) -> int:
                 held.append(fp._unsharded_param.grad)
             total += sum(nbytes(g) for g in held if g is not None)
     return total
+
+
+def fsdp_unsharded_bytes(model) -> int:
+    """Bytes of the unsharded parameters FSDP2 holds right now (a resharded unit holds none; FSDP internals)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fp in group.fsdp_params if group else ():
+            if hasattr(fp, "_unsharded_param"):
+                total += fp._unsharded_param.untyped_storage().nbytes()
+    return total

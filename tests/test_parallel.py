@@ -11,7 +11,16 @@ import sys
 import time
 
 import pytest
-from helpers import LAYOUT_RUN, cli_args, deltas, held_grad_bytes, read, run_layout, step_metrics
+from helpers import (
+    LAYOUT_RUN,
+    cli_args,
+    deltas,
+    fsdp_unsharded_bytes,
+    held_grad_bytes,
+    read,
+    run_layout,
+    step_metrics,
+)
 
 from hpctrain.config import ConfigError
 from hpctrain.resolve import resolve
@@ -55,7 +64,7 @@ def test_activation_checkpointing_with_tp_sp_fsdp(make_cfg, tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["dp2_zero3", "tp2_sp"])
 def test_bf16_tracks_one_process_bf16(make_cfg, tmp_path, layout):
-    # bf16 autocast in every layout (FSDP gathers fp32 parameters): only reduction order differs.
+    # FSDP runs the blocks on gathered bf16 parameters (a bf16 residual stream); one process autocasts fp32 ones.
     ref = reference(make_cfg, tmp_path, "precision=bf16")
     dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / layout, "precision=bf16", *LAYOUTS[layout]))
     print(f"bf16 {layout}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
@@ -318,3 +327,81 @@ def test_startup_peak_is_even_across_ranks(make_cfg, tmp_path, dp):
     full = num_params(model_args(cfg)) * 4
     assert excess[0] <= 1.15 * excess[1], excess
     assert max(excess) < full / dp + 64 * 2**20 * 2, (excess, full)  # its fp32 shard, a chunk, and slack
+
+
+def _weights_alive_after_forward(cfg, lean: bool, out: str) -> None:
+    """Forward one micro-batch under bf16 on fsdp dp=2 and write the most bytes of parameter copies alive at any
+    block's start and at the end of forward: the unsharded parameters FSDP holds plus the casts of parameters
+    made during forward that still exist (what autocast's weight cache keeps). `lean`: FSDP gathers bf16
+    parameters (the run's way); else fp32 ones that autocast casts (the old way), a control that the
+    measurement sees a whole copy."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpctrain.models import spec_of
+    from hpctrain.parallel import process_group
+    from hpctrain.parallel.init import init_parameters
+    from hpctrain.parallel.layout import Layout
+    from hpctrain.parallel.parallelize import parallelize
+    from hpctrain.training.precision import setup_precision
+
+    env = process_group.init(60.0)
+    layout, spec = Layout(dp=2), spec_of(cfg)
+    mesh = layout.build_mesh(env.device.type, 60.0)
+    args = spec.args(cfg.model)
+    with torch.device("meta"):
+        model = spec.build(args)
+    model = parallelize(model, layout, mesh, cfg.parallel, spec, torch.bfloat16 if lean else None)
+    model.to_empty(device=env.device)
+    model.init_buffers()
+    init_parameters(model, spec.init_rule(args), 0)
+    casts: list = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.nn.Parameter):
+                casts.append(weakref.ref(result))
+            return result
+
+    alive = []
+
+    def measure(*_):
+        held = sum(t.untyped_storage().nbytes() for ref in casts if (t := ref()) is not None)
+        alive.append(held + fsdp_unsharded_bytes(model))
+
+    for block in model.layers.values():
+        block.register_forward_pre_hook(measure)  # runs after FSDP's own: the block's parameters are gathered
+    model.register_forward_hook(measure)
+    precision = setup_precision(cfg.precision, env.device)
+    tokens = torch.randint(0, args.vocab_size, (1, 16))
+    with Casts(), precision.autocast():
+        model(tokens).float().sum().backward()
+    with open(f"{out}.{env.rank}", "w") as f:
+        f.write(str(max(alive)))
+    process_group.shutdown()
+
+
+@pytest.mark.multiproc
+def test_bf16_fsdp_keeps_no_whole_copy_alive_in_forward(make_cfg, tmp_path):
+    """bf16 under FSDP gathers bf16 parameters and frees each block's after its forward: during forward at most the
+    root unit (embedding, norm, head) and ~2 blocks' worth of parameter copies are alive, where autocast's weight
+    cache kept the whole model."""
+    from hpctrain.cluster.spawn import spawn
+    from hpctrain.models import model_args
+    from hpctrain.models.llama.model import num_params
+
+    cfg = make_cfg("parallel=fsdp", "parallel.dp=2", "precision=bf16", "model.n_layers=8", "model.dim=256",
+                   "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_hidden=688", "model.tie_embeddings=false")
+    args = model_args(cfg)
+    root = (2 * args.vocab_size * args.dim + args.dim) * 2  # bf16 bytes of embedding, head and final norm
+    block = (num_params(args) * 2 - root) // args.n_layers
+    measured = {}
+    for lean in (True, False):
+        spawn(2, _weights_alive_after_forward, (cfg, lean, str(tmp_path / f"alive-{lean}")), threads=1)
+        measured[lean] = [int(read(tmp_path / f"alive-{lean}.{rank}")) for rank in range(2)]
+    print(f"parameter copies alive in forward, most: {measured} bytes per rank; a block {block}, the root {root}")
+    assert max(measured[True]) <= root + 2 * block, (measured, block)
+    assert min(measured[False]) >= args.n_layers * block, (measured, block)  # the control sees the whole copy

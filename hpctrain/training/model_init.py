@@ -8,6 +8,7 @@ from hpctrain.models import ModelSpec
 from hpctrain.parallel.init import init_parameters
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.parallelize import parallelize
+from hpctrain.training.precision import compute_dtype
 
 
 def build_model(cfg, spec: ModelSpec, layout: Layout, device: torch.device, mesh) -> torch.nn.Module:
@@ -16,7 +17,7 @@ def build_model(cfg, spec: ModelSpec, layout: Layout, device: torch.device, mesh
     args = spec.args(cfg.model)
     with torch.device("meta"):
         model = spec.build(args)
-    model = parallelize(model, layout, mesh, cfg.parallel, spec)
+    model = parallelize(model, layout, mesh, cfg.parallel, spec, compute_dtype(cfg.precision))
     model.to_empty(device=device)
     model.init_buffers()
     model.tie_weights()
