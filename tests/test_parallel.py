@@ -88,6 +88,7 @@ def test_checkpoint_reshards_across_layouts(make_cfg, tmp_path):
 
 @pytest.mark.parametrize("overrides,world,words", [
     (["parallel=tp2"], 3, ["dp×tp×pp=1×2×1=2", "world size 3"]),
+    (["parallel=tp2", "parallel.compile=true"], 2, ["parallel.compile=true", "pytorch/pytorch#143134"]),
     (["parallel.tp=3", "parallel.dp=auto"], 3, ["model.n_heads=4", "parallel.tp=3"]),
     (["parallel=tp2_sp", "train.seq_len=63"], 2, ["train.seq_len=63", "parallel.tp=2"]),
     (["parallel.pp=2", "model.n_layers=3"], 2, ["model.n_layers=3", "parallel.pp"]),

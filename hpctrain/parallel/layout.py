@@ -205,3 +205,9 @@ def _check_sharding(p, layout: Layout) -> None:
                           f"{p.zero_stage}, dp={layout.dp}): set parallel=fsdp or parallel.cpu_offload=false")
     if p.sequence_parallel and layout.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
+    if p.compile and layout.tp > 1:
+        # Measured on torch 2.13 (CPU, gloo): a compiled block hands a plain tensor to DTensor's redistribute in
+        # the first backward. Upstream: compiled backward expecting DTensor tangents, pytorch/pytorch#143134.
+        raise ConfigError(f"parallel.compile=true with parallel.tp={layout.tp} fails in the first backward on this "
+                          "torch ('Tensor' object has no attribute '_local_tensor', pytorch/pytorch#143134): set "
+                          "parallel.compile=false, or compile without tensor parallelism")
