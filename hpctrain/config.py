@@ -86,7 +86,6 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
-    pp_microbatches: int | None = None
     pp_virtual_stages: int = 1
     zero_stage: int = 0
     # ZeRO-2/3 with train.grad_accum > 1: reduce-scatter after every micro-batch, so gradients stay the 1/dp
@@ -252,7 +251,7 @@ _AT_LEAST_1, _AT_LEAST_0, _POSITIVE, _FRACTION = (1, True, None, False), (0, Tru
     (0, False, None, False), (0, True, 1, False)
 _RANGES = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-                     "model.ffn_hidden", "model.max_seq_len", "parallel.tp", "parallel.pp", "parallel.pp_microbatches",
+                     "model.ffn_hidden", "model.max_seq_len", "parallel.tp", "parallel.pp",
                      "parallel.pp_virtual_stages", "parallel.ac_every", "precision.loss_scale_growth_interval",
                      "optim.ref_global_batch", "data.lanes", "data.prefetch", "train.seq_len", "train.max_steps",
                      "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",

@@ -89,9 +89,7 @@ def resolve(cfg, world: int = 1) -> RunShape:
         raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
                           f"(world {world}) yet: use precision=bf16")
     gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, layout.dp)
-    if layout.pipelined and mb % layout.pp_microbatches:
-        raise ConfigError(f"local micro batch train.micro_batch={mb} is not divisible by parallel.pp_microbatches="
-                          f"{layout.pp_microbatches}: the pipeline splits each micro-batch into pp_microbatches chunks")
+    layout.check_microbatches(ga)
     if t.seq_len is not None and t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: lower train.seq_len "

@@ -112,11 +112,10 @@ def test_checkpoints_reshard_to_and_from_the_pipeline(make_cfg, tmp_path):
     (["parallel=pp2", "parallel.pp_schedule=zb"], 2, ["pp_schedule='zb'", "gpipe"]),
     (["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"], 2, ["pp_virtual_stages >= 2"]),
     (["parallel=pp2_interleaved", "parallel.pp_schedule=gpipe"], 2, ["pp_virtual_stages=2", "must be 1"]),
-    (["parallel=pp2", "parallel.pp_microbatches=1"], 2, ["pp_microbatches=1", ">= parallel.pp=2"]),
-    (["parallel=pp2_interleaved", "parallel.pp_microbatches=3", "train.micro_batch=3", "train.global_batch=6"],
-     2, ["pp_microbatches=3", "multiple of parallel.pp=2"]),
-    (["parallel=pp2", "parallel.pp_microbatches=4", "train.micro_batch=2"], 2,
-     ["train.micro_batch=2", "pp_microbatches=4"]),
+    # The step's micro-batches are the pipeline's: 1F1B needs at least pp of them, interleaving a multiple of pp.
+    (["parallel=pp2", "train.global_batch=2", "train.micro_batch=2"], 2, ["train.grad_accum=1", ">= parallel.pp=2"]),
+    (["parallel=pp2_interleaved", "train.global_batch=6", "train.micro_batch=2"],
+     2, ["train.grad_accum=3", "multiple of parallel.pp=2"]),
     (["parallel=pp2", "model.tie_embeddings=true"], 2, ["tie_embeddings", "tie_embeddings=false"]),
     (["parallel=pp2_interleaved", "parallel.pp_schedule=zero_bubble", "parallel.dp=2", "parallel.zero_stage=3"],
      4, ["zero_bubble", "zero_stage=3"]),
@@ -129,5 +128,12 @@ def test_pipeline_errors_are_one_line(make_cfg, overrides, world, words):
 
 
 def test_pipeline_gpipe_allows_one_microbatch(make_cfg):
-    plan = resolve(make_cfg(*PP_MODEL, "parallel=pp2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"), 2)
-    assert (plan.pp, plan.dp) == (2, 1)
+    plan = resolve(make_cfg(*PP_MODEL, "parallel=pp2", "parallel.pp_schedule=gpipe", "train.global_batch=2",
+                            "train.micro_batch=2"), 2)
+    assert (plan.pp, plan.dp, plan.grad_accum) == (2, 1, 1)
+
+
+def test_one_sample_micro_batches_through_the_pipeline(make_cfg):
+    """train.micro_batch=1 with pp: each sample is a pipeline micro-batch (refused before: it could not be split)."""
+    plan = resolve(make_cfg(*PP_MODEL, "parallel=pp2", "train.global_batch=8", "train.micro_batch=1"), 2)
+    assert (plan.micro_batch, plan.grad_accum, plan.layout.bubble(plan.grad_accum)) == (1, 8, 1 / 9)

@@ -19,7 +19,7 @@ from hpctrain.training.optim import build_optimizer
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 LLAMA_70B = ["model=llama_70b", "parallel.dp=8", "parallel.tp=8", "parallel.pp=4", "parallel.sequence_parallel=true",
-             "cluster.gpu_mem_gb=80", "train.global_batch=512", "train.micro_batch=4", "train.seq_len=4096"]
+             "cluster.gpu_mem_gb=80", "train.global_batch=512", "train.micro_batch=1", "train.seq_len=4096"]
 # ~34M parameters: parameter, gradient and optimizer bytes dwarf everything else on a 64-token step.
 MEDIUM = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=1376",
           "model.vocab_size=8192", "model.max_seq_len=64", "model.tie_embeddings=false", "train.seq_len=64",
@@ -40,7 +40,8 @@ def test_llama_70b_cli(tmp_path):
     for s, desc in enumerate(["embed + layers 0-19", "layers 20-39", "layers 40-59", "layers 60-79 + norm + output"]):
         assert f"stage {s}: {desc}" in out
     assert "stage 4:" not in out
-    assert "pipeline bubble: (pp−1)/(m·v + pp−1) = (4−1)/(4·1 + 4−1)" in out and "FLOPs per step" in out
+    # One schedule per step over its 64 micro-batches (512 / (1 × dp 8)): 3/67 = 4.5 %.
+    assert "pipeline bubble: (pp−1)/(m·v + pp−1) = (4−1)/(64·1 + 4−1) = 4.5%" in out and "FLOPs per step" in out
     assert "FITS" in out and "ckpt=full" in out
     assert os.listdir(tmp_path) == []  # no run directory, no logs
 
@@ -128,7 +129,8 @@ def test_does_not_fit_suggests(make_cfg):
 
 @pytest.mark.parametrize("overrides, words", [
     (["model=llama_70b", "parallel.tp=3"], ["n_heads=64", "tp=3"]),
-    (LLAMA_70B[:-2] + ["train.micro_batch=1"], ["micro_batch=1", "pp_microbatches=4"]),
+    (LLAMA_70B[:-3] + ["train.global_batch=16", "train.micro_batch=1", "train.seq_len=4096"],
+     ["train.grad_accum=2", "parallel.pp=4"]),
     (["train.bogus=1"], ["bogus"]),
 ])
 def test_errors_are_one_line(tmp_path, overrides, words):

@@ -34,7 +34,6 @@ class Layout:
     tp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules)
-    pp_microbatches: int = 1  # chunks each micro-batch is split into for the pipeline
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -57,6 +56,22 @@ class Layout:
     def pp_stages(self) -> int:
         return self.pp * self.pp_virtual_stages
 
+    def check_microbatches(self, n: int) -> None:
+        """The step's `n` local micro-batches are the pipeline's micro-batches: what the schedule needs of them."""
+        if not self.pipelined:
+            return
+        fix = "lower train.micro_batch or raise train.global_batch (the step's micro-batches are the pipeline's)"
+        if self.pp_schedule != "gpipe" and n < self.pp:
+            raise ConfigError(f"train.grad_accum={n} micro-batches per step must be >= parallel.pp={self.pp} for "
+                              f"pp_schedule={self.pp_schedule}: {fix}")
+        if self.pp_schedule in _PP_INTERLEAVED and n % self.pp:
+            raise ConfigError(f"train.grad_accum={n} micro-batches per step must be a multiple of parallel.pp="
+                              f"{self.pp} for pp_schedule={self.pp_schedule}: {fix}")
+
+    def bubble(self, n: int) -> float:
+        """The idle share of a pipelined step of `n` micro-batches: (pp−1)/(n·v + pp−1)."""
+        return (self.pp - 1) / (n * self.pp_virtual_stages + self.pp - 1)
+
     @property
     def loss_parallel(self) -> bool:
         """The output head yields vocab-sharded logits: the loss must run under `loss_parallel()`."""
@@ -78,9 +93,9 @@ class Layout:
             if name != "dp" and p[name] < 1:
                 raise ConfigError(f"parallel.{name}={p[name]} must be >= 1")
         dp = _dp(p, world, f"world size {world}")
+        _check_schedule(p)
         layout = cls(pp=p.pp, dp=dp, tp=p.tp, pp_schedule=p.pp_schedule,
-                     pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1,
-                     pp_microbatches=_pp_microbatches(p))
+                     pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1)
         if layout.world != world:
             raise ConfigError(f"parallel {layout.describe()}={layout.world} does not match world size {world}")
         _check_sharding(p, layout)
@@ -168,27 +183,19 @@ def job_shape(p, c) -> dict[str, int | None]:
 _PP_INTERLEAVED = tuple(name for name, (_, multi) in PP_SCHEDULES.items() if multi)
 
 
-def _pp_microbatches(p) -> int:
-    """Pipeline rules (schedule, virtual stages, microbatches); return the pipeline microbatch count."""
+def _check_schedule(p) -> None:
+    """Pipeline schedule and virtual stages."""
     pp, v, sched = p.pp, p.pp_virtual_stages, p.pp_schedule
     if sched not in PP_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule={sched!r} is not one of {', '.join(PP_SCHEDULES)}")
-    n_mb = p.pp_microbatches if p.pp_microbatches is not None else pp
     if pp == 1:
-        return n_mb
+        return
     if sched in _PP_INTERLEAVED and v < 2:
         raise ConfigError(f"parallel.pp_schedule={sched} needs parallel.pp_virtual_stages >= 2 (got {v}): "
                           "raise it or use pp_schedule=1f1b")
     if sched not in _PP_INTERLEAVED and v != 1:
         raise ConfigError(f"parallel.pp_schedule={sched} runs one stage per rank: parallel.pp_virtual_stages={v} "
                           "must be 1, or use pp_schedule=interleaved_1f1b")
-    if n_mb < 1 or (sched != "gpipe" and n_mb < pp):
-        raise ConfigError(f"parallel.pp_microbatches={n_mb} must be >= parallel.pp={pp} for pp_schedule={sched} "
-                          "(>= 1 for gpipe)")
-    if sched in _PP_INTERLEAVED and n_mb % pp:
-        raise ConfigError(f"parallel.pp_microbatches={n_mb} must be a multiple of parallel.pp={pp} for "
-                          f"pp_schedule={sched}")
-    return n_mb
 
 
 def _check_sharding(p, layout: Layout) -> None:

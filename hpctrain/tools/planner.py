@@ -12,7 +12,7 @@ norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one m
   activations  per layer per micro-batch s·b·c·(4h/t_sp + (3h + 3·kv_dim + 4·ffn)/tp), the tensors a
                Llama block saves with flash (SDPA) attention; t_sp = tp with sequence parallel, else 1.
                Checkpointed layers keep only their input s·b·h·c/t_sp, plus one layer's recompute.
-               Times the pipeline micro-batches (train.micro_batch / m samples) in flight: 1F1B min(m, pp−stage),
+               Times the micro-batches (train.micro_batch samples; m = grad_accum per step) in flight: 1F1B min(m, pp−stage),
                GPipe m, interleaved / zero-bubble ×(1+(pp−1)/(pp·v)).
   logits       s·b·vocab/tp · 4 (fp32 log-softmax kept for backward), last stage, per micro-batch in flight
 With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 % of cluster.gpu_mem_gb.
@@ -117,9 +117,9 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines:
     # each schedule run reduces).
     full_grads = z2 > 1 and plan.grad_accum > 1 and not p.sharded_accumulation and not layout.pipelined
-    # The pipeline splits each micro-batch into pp_microbatches (default pp) chunks; grad_accum rounds follow.
-    m = layout.pp_microbatches if layout.pipelined else 1
-    b = plan.micro_batch / m
+    # A pipelined step runs its grad_accum micro-batches through one schedule: they are the pipeline's.
+    m = plan.grad_accum if layout.pipelined else 1
+    b = plan.micro_batch
     sp = tp if p.sequence_parallel else 1
     h, kvd, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden
     act_layer = seq_len * b * c * (4 * h / sp + (3 * h + 3 * kvd + 4 * f) / tp)
@@ -153,7 +153,7 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P,
                      "params": off * 4 * P / z3, "grads": off * 4 * P / z2 + (4 * P if full_grads else 0), "optim": off * opt / z2, "copies": copies,
                      "acts": acts, "logits": logits, "flight": flight})
-    bubble = (pp - 1) / (m * v + pp - 1)
+    bubble = layout.bubble(m)
     flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len
     return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
             "flops": flops, "args": args, "c": c}
@@ -207,7 +207,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
                f"(schedule {e['schedule']}, m={e['m']} micro-batches of {e['b']:g} sample(s))")
     pp, v, m = plan.pp, plan.layout.pp_virtual_stages, e["m"]
     out.append(f"\npipeline bubble: (pp−1)/(m·v + pp−1) = ({pp}−1)/({m}·{v} + {pp}−1) = {e['bubble']:.1%} "
-               "of each micro-batch's schedule (m = pp_microbatches, v = virtual stages)")
+               "of each step's schedule (m = micro-batches per step, v = virtual stages)")
     line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
     peak = _peak_tflops(cfg)
     if peak:

@@ -191,11 +191,12 @@ class TrainStep:
 class PipelineTrainStep(TrainStep):
     """pp > 1: the same step, with forward/backward run by a pipeline schedule over this rank's stages.
 
-    Gradient accumulation: each of the grad_accum micro-batches (of micro_batch samples per dp rank)
-    runs through the schedule split into `n_microbatches` pipeline chunks. The last stage's loss is the
-    summed token cross entropy over the GLOBAL token count, gradients are not rescaled by the schedule
-    and are summed over dp: exactly the one-process gradients. The loss is summed from the last stage
-    over pp (other stages contribute 0) and over dp, so every rank logs the global mean.
+    Gradient accumulation is the pipeline's own: the step's grad_accum micro-batches (of micro_batch samples per
+    dp rank) go through ONE schedule run as its micro-batches, so the bubble is paid once per step:
+    (pp−1)/(grad_accum·v + pp−1). The last stage's loss is the summed token cross entropy over the GLOBAL token
+    count, gradients are not rescaled by the schedule and are summed over dp: exactly the one-process
+    gradients. The loss is summed from the last stage over pp (other stages contribute 0) and over dp, so every
+    rank logs the global mean.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
@@ -210,17 +211,19 @@ class PipelineTrainStep(TrainStep):
                   for chunk, s in zip(model.chunks, model.stages)]
         self.has_first, self.has_last = 0 in model.stages, model.n_stages - 1 in model.stages
         name, multi = PP_SCHEDULES[schedule]
+        self.n_microbatches = n_microbatches
         self.schedule = getattr(schedules, name)(stages if multi else stages[0], n_microbatches,
                                                  loss_fn=self._loss, scale_grads=False)
         self._denom = 1.0
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Targets of -100 (padding in evaluation) count nothing: cross_entropy's ignore_index.
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / self._denom
 
-    def _run(self, batch: torch.Tensor, forward_only: bool) -> torch.Tensor:
-        batch = batch.to(self.device, non_blocking=True)
-        args = (batch[:, :-1],) if self.has_first else ()
-        target = batch[:, 1:] if self.has_last else None
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
+        """One schedule run over n_microbatches micro-batches stacked along dim 0."""
+        args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
+        target = targets.to(self.device, non_blocking=True) if self.has_last else None
         losses: list[torch.Tensor] = []
         run = self.schedule.eval if forward_only else self.schedule.step
         with self.loss_ctx(), self.precision.autocast():
@@ -232,32 +235,54 @@ class PipelineTrainStep(TrainStep):
 
     def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int) -> torch.Tensor:
         self._denom = float(n_tokens)
-        total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            total += self._run(batch, forward_only=False)
+        batch = torch.cat(list(micro_batches))  # token ids: the step's whole local batch is small
+        total = self._run(batch[:, :-1], batch[:, 1:], forward_only=False)
         dist.all_reduce(total, group=self.mesh["pp"].get_group())  # only the last stage holds the loss
         return total
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
+        """Validation batches go through the schedule n_microbatches at a time, as training's micro-batches do;
+        a short last group (or batch) is padded with samples whose targets count nothing."""
         self._denom = 1.0
         self.model.eval()
         total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
+        group: list[torch.Tensor] = []
         for batch in batches:
-            total += self._run(batch, forward_only=True).double()
+            group.append(batch)
             n += batch.shape[0] * (batch.shape[1] - 1)
+            if len(group) == self.n_microbatches:
+                total += self._run(*_padded(group, self.n_microbatches), forward_only=True).double()
+                group = []
+        if group:
+            total += self._run(*_padded(group, self.n_microbatches), forward_only=True).double()
         dist.all_reduce(total, group=self.mesh["pp"].get_group())
         self.model.train()
         return (total / max(n, 1)).item()
 
 
+def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of `n` micro-batches shaped like the group's first: missing samples repeat
+    its first sample with every target -100, so they add no loss."""
+    first = group[0]
+    rows = first.shape[0]
+    inputs, targets = [], []
+    for i in range(n):
+        batch = group[i] if i < len(group) else first[:0]
+        pad = rows - batch.shape[0]
+        inputs.append(torch.cat([batch[:, :-1], first[:1, :-1].expand(pad, -1)]))
+        targets.append(torch.cat([batch[:, 1:], torch.full((pad, first.shape[1] - 1), -100, dtype=first.dtype)]))
+    return torch.cat(inputs), torch.cat(targets)
+
+
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                     device: torch.device, mesh, layout: Layout, reduce_every_microbatch: bool = False) -> TrainStep:
-    """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipeline schedule
-    reduces after each of its runs, one per accumulation micro-batch, whatever `reduce_every_microbatch` says."""
+                     device: torch.device, mesh, layout: Layout, reduce_every_microbatch: bool = False,
+                     grad_accum: int = 1) -> TrainStep:
+    """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipelined step runs
+    its `grad_accum` micro-batches as one schedule, which reduces once after the last of them."""
     if layout.pipelined:
         return PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
-                                 layout.pp_schedule, layout.pp_microbatches, layout.batch_mesh(mesh))
+                                 layout.pp_schedule, grad_accum, layout.batch_mesh(mesh))
     return TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
                      layout.batch_mesh(mesh), reduce_every_microbatch)
 

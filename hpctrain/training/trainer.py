@@ -57,7 +57,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.step = build_train_step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip, env.device,
-                                     self.mesh, shape.layout, sharded_gradients(cfg.parallel))
+                                     self.mesh, shape.layout, sharded_gradients(cfg.parallel), shape.grad_accum)
         self.state = RunState()
         self.checkpointer = Checkpointer(run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
