@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hpctrain.errors import CheckpointError
-from hpctrain.files import free_name
+from hpctrain.files import free_name, write_json
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -238,10 +238,7 @@ def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: i
     _barrier()
     dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp)
     if _is_main():
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(trainer_state, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_json(os.path.join(tmp, STATE_FILE), trainer_state)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -61,13 +61,18 @@ def read_json(path: str) -> Any:
         return json.load(f)
 
 
-def read_result(run_dir: str) -> dict | None:
-    """A run's result.json, or None while it is running (or when it never finished)."""
+def read_object(path: str) -> dict | None:
+    """A JSON object file, or None when it is missing, is not an object, or was caught mid-write."""
     try:
-        doc = read_json(os.path.join(run_dir, RESULT_FILE))
+        doc = read_json(path)
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def read_result(run_dir: str) -> dict | None:
+    """A run's result.json, or None while it is running (or when it never finished)."""
+    return read_object(os.path.join(run_dir, RESULT_FILE))
 
 
 def step_of(line: str) -> int | None:

@@ -236,10 +236,18 @@ def cli_args(run_dir, demo_data, *extra) -> list[str]:
             "optim.lr=1e-2", *extra]
 
 
+def _fsdp_params(model):
+    """FSDP2's per-parameter records (FSDPParam) of every FSDP unit in `model` (internals: for tests only)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        yield from group.fsdp_params if group else ()
+
+
 def held_grad_bytes(model) -> int:
     """Bytes of gradients this rank holds now: the (local shards of the) parameters' .grad, plus what FSDP2 keeps
     unsharded between micro-batches when it does not reduce each one (FSDP internals: for tests only)."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     def nbytes(t) -> int:
@@ -247,24 +255,15 @@ def held_grad_bytes(model) -> int:
         return t.numel() * t.element_size()
 
     total = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        for fp in group.fsdp_params if group else ():
-            held = [getattr(fp, "unsharded_accumulated_grad", None)]
-            if hasattr(fp, "_unsharded_param"):
-                held.append(fp._unsharded_param.grad)
-            total += sum(nbytes(g) for g in held if g is not None)
+    for fp in _fsdp_params(model):
+        held = [getattr(fp, "unsharded_accumulated_grad", None)]
+        if hasattr(fp, "_unsharded_param"):
+            held.append(fp._unsharded_param.grad)
+        total += sum(nbytes(g) for g in held if g is not None)
     return total
 
 
 def fsdp_unsharded_bytes(model) -> int:
     """Bytes of the unsharded parameters FSDP2 holds right now (a resharded unit holds none; FSDP internals)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    total = 0
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        for fp in group.fsdp_params if group else ():
-            if hasattr(fp, "_unsharded_param"):
-                total += fp._unsharded_param.untyped_storage().nbytes()
-    return total
+    return sum(fp._unsharded_param.untyped_storage().nbytes() for fp in _fsdp_params(model)
+               if hasattr(fp, "_unsharded_param"))

@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-from hpctrain.files import read_json, read_metrics
+from hpctrain.files import read_metrics, read_object, read_result
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
@@ -130,14 +130,6 @@ def _submitit_jobs(sweep_dir: str) -> dict[int, str]:
 # ------------------------------------------------------------------------------------------------ rows
 
 
-def _read_json(path: str) -> dict | None:
-    try:
-        doc = read_json(path)
-        return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError):  # missing, or caught mid-write
-        return None
-
-
 def _records(run_dir: str) -> list[dict] | None:
     try:
         # A live or crashed run can end in a line cut short; a resume drops it, the report skips it.
@@ -150,8 +142,8 @@ def _run_row(run_dir: str) -> dict:
     """Everything the table and the plot show of one run dir that exists."""
     from omegaconf import OmegaConf
 
-    result = _read_json(os.path.join(run_dir, "result.json"))
-    slurm = _read_json(os.path.join(run_dir, "slurm.json")) or {}
+    result = read_result(run_dir)
+    slurm = read_object(os.path.join(run_dir, "slurm.json")) or {}
     records = _records(run_dir)
     train = [r for r in records or [] if isinstance(r, dict) and _num(r.get("loss")) is not None]
     val = [r for r in records or [] if isinstance(r, dict) and _num(r.get("val_loss")) is not None]

@@ -44,11 +44,6 @@ class Layout:
         return math.prod(self.degrees.values())
 
     @property
-    def model_parallel(self) -> int:
-        """Ranks that hold one replica of the model between them (every dimension but dp)."""
-        return self.world // self.dp
-
-    @property
     def pipelined(self) -> bool:
         return self.pp > 1
 

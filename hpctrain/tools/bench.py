@@ -66,10 +66,10 @@ def run_hf(precision: str, steps: int, warmup: int, args, data_dir: str, seed: i
     import transformers
 
     from hpctrain.data import ShardStream
-    from hpctrain.models.llama.hf import to_hf_config
+    from hpctrain.models import get_spec
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(to_hf_config(args, attn_implementation="sdpa")).float().train()
+    model = transformers.LlamaForCausalLM(get_spec("llama").hf().to_hf_config(args, attn_implementation="sdpa")).float().train()
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     params = list(model.parameters())

@@ -13,7 +13,7 @@ import resource
 import sys
 from dataclasses import dataclass
 
-from hpctrain.files import METRICS_FILE, step_of
+from hpctrain.files import METRICS_FILE, atomic_write, step_of
 
 log = logging.getLogger("hpctrain")
 
@@ -217,9 +217,7 @@ def _truncate_after(path: str, step: int) -> None:
         lines = f.readlines()
     kept = [line for line, s in zip(lines, map(step_of, lines)) if s is not None and s <= step]
     if len(kept) != len(lines):
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+        atomic_write(path, "".join(kept))
 
 
 def _fmt(v) -> str:
