@@ -29,7 +29,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -68,6 +68,10 @@ bench-data: install
 
 bench-host: install
 	$(PY) -m hpctrain.tools.bench_host
+
+# llama_1b (1.24 B parameters), fsdp dp=2, two bf16 steps: ~20 GiB of this machine's memory, a few minutes.
+bench-scale: install
+	$(PY) -m hpctrain.tools.bench_scale
 
 # --- data preparation (data_prep/) ---------------------------------------------------------------
 CORPUS ?=

@@ -35,6 +35,11 @@ class OptimName(str, Enum):
     sgd = "sgd"
 
 
+class OptimImpl(str, Enum):
+    foreach = "foreach"  # grouped kernels; one parameter-sized temporary in the step (AdamW, SGD momentum)
+    fused = "fused"  # one kernel per group, no temporary (AdamW and SGD)
+
+
 class LrScaling(str, Enum):
     none = "none"
     linear = "linear"
@@ -114,6 +119,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     momentum: float = 0.9  # sgd
+    implementation: OptimImpl = OptimImpl.fused  # foreach: grouped kernels and one parameter-sized temporary
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     warmup_steps: int = 100
     decay: Decay = Decay.cosine
@@ -151,6 +157,7 @@ class TrainConfig:
     eval_batches: int = 8
     ckpt_every: int = 100  # 0: only at the end
     ckpt_keep: int = 2
+    checkpointing: bool = True  # false: no checkpoint is written (benchmarks); the run cannot resume
     resume: str = "auto"  # auto | never | path of a checkpoint directory
     max_nonfinite: int = 5  # consecutive skipped non-finite steps before the run stops
     progress: bool | None = None  # progress bar; None: only on a terminal

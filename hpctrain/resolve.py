@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.config import ConfigError, PrecisionName, check_keys, check_values, signal_number
+from hpctrain.config import (
+    ConfigError,
+    OptimImpl,
+    OptimName,
+    PrecisionName,
+    check_keys,
+    check_values,
+    signal_number,
+)
 from hpctrain.models import spec_of
 from hpctrain.parallel.layout import Layout
 
@@ -85,6 +93,9 @@ def resolve(cfg, world: int = 1) -> RunShape:
     if p.sequence_parallel and t.seq_len is not None and t.seq_len % layout.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={layout.tp} with "
                           "sequence_parallel: choose a seq_len that is a multiple of tp")
+    if cfg.optim.name == OptimName.adafactor and cfg.optim.implementation == OptimImpl.fused:
+        raise ConfigError("optim.implementation=fused: Adafactor has no fused kernel in PyTorch; use "
+                          "optim.implementation=foreach (or optim=adamw)")
     if world > 1 and cfg.precision.name == PrecisionName.fp16:
         raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
                           f"(world {world}) yet: use precision=bf16")

@@ -175,6 +175,8 @@ CASES = [
     ("eval-every-negative", *_hp("train.eval_every=-2"), ["train.eval_every=-2"]),
     ("grad-clip-negative", *_hp("optim.grad_clip=-1"), ["optim.grad_clip=-1"]),
     ("gpu-mem-negative", *_hp("cluster.gpu_mem_gb=-3"), ["cluster.gpu_mem_gb"]),
+    ("adafactor-fused", *_hp("optim=adafactor", "optim.implementation=fused"),
+     ["optim.implementation=fused", "optim.implementation=foreach"]),
     ("data-path-is-a-file", *_hp("data.path={w}/afile"), ["is a file"]),
     ("plan-unknown-key", cli.main, ["plan", "+train.max_stepz=3"], ["unknown config key"]),
     ("plan-missing-option", cli.main, ["plan", "model=llama_9b"], ["model=llama_9b is not an option", "tiny"]),

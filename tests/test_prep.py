@@ -433,3 +433,24 @@ def test_out_dir_that_cannot_be_created_is_one_line(corpus, tok_dir, tmp_path):
             _one_line(e, str(locked / "out"), "Permission denied")
         finally:
             locked.chmod(0o700)
+
+
+def test_synthetic_shards_for_a_vocabulary_beyond_uint16(tmp_path, capsys):
+    """data_prep.synthetic: a real word-level tokenizer over the whole vocabulary, Zipf-drawn documents, written by
+    the corpus writer; ids above 65535 occur (uint32 shards), the tokenizer maps w<i> to i, and a set already there
+    is refused, never overwritten."""
+    from data_prep import synthetic
+    from hpctrain.data import ShardStream
+
+    out = str(tmp_path / "syn")
+    m = synthetic.build_synthetic(out, 70_000, 32, samples=40, val_samples=4, shards=4)
+    assert (m.vocab_size, m.block_len, m.dtype) == (70_000, 33, "uint32")
+    assert m.num_samples("train") >= 40 and m.num_samples("val") >= 4 and len(m.splits["train"]) >= 3
+    tok = load_tokenizer(os.path.join(out, m.tokenizer.path))
+    assert tok.encode("w5 w69999") == [5, 69999] and tok.eos_id == 0
+    ids = np.concatenate([b.numpy().ravel() for b, _ in zip(ShardStream(out, "train", 8, 0), range(5))])
+    assert ids.max() > 65535 and ids.min() >= 0 and ids.max() < 70_000
+    assert np.mean(ids < 100) > 0.3  # Zipf: the hundred most frequent words are a third of the text
+    assert synthetic.main(["--out", out, "--vocab", "512", "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a shard set" in err[0], err

@@ -143,7 +143,10 @@ def test_fp16_skipped_step_leaves_weights_untouched(make_cfg):
     r = step([torch.randint(0, 512, (2, 65))])
     assert r.status == "overflow" and r.loss_scale == 2.0**39
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not opt.state  # AdamW never stepped
+    # AdamW never stepped: the fused kernel, told of the overflow by the scaler, creates its state but leaves it
+    # at zero (step counts included); foreach is not even called.
+    for state in opt.state.values():
+        assert all(not torch.is_tensor(t) or not t.any() for t in state.values()), state
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path):
@@ -293,9 +296,9 @@ def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
     assert streamed.loss == pytest.approx(ref.loss, abs=1e-6) and streamed.grad_norm == pytest.approx(ref.grad_norm)
 
 
-def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path):
-    """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: resumed from a
-    checkpoint holding a NaN weight, as an older version or a flipped bit would leave it)."""
+def _checkpoint_with_nan_weight(make_cfg, tmp_path, into: str = "nan-ckpt") -> str:
+    """A step-2 checkpoint in tmp_path/`into` holding one NaN weight, as an older version or a flipped bit would
+    leave it; returns its directory."""
     from hpctrain import checkpoint
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
@@ -309,12 +312,49 @@ def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path):
     state = checkpoint.load(checkpoint.latest(str(tmp_path / "good")), model, optimizer)
     with torch.no_grad():
         model.layers["0"].attention.wq.weight[0, 0] = float("nan")
-    checkpoint.save(str(tmp_path / "run"), 2, model, optimizer, state, keep=2)
+    checkpoint.save(str(tmp_path / into), 2, model, optimizer, state, keep=2)
+    return checkpoint.latest(str(tmp_path / into))
+
+
+def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path):
+    """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: resumed from a
+    checkpoint holding a NaN weight)."""
+    from hpctrain import checkpoint
+
+    _checkpoint_with_nan_weight(make_cfg, tmp_path, into="run")
     with pytest.raises(TrainingError, match="not finite after step 3; no checkpoint written") as e:
         train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.max_nonfinite=5"), str(tmp_path / "run"))
     assert "lower optim.lr" in str(e.value) and "\n" not in str(e.value)
     assert read_json(tmp_path / "run" / "result.json")["status"] == "failed"
     assert [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(tmp_path / "run"))] == ["step-0000002"]
+
+
+def test_checkpointing_off_writes_nothing_but_still_refuses_nonfinite_weights(make_cfg, tmp_path):
+    """train.checkpointing=false (benchmarks): no checkpoint at ckpt_every or at the end; the run reports its memory
+    peaks; and weights that are not finite where a save was due still fail the run."""
+    from hpctrain import checkpoint
+
+    result = train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.ckpt_every=1",
+                            "train.checkpointing=false"), str(tmp_path / "off"))
+    assert result["status"] == "completed" and checkpoint.complete_checkpoints(str(tmp_path / "off")) == []
+    assert set(result["memory"]) == {"startup_gib", "step_gib", "planned_gib"}
+    assert result["memory"]["step_gib"][0] > 0 and result["memory"]["planned_gib"][0] > 0
+    nan = _checkpoint_with_nan_weight(make_cfg, tmp_path)
+    with pytest.raises(TrainingError, match="not finite after step 3"):
+        train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.max_nonfinite=5", "train.checkpointing=false",
+                       f"train.resume={nan}"), str(tmp_path / "nan"))
+    assert read_json(tmp_path / "nan" / "result.json")["status"] == "failed"
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_fused_and_foreach_optimizers_agree(make_cfg, tmp_path, optim):
+    """optim.implementation: the fused kernel (default; no parameter-sized temporary) and the grouped foreach
+    kernels take the same steps."""
+    runs = {impl: train(make_cfg(f"optim={optim}", f"optim.implementation={impl}", "train.max_steps=4",
+                                 "train.eval_every=0"), str(tmp_path / impl)) for impl in ("fused", "foreach")}
+    a, b = losses(tmp_path / "fused"), losses(tmp_path / "foreach")
+    assert runs["fused"]["status"] == runs["foreach"]["status"] == "completed"
+    assert all(abs(a[s] - b[s]) <= 1e-5 for s in a), (a, b)
 
 
 def test_resume_never_moves_the_previous_run_aside(make_cfg, tmp_path):

@@ -4,18 +4,21 @@ Nothing is allocated: parameters are counted on a model built on the meta device
 Memory per device, in bytes, with P the parameters a device holds (TP-sharded matrices / tp + replicated
 norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one micro-batch:
 
-  parameters   4·P / (dp if zero_stage=3)            fp32 master weights
-  gradients    4·P / (dp if zero_stage>=2)           fp32; + 4·P with accumulation and sharded_accumulation=false
-  optimizer    AdamW 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms); / (dp if zero>=2)
-  compute copy zero 3: 2 FSDP units unsharded (current + prefetch) · c; zero 2: all of P · c (gathered once
-               per step); otherwise bf16/fp16 only: P · 2 (autocast weight cache / replicate cast)
-  activations  per layer per micro-batch s·b·c·(4h/t_sp + (3h + 3·kv_dim + 4·ffn)/tp), the tensors a
-               Llama block saves with flash (SDPA) attention; t_sp = tp with sequence parallel, else 1.
-               Checkpointed layers keep only their input s·b·h·c/t_sp, plus one layer's recompute.
-               Times the micro-batches (train.micro_batch samples; m = grad_accum per step) in flight: 1F1B min(m, pp−stage),
-               GPipe m, interleaved / zero-bubble ×(1+(pp−1)/(pp·v)).
-  logits       s·b·vocab/tp · 4 (fp32 log-softmax kept for backward), last stage, per micro-batch in flight
-With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 % of cluster.gpu_mem_gb.
+  parameters   4·P / (dp if zero_stage>=2)            fp32 master weights (FSDP2 shards them at ZeRO-2 too)
+  gradients    4·P / (dp if zero_stage>=2)            + 4·P with accumulation and sharded_accumulation=false
+  optimizer    AdamW 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms); / (dp if zero>=2);
+               the step's temporary: 4·P (same share) with optim.implementation=foreach, none fused
+  compute copy zero 3: 2 blocks gathered · c; zero 2 and replicate (dp>1): P · c; one replica in bf16/fp16:
+               P · 2 (autocast's weight casts, kept for backward)
+  activations  per block, s·b · ACT_BYTES (measured with saved-tensor hooks; see block_act_bytes); a
+               checkpointed block keeps its input. Times the micro-batches in flight (m = grad_accum per step):
+               1F1B min(m, pp−stage), GPipe m, interleaved / zero-bubble ×(1+(pp−1)/(pp·v)).
+  loss         s·b·vocab/tp · 12 (16 with loss_parallel): fp32 log-probabilities kept, their gradient, the
+               logits' gradient; a pipeline's last stage also keeps its output logits (· c)
+  reducing     dp>1: the last unit backward reduces (root, else a block; replicate: the model) · (2c + 4)
+The peak is the largest of three moments (`total`): backward's start, backward's end under data parallelism,
+the optimizer step. With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 %
+of cluster.gpu_mem_gb. README "Choosing a layout" gives the measured accuracy and how it was measured.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.config import ActCkpt, ConfigError, OptimName, PrecisionName
+from hpctrain.config import ActCkpt, ConfigError, OptimImpl, OptimName, PrecisionName
 from hpctrain.models import ModelSpec, spec_of
 from hpctrain.parallel.layout import world_of
 from hpctrain.parallel.process_group import local_device_count
@@ -58,7 +61,8 @@ class StageParams:
     sharded: int = 0
     replicated: int = 0
     factored: int = 0  # Adafactor state elements: rows + cols per matrix, numel per vector
-    largest_unit: int = 0  # largest FSDP unit (a block, or the root's embed/norm/output)
+    largest_block: int = 0  # the largest block: an FSDP unit
+    root: int = 0  # embedding / final norm / output head held: the root FSDP unit
 
     def per_device(self, tp: int) -> int:
         return self.sharded // tp + self.replicated
@@ -86,10 +90,10 @@ def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None) -> li
     for i, st in enumerate(stages):
         for chunk in st.layers:
             for layer in chunk:
-                st.largest_unit = max(st.largest_unit, _count(st, model.layers[str(layer)].parameters()))
+                st.largest_block = max(st.largest_block, _count(st, model.layers[str(layer)].parameters()))
         names = (spec.first_stage if i == 0 else ()) + (spec.last_stage if i == pp - 1 else ())
         root = {id(t): t for name in names for t in getattr(model, name).parameters()}  # a tied weight once
-        st.largest_unit = max(st.largest_unit, _count(st, root.values()))
+        st.root = _count(st, root.values())
     return stages
 
 
@@ -107,13 +111,36 @@ def _describe(i: int, st: StageParams, pp: int) -> str:
     return " + ".join(parts) or "(nothing)"
 
 
+# Bytes a Llama block saves for backward, per token, measured with saved-tensor hooks (see the module docstring):
+# (norm-side, linear inputs) × h replicated over tp (the first split by sequence parallelism), then
+# (h, kv_dim, ffn) coefficients of what tp shards.
+ACT_BYTES = {"fp32": (16, 8, (8, 8, 16)),  # fp32 / tf32
+             "autocast": (16, 10, (4, 4, 8)),  # bf16/fp16 autocast over fp32 parameters: fp32 residual stream
+             "lowp": (12, 4, (4, 4, 8))}  # bf16/fp16 parameters (FSDP/replicate MixedPrecisionPolicy)
+
+
+def act_kind(c: int, dp: int) -> str:
+    """Which activations a block saves: fp32; autocast over fp32 parameters (one process per replica);
+    low-precision parameters, which data parallel gathers (FSDP2's MixedPrecisionPolicy)."""
+    return "fp32" if c == 4 else "lowp" if dp > 1 else "autocast"
+
+
+def block_act_bytes(args, tokens: int, kind: str, tp: int, sp: int) -> float:
+    """What one block saves for backward over `tokens` tokens (tp-sharded parts / tp, norm side / sp)."""
+    norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
+    per_token = (norm * args.dim / sp + lin * args.dim
+                 + (kh * args.dim + kkv * args.kv_heads * args.head_dim + kf * args.ffn_hidden) / tp
+                 + 8 + 4 * args.n_heads / tp)  # RMSNorm statistics, attention log-sum-exp
+    return tokens * per_token
+
+
 def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     """Per-stage memory parts in bytes, keyed by activation-checkpointing mode, plus the step numbers."""
     spec, p, pr, layout = spec_of(cfg), cfg.parallel, cfg.precision, plan.layout
     args = spec.args(cfg.model)
     dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.pp_virtual_stages
     c = 2 if PrecisionName(pr.name) in (PrecisionName.bf16, PrecisionName.fp16) else 4
-    z3, z2 = (dp if p.zero_stage == 3 else 1), (dp if p.zero_stage >= 2 else 1)
+    z2 = dp if p.zero_stage >= 2 else 1  # FSDP2 shards parameters, gradients and state from ZeRO-2 on
     # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines:
     # each schedule run reduces).
     full_grads = z2 > 1 and plan.grad_accum > 1 and not p.sharded_accumulation and not layout.pipelined
@@ -121,9 +148,9 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     m = plan.grad_accum if layout.pipelined else 1
     b = plan.micro_batch
     sp = tp if p.sequence_parallel else 1
-    h, kvd, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden
-    act_layer = seq_len * b * c * (4 * h / sp + (3 * h + 3 * kvd + 4 * f) / tp)
-    act_input = seq_len * b * c * h / sp
+    kind = act_kind(c, dp)
+    act_layer = block_act_bytes(args, seq_len * b, kind, tp, sp)
+    act_input = seq_len * b * (2 if kind == "lowp" else 4) * args.dim / sp  # a checkpointed block keeps its input
     schedule = layout.pp_schedule if layout.pipelined else "none"
     stages = stage_params(args, pp, v, spec)
     rows = []
@@ -131,11 +158,14 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         P = st.per_device(tp)
         opt = {OptimName.adamw: 8 * P, OptimName.sgd: 4 * P if cfg.optim.momentum > 0 else 0,
                OptimName.adafactor: 4 * st.factored / tp}[OptimName(cfg.optim.name)]
-        if dp > 1 and p.zero_stage == 3:
-            copies = 2 * st.largest_unit / tp * c
-        elif dp > 1 and p.zero_stage == 2:
+        # foreach optimizers make one parameter-sized temporary (AdamW: sqrt of the second moment); fused ones none.
+        plain_sgd = OptimName(cfg.optim.name) == OptimName.sgd and cfg.optim.momentum == 0
+        opt_temp = 0 if plain_sgd or OptimImpl(cfg.optim.implementation) == OptimImpl.fused else 4 * P
+        if dp > 1 and p.zero_stage == 3:  # two blocks gathered: the current one and the prefetched next
+            copies = 2 * st.largest_block / tp * c
+        elif dp > 1 and p.zero_stage == 2 or dp > 1:
             copies = P * c
-        else:
+        else:  # autocast's casts of the weights, kept for backward
             copies = P * 2 if c == 2 else 0
         if pp == 1:
             flight = 1.0
@@ -144,15 +174,33 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         else:
             flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
         idx = [j for chunk in st.layers for j in chunk]
-        n, acts = len(idx), {}
+        n, acts, recompute = len(idx), {}, {}
         for mode in ActCkpt:  # selective checkpoints blocks whose global index is a multiple of ac_every
             ck = 0 if mode == ActCkpt.none else n if mode == ActCkpt.full else sum(j % p.ac_every == 0 for j in idx)
-            acts[mode.value] = flight * (ck * act_input + (n - ck) * act_layer) + (act_layer if ck else 0)
-        logits = flight * seq_len * b * args.vocab_size / tp * 4 if i == pp - 1 else 0
+            acts[mode.value] = flight * (ck * act_input + (n - ck) * act_layer)
+            recompute[mode.value] = act_layer if ck else 0  # one block recomputed at a time, in backward
+        # The loss at the start of backward: fp32 log-probabilities kept for backward, their gradient and the
+        # logits' (one more with loss_parallel, which keeps its own softmax statistics of the vocab shard).
+        # A pipeline schedule also keeps the last stage's output (the logits, in the compute dtype).
+        logits = (seq_len * b * args.vocab_size / tp * ((16 if tp > 1 else 12) + (c if layout.pipelined else 0))
+                  if i == pp - 1 else 0)
+        # The end of backward under data parallelism: the last unit reduced (the root's embedding, else a block;
+        # replicate's whole model) holds its gathered parameters, its unsharded gradients and their fp32 reduce
+        # copy; the other units are resharded by then (ZeRO-2 too: it reshards after backward).
+        if dp > 1:
+            unit = P if p.zero_stage == 0 else (st.root or st.largest_block) / tp
+            reducing = unit * (2 * c + 4)
+        else:
+            reducing = 0
         off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
+        grads = off * 4 * P / z2 + (4 * P if full_grads else 0)
+        # Forward and backward hold the gradients only when several micro-batches accumulate into them.
+        held = grads if plan.grad_accum > 1 else 0
         rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P,
-                     "params": off * 4 * P / z3, "grads": off * 4 * P / z2 + (4 * P if full_grads else 0), "optim": off * opt / z2, "copies": copies,
-                     "acts": acts, "logits": logits, "flight": flight})
+                     "params": off * 4 * P / z2, "grads": grads, "held_grads": held, "optim": off * opt / z2,
+                     "opt_temp": off * opt_temp / z2, "copies": copies, "reducing": reducing, "acts": acts, "recompute": recompute,
+                     "logits": logits,
+                     "flight": flight})
     bubble = layout.bubble(m)
     flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len
     return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
@@ -160,13 +208,26 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
 
 
 def total(row: dict, mode: str) -> float:
-    return row["params"] + row["grads"] + row["optim"] + row["copies"] + row["acts"][mode] + row["logits"]
+    """The largest of three peaks: backward's start (the saved activations and the loss's buffers, or a recomputed
+    block instead of the latter; gradients only when accumulating), backward's end under data parallelism (every
+    gradient, the last unit's being reduced) and the optimizer step (its temporary)."""
+    resident = row["params"] + row["optim"]
+    backward = (resident + row["held_grads"] + row["copies"] + row["acts"][mode]
+                + max(row["logits"], row["recompute"][mode]))
+    reduced = resident + row["grads"] + row["reducing"] if row["reducing"] else 0
+    step = resident + row["grads"] + row["opt_temp"]
+    return max(backward, reduced, step)
+
+
+def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[float]:
+    """Estimated memory of a device of each pipeline stage, with the run's activation checkpointing."""
+    mode = ActCkpt(cfg.parallel.activation_checkpointing).value
+    return [total(row, mode) for row in estimate(cfg, plan, seq_len)["rows"]]
 
 
 def worst_stage_bytes(cfg, plan: RunShape, seq_len: int) -> float:
     """Estimated memory of the most loaded device, with the run's activation checkpointing."""
-    mode = ActCkpt(cfg.parallel.activation_checkpointing).value
-    return max(total(row, mode) for row in estimate(cfg, plan, seq_len)["rows"])
+    return max(stage_bytes(cfg, plan, seq_len))
 
 
 def _peak_tflops(cfg) -> float | None:
@@ -195,13 +256,17 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     out.append(f"  {'':28}" + "".join(f"{'stage ' + str(r['stage']):>10}" for r in rows))
     lines = [("parameters (fp32)", "params"), ("gradients (fp32)", "grads"),
              (f"optimizer ({OptimName(cfg.optim.name).value})", "optim"),
-             (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"), ("logits (fp32)", "logits")]
+             (f"optimizer temporary ({OptimImpl(cfg.optim.implementation).value})", "opt_temp"),
+             (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),
+             ("loss buffers (fp32 logits)", "logits"), ("last unit being reduced", "reducing")]
     for label, key in lines:
         out.append(f"  {label:28}" + "".join(f"{gib(r[key]):>10}" for r in rows))
     for m in dict.fromkeys(["none", "full", mode]):
         out.append(f"  {'activations, ckpt=' + m:28}" + "".join(f"{gib(r['acts'][m]):>10}" for r in rows))
     for m in dict.fromkeys(["none", "full", mode]):
         out.append(f"  {'TOTAL, ckpt=' + m:28}" + "".join(f"{gib(total(r, m)):>10}" for r in rows))
+    out.append("  (TOTAL is the largest of three moments, not the sum: backward's start, backward's end under data "
+               "parallelism, the optimizer step)")
     flight = ", ".join(f"{r['flight']:g}" for r in rows)
     out.append(f"  micro-batches in flight: {flight} "
                f"(schedule {e['schedule']}, m={e['m']} micro-batches of {e['b']:g} sample(s))")

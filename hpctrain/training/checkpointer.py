@@ -15,12 +15,15 @@ class Checkpointer:
     """Saves the model and optimizer (sharded, DCP) with the JSON state of the run's other stateful parts.
 
     `parts`: name -> object with `state_dict()` / `load_state_dict()` that every checkpoint must hold;
-    `optional`: the same, None where this run has none (an fp16 loss scaler).
+    `optional`: the same, None where this run has none (an fp16 loss scaler). `enabled=False`
+    (train.checkpointing=false, for benchmarks): nothing is written, but the weights are still checked finite
+    whenever a save was due, so a diverged run still fails.
     """
 
     def __init__(self, run_dir: str, every: int, keep: int, last_step: int, model, optimizer,
-                 parts: dict, optional: dict | None = None):
+                 parts: dict, optional: dict | None = None, enabled: bool = True):
         self.run_dir, self.every, self.keep, self.last_step = run_dir, every, keep, last_step
+        self.enabled = enabled
         self.model, self.optimizer = model, optimizer
         self.parts, self.optional = parts, optional or {}
 
@@ -33,6 +36,8 @@ class Checkpointer:
                 f"the parameters are not finite after step {step}; no checkpoint written (the last good one: "
                 f"{checkpoint.latest(self.run_dir) or 'none'}): lower optim.lr or raise optim.warmup_steps, then "
                 "resume from it with train.resume=PATH")
+        if not self.enabled:
+            return
         doc = {name: part.state_dict() for name, part in self.parts.items()}
         doc.update({name: part.state_dict() if part is not None else None for name, part in self.optional.items()})
         checkpoint.save(self.run_dir, step, self.model, self.optimizer, doc, self.keep)

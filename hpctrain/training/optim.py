@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from hpctrain.config import Decay, LrScaling, OptimName
+from hpctrain.config import Decay, LrScaling, OptimImpl, OptimName
 
 
 def scaled_lr(ocfg, global_batch: int) -> float:
@@ -28,13 +28,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
     groups = param_groups(model, ocfg.weight_decay)
+    # foreach: grouped kernels (one parameter-sized temporary); fused: one kernel, no temporary (AdamW and SGD,
+    # CPU and CUDA). Adafactor has only foreach.
+    impl = {"fused": True} if OptimImpl(ocfg.implementation) == OptimImpl.fused else {"foreach": True}
     if ocfg.name == OptimName.adamw:
-        # foreach is the fast path on CPU and GPU; fused is CUDA-only for some dtypes.
-        return torch.optim.AdamW(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, foreach=True)
+        return torch.optim.AdamW(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **impl)
     if ocfg.name == OptimName.adafactor:
         return torch.optim.Adafactor(groups, lr=lr, eps=(None, ocfg.eps), foreach=True)
     if ocfg.name == OptimName.sgd:
-        return torch.optim.SGD(groups, lr=lr, momentum=ocfg.momentum, nesterov=ocfg.momentum > 0, foreach=True)
+        return torch.optim.SGD(groups, lr=lr, momentum=ocfg.momentum, nesterov=ocfg.momentum > 0, **impl)
     raise ValueError(f"unknown optimizer {ocfg.name}")
 
 

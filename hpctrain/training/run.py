@@ -131,7 +131,7 @@ def _check_memory(cfg, shape: RunShape, seq_len: int) -> None:
     if need > cap:
         raise TrainingError(
             f"train.micro_batch={shape.micro_batch} (seq_len {seq_len}) needs about {need / 2**30:.1f} GiB, more "
-            f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain shape ...` shows the parts): lower "
+            f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain plan ...` shows the parts): lower "
             "train.micro_batch (train.grad_accum keeps the global batch) or set "
             "parallel.activation_checkpointing=full")
 

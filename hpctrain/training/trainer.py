@@ -25,6 +25,7 @@ from hpctrain.models import spec_of
 from hpctrain.training.checkpointer import Checkpointer
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, val_stream
+from hpctrain.training.memory import MemoryProbe, Peaks, planned_bytes
 from hpctrain.training.metrics import Metrics, Throughput, peak_flops
 from hpctrain.training.model_init import build_model
 from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
@@ -49,6 +50,7 @@ class Trainer:
         _set_threads(cfg.cluster.num_threads)
         spec = spec_of(cfg)
         self.mesh = shape.layout.build_mesh(env.device.type, cfg.cluster.pg_timeout_s)
+        self.memory = MemoryProbe(env.device)
         built = time.perf_counter()
         self.model = build_model(cfg, spec, shape.layout, env.device, self.mesh)
         self.init_s = time.perf_counter() - built
@@ -61,7 +63,7 @@ class Trainer:
         self.state = RunState()
         self.checkpointer = Checkpointer(run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
-                                         {"scaler": self.precision.scaler})
+                                         {"scaler": self.precision.scaler}, t.checkpointing)
         self.resumed_from = self.checkpointer.restore(start)
         self.feed = TrainFeed(cfg, prepared.data_dir, shape, self.state, env.device,
                               shape.layout.batch_mesh(self.mesh))
@@ -74,6 +76,10 @@ class Trainer:
                                    lambda: val_stream(prepared.data_dir, shape.micro_batch, cfg), self.step,
                                    self.metrics)
         self.signals = job.StopSignals(cfg.cluster.signal)
+        self.peaks = Peaks(self.memory.peak(), planned_bytes(cfg, shape, prepared.seq_len,
+                                                             self.mesh["pp"].get_local_rank()),
+                           min(self.state.step + 2, t.max_steps))
+        self.memory.reset()
         self._log_start(prepared.seq_len)
 
     def fit(self) -> dict:
@@ -109,6 +115,8 @@ class Trainer:
         self.state.advance(self.shape.global_batch, self.tokens_per_step)
         step_time = time.perf_counter() - t0
         self._account(result)
+        if self.state.step == self.peaks.at_step:
+            self.peaks.report(self.memory.peak(), self.env.world)
         self.metrics.after_step(self.state, result, self.scheduler.get_last_lr()[0], step_time, self.feed.take_wait())
 
     def _account(self, result) -> None:
@@ -148,13 +156,15 @@ class Trainer:
         result = {"status": status, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
                   "steps": s.step, "tokens": s.tokens, "samples": s.samples, "skipped_nonfinite": s.skipped_nonfinite,
                   "skipped_overflow": s.skipped_overflow, "data_corrupt_shards": self.feed.corrupt_shards,
-                  "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world}
+                  "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
+                  "memory": self.peaks.gathered}
         if self.env.is_main:
             write_json(os.path.join(self.run_dir, RESULT_FILE), result)
         return result
 
     def _stopped(self, stop: int):
-        log.warning("stopped by %s after step %d; checkpoint written", self.signals.name(stop), self.state.step)
+        log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
+                    "checkpoint written" if self.checkpointer.enabled else "no checkpoint (train.checkpointing=false)")
         if stop == job.PREEMPT and self.env.is_main:
             self.signals.requeue()
         raise job.Stopped(stop, self.state.step, self.signals.name(stop))
@@ -170,6 +180,8 @@ class Trainer:
                  self.n_params / 1e6, self.flops_per_token, sh.layout.describe(), sh.global_batch, sh.micro_batch,
                  sh.grad_accum, sh.dp, seq_len, self.lr, torch.get_num_threads(), self.run_dir)
         log.info("model built and initialised in %.2f s (each rank draws only its own shards)", self.init_s)
+        if not self.checkpointer.enabled:
+            log.warning("train.checkpointing=false: no checkpoint will be written; this run cannot be resumed")
 
 
 def sharded_gradients(p) -> bool:
