@@ -69,7 +69,7 @@ bench-data: install
 bench-host: install
 	$(PY) -m hpctrain.tools.bench_host
 
-# llama_1b (1.24 B parameters), fsdp dp=2, two bf16 steps: ~20 GiB of this machine's memory, a few minutes.
+# llama_1b (1.24 B parameters), fsdp dp=2, two bf16 steps: ~22.3 GiB free memory (make slurm-down first), ~2 min.
 bench-scale: install
 	$(PY) -m hpctrain.tools.bench_scale
 
