@@ -25,7 +25,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from hpctrain.errors import CheckpointError
 from hpctrain.files import free_name, write_json
@@ -327,6 +333,15 @@ def load(path: str, model, optimizer) -> dict:
     return saved
 
 
+def load_weights(path: str, model) -> None:
+    """Load only the model weights of a checkpoint, in place and resharded to the current layout (fine-tuning
+    from it: the optimizer, schedule and data position start fresh). Collective like `load`."""
+    _, reader = _agreed(lambda: (_read_trainer_state(path), _SafeReader(path)))
+    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    _dcp_load(state, path, reader, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"], options=_OPTIONS)
+
+
 def check_loadable(path: str) -> None:
     """The checks that need no model, in this process alone: the trainer state is JSON and the metadata passes
     the allow-list (before a run spawns or writes anything)."""
@@ -360,12 +375,18 @@ def load_newest(run_dir: str, model, optimizer) -> tuple[str, dict] | None:
                           f"{first.reason}): pass train.resume=PATH or use a new run_dir", first.reason)
 
 
-def load_model(path: str, model) -> None:
-    """Load only the model weights of a checkpoint into an unsharded model, without a process group."""
+def read_weights(path: str, tensors: dict) -> None:
+    """Fill `tensors` ({model state_dict key: a tensor of its shape}) from a checkpoint, in this process alone,
+    reading only those entries (whatever layout wrote them)."""
     import warnings
 
-    state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "no process group, assuming one process": exactly the intent
         warnings.simplefilter("ignore", UserWarning)
-        _dcp_load(state, path, no_dist=True)
-    model.load_state_dict(state["model"])
+        _dcp_load({"model": tensors}, path, no_dist=True)
+
+
+def load_model(path: str, model) -> None:
+    """Load only the model weights of a checkpoint into an unsharded model, without a process group."""
+    state = model.state_dict()
+    read_weights(path, state)
+    model.load_state_dict(state)

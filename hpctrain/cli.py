@@ -167,6 +167,8 @@ COMMANDS = {
     "plan": ("layer map, memory per device, bubble and FLOPs of a layout; allocates nothing", plan),
     "preflight": ("cluster health check (GEMM, all-reduce, per node)", preflight),
     "generate": ("sample text from a run: generate run_dir=DIR prompt=TEXT", _tool("hpctrain.tools.generate")),
+    "export-hf": ("a run's checkpoint as a transformers model: export-hf RUN_DIR OUT",
+                  _tool("hpctrain.tools.export_hf")),
     "summary": ("a run's status and loss curve in one line: summary RUN_DIR", _tool("hpctrain.tools.summary")),
     "report": ("a sweep's table and plots: report SWEEP_DIR", _tool("hpctrain.cluster.sweep", "report")),
     "bench": ("throughput against a plain transformers loop", _tool("hpctrain.tools.bench")),

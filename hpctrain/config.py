@@ -81,6 +81,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Start from these weights instead of a random draw (not when resuming): hf:/path (a local transformers
+    # directory: config.json + safetensors) or an hpctrain checkpoint directory (weights only).
+    init_from: str | None = None
 
 
 @dataclass
@@ -154,7 +157,7 @@ class TrainConfig:
     seed: int = 1234
     log_every: int = 10
     eval_every: int = 100  # 0 disables
-    eval_batches: int = 8
+    eval_batches: int = 8  # global batches of the validation split per evaluation, split over dp
     ckpt_every: int = 100  # 0: only at the end
     ckpt_keep: int = 2
     checkpointing: bool = True  # false: no checkpoint is written (benchmarks); the run cannot resume

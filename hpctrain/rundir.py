@@ -153,3 +153,24 @@ def _has_checkpoint(run_dir: str) -> bool:
     from hpctrain.checkpoint import complete_checkpoints
 
     return bool(complete_checkpoints(run_dir))
+
+
+class RunDirError(ValueError):
+    """A directory that is not a finished training run's, or one without a checkpoint: one line naming the fix."""
+
+
+def run_config(run_dir: str, ckpt: str | None = None):
+    """(the config a run was trained with, its latest checkpoint or `ckpt`), for the tools that read a run."""
+    from hpctrain.checkpoint import latest
+    from hpctrain.compose import register
+
+    register()  # the saved config may use hpctrain's resolvers (e.g. the demo data path)
+    config = os.path.join(run_dir, ".hydra", "config.yaml")
+    if not os.path.isfile(config):
+        what = "does not exist" if not os.path.exists(run_dir) else f"is not a run directory (no {config})"
+        raise RunDirError(f"run_dir={run_dir} {what}: pass the directory a training run wrote")
+    ckpt = ckpt or latest(run_dir)
+    if ckpt is None:
+        raise RunDirError(f"no complete checkpoint in {run_dir}/checkpoints: train longer (a checkpoint is "
+                          "written every train.ckpt_every steps and at the end) or pass checkpoint=DIR")
+    return OmegaConf.load(config), ckpt

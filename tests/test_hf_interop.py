@@ -138,3 +138,168 @@ def test_to_hf_refuses_pipeline_stage():
     m.output = None
     with pytest.raises(ValueError, match="pipeline stage"):
         to_hf(m)
+
+
+# --- Starting a run from published weights: model.init_from=hf:/path --------------------------------------------
+# The conftest model (SMALL_MODEL: dim 64, 2 layers, 4 heads, 2 kv heads, ffn 176, vocab 512), untied so that pp2
+# runs it too.
+RUN_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
+def _published(tmp_path, tie: bool = False, dtype=torch.float32) -> str:
+    """A transformers checkpoint as a hub download leaves it: several safetensors files and their index."""
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(LlamaConfig(**RUN_MODEL, tie_word_embeddings=tie)).to(dtype)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    out = tmp_path / f"published-{tie}-{str(dtype)[6:]}"
+    hf.save_pretrained(out, max_shard_size="100KB")
+    assert len(list(out.glob("*.safetensors"))) > 2 and (out / "model.safetensors.index.json").is_file()
+    return str(out)
+
+
+@pytest.mark.parametrize("tie, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
+def test_hf_weights_load_into_our_model(tmp_path, tie, dtype):
+    """load_hf_weights reads a sharded safetensors directory into our fp32 model: logits equal transformers' (fp32);
+    bf16 files, as most published weights are, are widened exactly."""
+    from hpctrain.models.llama.hf import load_hf_weights
+
+    path = _published(tmp_path, tie, dtype)
+    args = from_hf_config(LlamaConfig.from_pretrained(path))
+    ours = Llama(args).eval()
+    load_hf_weights(ours, path, args)
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    assert max_diff(ours, hf, x) <= TOL
+
+
+def _step_one(run_dir) -> tuple[float, float]:
+    from hpctrain.files import read_metrics
+
+    (first,) = [(r["loss"], r["grad_norm"]) for r in read_metrics(str(run_dir)) if r.get("step") == 1]
+    return first
+
+
+@pytest.mark.multiproc
+def test_runs_start_from_hf_weights_in_every_layout(make_cfg, tmp_path):
+    """model.init_from=hf:PATH: the first step's loss is transformers' on the same batch (one process), and every
+    layout (fsdp dp=2, tp2, pp2) starts from the same weights: the same first loss and gradient norm."""
+    from hpctrain.training.run import train
+
+    path = _published(tmp_path)
+    run = ("model.tie_embeddings=false", f"model.init_from=hf:{path}", "train.max_steps=1", "train.eval_every=0",
+           "train.checkpointing=false", "train.global_batch=4", "train.micro_batch=2", "train.grad_accum=null",
+           "train.tensorboard=false", "cluster.num_threads=1")
+    assert train(make_cfg(*run), str(tmp_path / "one"))["status"] == "completed"
+    ref = _step_one(tmp_path / "one")
+    # The same global batch through transformers: the run's first two micro-batches (one process, in order).
+    from hpctrain.data import ShardStream, choose_lanes, read_manifest
+
+    cfg = make_cfg(*run)
+    manifest = read_manifest(cfg.data.path)
+    stream = iter(ShardStream(cfg.data.path, "train", 2, cfg.train.seed, lanes=choose_lanes(None, 1, manifest),
+                              global_batch=4))
+    batch = torch.cat([next(stream), next(stream)])
+    hf = LlamaForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=batch[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert abs(ref[0] - want) <= TOL, (ref, want)
+    for name, layout in (("fsdp", ["parallel=fsdp", "parallel.dp=2"]), ("tp2", ["parallel=tp2"]),
+                         ("pp2", ["parallel=pp2"])):
+        assert train(make_cfg(*run, *layout), str(tmp_path / name))["status"] == "completed"
+        loss, norm = _step_one(tmp_path / name)
+        assert abs(loss - ref[0]) <= TOL and abs(norm - ref[1]) <= TOL * ref[1], (name, loss, norm, ref)
+
+
+def test_init_from_a_mismatched_or_missing_model_is_one_line(make_cfg, tmp_path):
+    from hpctrain.training.run import TrainingError, prepare
+
+    path = _published(tmp_path)
+    with pytest.raises(TrainingError) as e:
+        prepare(make_cfg("model.dim=128", f"model.init_from=hf:{path}"))
+    msg = str(e.value)
+    assert "\n" not in msg and "hidden_size=64 vs model.dim=128" in msg and "tie_word_embeddings" in msg, msg
+    with pytest.raises(TrainingError, match="has no config.json"):
+        prepare(make_cfg(f"model.init_from=hf:{tmp_path}"))
+
+
+def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path):
+    """model.init_from=<checkpoint dir>: a fresh run (step 0, new optimizer) that starts from those weights."""
+    from hpctrain import checkpoint
+    from hpctrain.files import read_metrics
+    from hpctrain.models import model_args
+    from hpctrain.training.run import TrainingError, train
+    from hpctrain.training.step import TrainStep
+
+    first = ("train.eval_every=0", "train.ckpt_every=2", "train.max_steps=2", "train.tensorboard=false")
+    train(make_cfg(*first), str(tmp_path / "a"))
+    ckpt = checkpoint.latest(str(tmp_path / "a"))
+    want = Llama(model_args(make_cfg()))
+    checkpoint.load_model(ckpt, want)
+    got = Llama(model_args(make_cfg()))
+    checkpoint.load_weights(ckpt, got)
+    assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))
+    # Through a run: its first step starts from those weights (its loss is the loaded model's on that batch).
+    result = train(make_cfg("train.eval_every=0", "train.max_steps=1", f"model.init_from={ckpt}",
+                            "train.tensorboard=false"), str(tmp_path / "b"))
+    assert result["status"] == "completed" and result["steps"] == 1
+    from hpctrain.data import ShardStream, choose_lanes, read_manifest
+
+    cfg = make_cfg()
+    stream = iter(ShardStream(cfg.data.path, "train", 4, cfg.train.seed,
+                              lanes=choose_lanes(None, 1, read_manifest(cfg.data.path)), global_batch=8))
+    batch = torch.cat([next(stream), next(stream)])
+    step = TrainStep(want, torch.optim.SGD(want.parameters(), lr=0.0), _fp32(), 0.0, torch.device("cpu"))
+    (loss,) = [r["loss"] for r in read_metrics(str(tmp_path / "b")) if r.get("step") == 1]
+    assert abs(step([batch]).loss - loss) <= 1e-6
+    with pytest.raises(TrainingError, match="not a complete checkpoint"):
+        train(make_cfg(f"model.init_from={tmp_path / 'a'}"), str(tmp_path / "c"))
+
+
+def _fp32():
+    from hpctrain.training.precision import Precision
+
+    return Precision(None, None, "cpu")
+
+
+@pytest.mark.multiproc
+def test_export_hf_from_every_layout(make_cfg, tmp_path, monkeypatch):
+    """`hpctrain export-hf RUN_DIR OUT` from checkpoints written by single, fsdp dp=2, tp2 and pp2 runs: transformers
+    loads OUT (several safetensors files + index, config.json, the shards' tokenizer) and gives our logits to 1e-5
+    and the same greedy continuation; an occupied OUT is refused with one line."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpctrain import checkpoint
+    from hpctrain.models import model_args
+    from hpctrain.tools import export_hf
+    from hpctrain.tools.generate import sample
+    from hpctrain.training.run import train
+
+    run = ("model.tie_embeddings=false", "train.max_steps=2", "train.eval_every=0", "train.global_batch=4",
+           "train.micro_batch=2", "train.grad_accum=null", "train.tensorboard=false", "cluster.num_threads=1")
+    x = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(export_hf, "SHARD_BYTES", 200_000)  # several files, as the hub has them
+    for name, layout in (("single", []), ("fsdp", ["parallel=fsdp", "parallel.dp=2"]), ("tp2", ["parallel=tp2"]),
+                         ("pp2", ["parallel=pp2"])):
+        cfg, run_dir, out = make_cfg(*run, *layout), tmp_path / name, tmp_path / f"{name}-hf"
+        assert train(cfg, str(run_dir))["status"] == "completed"
+        (run_dir / ".hydra").mkdir()
+        OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+        assert export_hf.main([str(run_dir), str(out)]) == 0
+        assert len(list(out.glob("model-*.safetensors"))) > 2 and (out / "tokenizer.json").is_file()
+        ours = Llama(model_args(cfg)).eval()
+        checkpoint.load_model(checkpoint.latest(str(run_dir)), ours)
+        hf = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert max_diff(ours, hf, x) <= TOL, name
+        with torch.no_grad():
+            theirs = hf.generate(x[:1, :8], max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, 8:].tolist()
+        assert sample(ours, x[0, :8].tolist(), 12, temperature=0.0) == theirs, name
+        assert AutoTokenizer.from_pretrained(out).decode([5, 6, 7])
+    assert export_hf.main([str(tmp_path / "single"), str(tmp_path / "single-hf")]) == 2  # occupied: refused

@@ -71,7 +71,7 @@ def test_console_script_has_every_command(fresh):
     script = venv / "bin" / "hpctrain"
     p = _run([script, "--help"], empty)
     assert p.returncode == 0, p.stderr
-    for command in ("train", "plan", "report", "preflight", "generate", "summary", "bench"):
+    for command in ("train", "plan", "report", "preflight", "generate", "export-hf", "summary", "bench"):
         assert f"  {command} " in p.stdout, command
         h = _run([script, command, "--help"], empty)
         assert h.returncode == 0 and "usage" in h.stdout.lower(), (command, h.stdout, h.stderr)
@@ -80,6 +80,6 @@ def test_console_script_has_every_command(fresh):
     assert p.returncode == 0 and "6.738B parameters" in p.stdout, p.stdout + p.stderr
     p = _run([script, "trian"], empty)
     assert p.returncode == 2 and p.stderr.strip() == (
-        "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, generate, summary, report, "
-        "bench (hpctrain --help)")
+        "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, generate, export-hf, summary, "
+        "report, bench (hpctrain --help)")
 

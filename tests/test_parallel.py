@@ -406,3 +406,36 @@ def test_bf16_fsdp_keeps_no_whole_copy_alive_in_forward(make_cfg, tmp_path):
     print(f"parameter copies alive in forward, most: {measured} bytes per rank; a block {block}, the root {root}")
     assert max(measured[True]) <= root + 2 * block, (measured, block)
     assert min(measured[False]) >= args.n_layers * block, (measured, block)  # the control sees the whole copy
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [["parallel=fsdp", "parallel.dp=2"], ["parallel=dp2_tp2"]], ids=["fsdp", "dp2_tp2"])
+def test_evaluation_is_split_over_data_parallel_ranks(make_cfg, tmp_path, layout):
+    """Each dp rank evaluates its share of train.eval_batches global batches: the validation loss equals one
+    process's over the same samples (to 1e-6), and each rank ran half of the micro-batches."""
+    import torch
+
+    from hpctrain.files import read_metrics
+    from hpctrain.resolve import resolve
+    from hpctrain.training.feed import eval_microbatches, val_share
+    from hpctrain.training.run import train
+
+    ev = ("train.eval_every=2", "train.eval_batches=3", "train.max_steps=2", "train.global_batch=8",
+          "train.micro_batch=2", "train.grad_accum=null", "train.ckpt_every=0", "train.tensorboard=false",
+          "cluster.num_threads=1")
+    vals = {}
+    for name, extra in (("one", []), ("split", layout)):
+        cfg = make_cfg(*ev, *extra)
+        assert train(cfg, str(tmp_path / name))["status"] == "completed"
+        vals[name] = [r["val_loss"] for r in read_metrics(str(tmp_path / name)) if "val_loss" in r]
+    assert len(vals["one"]) == len(vals["split"]) == 1
+    assert abs(vals["one"][0] - vals["split"][0]) <= 1e-6, vals
+    # The shares: 3 global batches of 8 = 12 micro-batches of 2, alternating between the two dp ranks.
+    cfg = make_cfg(*ev, *layout)
+    shape = resolve(cfg, 4 if "dp2_tp2" in layout[0] else 2)
+    data = cfg.data.path
+    shares = [list(val_share(data, cfg, shape, r)) for r in range(2)]
+    assert len(shares[0]) == len(shares[1]) == 6 == eval_microbatches(10**6, 3, shape) // 2
+    one = list(val_share(data, make_cfg(*ev), resolve(make_cfg(*ev), 1), 0))
+    assert torch.equal(torch.cat(one[0::2]), torch.cat(shares[0])) and torch.equal(torch.cat(one[1::2]),
+                                                                                   torch.cat(shares[1]))

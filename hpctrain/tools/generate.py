@@ -7,7 +7,6 @@ import os
 import sys
 
 import torch
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain import checkpoint
@@ -40,24 +39,15 @@ def sample(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, tempe
 
 
 class GenerateError(ValueError):
-    """Bad arguments or an unusable run directory: one line naming the fix."""
+    """Bad arguments: one line naming the fix."""
 
 
 def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, object, str]:
     """The model of a run's latest (or the given) checkpoint, its config, and its data directory."""
-    from hpctrain.compose import register
     from hpctrain.models import build_model
+    from hpctrain.rundir import run_config
 
-    register()  # the saved config may use hpctrain's resolvers (e.g. the demo data path)
-    config = os.path.join(run_dir, ".hydra", "config.yaml")
-    if not os.path.isfile(config):
-        what = "does not exist" if not os.path.exists(run_dir) else f"is not a run directory (no {config})"
-        raise GenerateError(f"run_dir={run_dir} {what}: pass the directory a training run wrote")
-    cfg = OmegaConf.load(config)
-    ckpt = ckpt or checkpoint.latest(run_dir)
-    if ckpt is None:
-        raise GenerateError(f"no complete checkpoint in {run_dir}/checkpoints: train longer (a checkpoint is "
-                            "written every train.ckpt_every steps and at the end) or pass checkpoint=DIR")
+    cfg, ckpt = run_config(run_dir, ckpt)
     model = build_model(cfg)
     checkpoint.load_model(ckpt, model)
     return model.eval(), cfg, os.path.expanduser(cfg.data.path)
@@ -108,10 +98,11 @@ def main(argv: list[str]) -> int:
         return 0
     from hpctrain.data import DataError
     from hpctrain.errors import CheckpointError
+    from hpctrain.rundir import RunDirError
 
     try:
         print(run(parse(argv)))
-    except (GenerateError, CheckpointError, DataError, OmegaConfBaseException) as e:
+    except (GenerateError, RunDirError, CheckpointError, DataError, OmegaConfBaseException) as e:
         print(f"hpctrain generate: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -15,6 +16,21 @@ from hpctrain.errors import TrainingError
 def val_stream(data_dir: str, micro_batch: int, cfg) -> ShardStream:
     return ShardStream(data_dir, "val", micro_batch, cfg.train.seed, loop=False, shuffle=False,
                        on_corrupt=cfg.data.on_corrupt)
+
+
+def eval_microbatches(n_samples: int, eval_batches: int, shape) -> int:
+    """How many micro-batches an evaluation covers: train.eval_batches global batches of the validation split,
+    fewer when the split is shorter, a multiple of dp so that every rank runs as many."""
+    wanted = eval_batches * shape.global_batch // shape.micro_batch
+    return min(wanted, n_samples // shape.micro_batch) // shape.dp * shape.dp
+
+
+def val_share(data_dir: str, cfg, shape, dp_rank: int) -> Iterator[torch.Tensor]:
+    """This data-parallel rank's share of an evaluation: the split is read in order (the same samples in every
+    layout) and micro-batch j goes to rank j % dp."""
+    stream = val_stream(data_dir, shape.micro_batch, cfg)
+    n = eval_microbatches(stream.manifest.num_samples("val"), cfg.train.eval_batches, shape)
+    return (batch for j, batch in zip(range(n), stream) if j % shape.dp == dp_rank)
 
 
 def bind_run(cfg, data_dir: str, state, dp: int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hpctrain.models import ModelSpec
@@ -23,3 +25,35 @@ def build_model(cfg, spec: ModelSpec, layout: Layout, device: torch.device, mesh
     model.tie_weights()
     init_parameters(model, spec.init_rule(args), cfg.train.seed)
     return model.train()
+
+
+HF_PREFIX = "hf:"
+
+
+def check_init_from(cfg, spec: ModelSpec) -> None:
+    """model.init_from names weights this model can start from (one-line ValueError/CheckpointError otherwise);
+    reads only metadata, before anything is spawned."""
+    from hpctrain import checkpoint
+
+    source = cfg.model.init_from
+    if source is None:
+        return
+    if source.startswith(HF_PREFIX):
+        spec.hf().check_hf_dir(os.path.expanduser(source[len(HF_PREFIX):]), spec.args(cfg.model))
+    else:
+        checkpoint.check_loadable(os.path.expanduser(source))
+
+
+def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | None:
+    """Overwrite the drawn weights with model.init_from's, in place, each rank reading its own shards; returns
+    what was loaded (None when unset). Collective when distributed."""
+    from hpctrain import checkpoint
+
+    source = cfg.model.init_from
+    if source is None:
+        return None
+    if source.startswith(HF_PREFIX):
+        spec.hf().load_hf_weights(model, os.path.expanduser(source[len(HF_PREFIX):]), spec.args(cfg.model))
+    else:
+        checkpoint.load_weights(os.path.expanduser(source), model)
+    return source

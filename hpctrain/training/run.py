@@ -43,6 +43,7 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     shape = resolve(cfg, world)
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg.train.resume)
+    _check_init_from(cfg)
     if local:
         _check_memory(cfg, shape, seq_len)
     return Prepared(shape, data_dir, seq_len)
@@ -83,8 +84,9 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
                 lanes=choose_lanes(cfg.data.lanes, shape.dp, manifest), dp_size=shape.dp,
                 global_batch=shape.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
     if cfg.train.eval_every:
-        if manifest.num_samples("val") < shape.micro_batch:
-            raise DataError(f"evaluation needs a validation split of at least train.micro_batch={shape.micro_batch} "
+        need = shape.micro_batch * shape.dp
+        if manifest.num_samples("val") < need:
+            raise DataError(f"evaluation needs a validation split of at least train.micro_batch x dp = {need} "
                             f"samples, the shards in {path} have {manifest.num_samples('val')}: set "
                             "train.eval_every=0, or rebuild the shards with a validation split (--val-fraction, e.g. 0.01)")
         val_stream(path, shape.micro_batch, cfg)  # every val shard is there
@@ -101,6 +103,19 @@ def _check_resume(resume: str) -> None:
             f"train.resume={resume} is not a complete checkpoint directory (no {checkpoint.STATE_FILE}): pass "
             "a <run_dir>/checkpoints/step-NNNNNNN directory, or train.resume=auto|never")
     checkpoint.check_loadable(path)
+
+
+def _check_init_from(cfg) -> None:
+    from hpctrain.models import spec_of
+    from hpctrain.training.model_init import check_init_from
+
+    try:
+        check_init_from(cfg, spec_of(cfg))
+    except (ValueError, OSError) as e:  # config.json unreadable or not this model
+        raise TrainingError(f"model.init_from={cfg.model.init_from}: {e}") from None
+    except CheckpointError as e:
+        raise TrainingError(f"model.init_from={cfg.model.init_from}: {e.reason}: name a "
+                            "<run_dir>/checkpoints/step-N directory, or hf:/path for a transformers model") from None
 
 
 def _available_memory() -> float | None:

@@ -184,8 +184,15 @@ class TrainStep:
         return total
 
     def evaluate(self, batches) -> float:
-        """Mean token loss over the given batches (every rank evaluates the same batches)."""
-        return evaluate(self.model, batches, self.precision, self.device, self.loss_parallel)
+        """Mean token loss over every data-parallel rank's `batches` (each rank its own share)."""
+        total, n = token_loss_total(self.model, batches, self.precision, self.device, self.loss_parallel)
+        return self._mean_over_replicas(total, n)
+
+    def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
+        both = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=total.device)])
+        if self.dp > 1:
+            dist.all_reduce(both, group=self.batch_mesh.get_group())
+        return (both[0] / both[1].clamp(min=1)).item()
 
 
 class PipelineTrainStep(TrainStep):
@@ -256,9 +263,9 @@ class PipelineTrainStep(TrainStep):
                 group = []
         if group:
             total += self._run(*_padded(group, self.n_microbatches), forward_only=True).double()
-        dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        dist.all_reduce(total, group=self.mesh["pp"].get_group())  # the last stage's sum, on every stage
         self.model.train()
-        return (total / max(n, 1)).item()
+        return self._mean_over_replicas(total, n)
 
 
 def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,9 +299,9 @@ def loss_parallel_ctx(enabled: bool):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, precision: Precision, device: torch.device,
-             loss_parallel: bool = False) -> float:
-    """Mean token loss over the given batches (every rank evaluates the same batches)."""
+def token_loss_total(model: nn.Module, batches, precision: Precision, device: torch.device,
+                     loss_parallel: bool = False) -> tuple[torch.Tensor, int]:
+    """(summed token loss in float64, target tokens) over the given batches, in eval mode."""
     was_training = model.training
     model.eval()
     total, n = torch.zeros((), device=device, dtype=torch.float64), 0
@@ -304,4 +311,4 @@ def evaluate(model: nn.Module, batches, precision: Precision, device: torch.devi
             total += _local(token_loss_sum(model, batch)).double()
         n += batch.shape[0] * (batch.shape[1] - 1)
     model.train(was_training)
-    return (total / max(n, 1)).item()
+    return total, n

@@ -24,10 +24,10 @@ from hpctrain.files import RESULT_FILE, write_json
 from hpctrain.models import spec_of
 from hpctrain.training.checkpointer import Checkpointer
 from hpctrain.training.evaluator import Evaluator
-from hpctrain.training.feed import TrainFeed, val_stream
+from hpctrain.training.feed import TrainFeed, val_share
 from hpctrain.training.memory import MemoryProbe, Peaks, planned_bytes
 from hpctrain.training.metrics import Metrics, Throughput, peak_flops
-from hpctrain.training.model_init import build_model
+from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
 from hpctrain.training.precision import setup_precision
 from hpctrain.training.state import RunState
@@ -65,6 +65,8 @@ class Trainer:
                                          {"run": self.state, "scheduler": self.scheduler},
                                          {"scaler": self.precision.scaler}, t.checkpointing)
         self.resumed_from = self.checkpointer.restore(start)
+        # Starting weights only for a fresh start: a resumed run continues its own.
+        self.init_from = None if self.resumed_from else load_initial_weights(self.model, cfg, spec)
         self.feed = TrainFeed(cfg, prepared.data_dir, shape, self.state, env.device,
                               shape.layout.batch_mesh(self.mesh))
         self.n_params = spec.num_params(self.model)
@@ -72,9 +74,9 @@ class Trainer:
         peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
         throughput = Throughput(self.tokens_per_step, self.flops_per_token, peak, env.world, env.device)
         self.metrics = Metrics.for_run(run_dir, env.is_main, t, self.state.step, throughput, self.feed.corrupt_total)
-        self.evaluator = Evaluator(t.eval_every, t.max_steps, t.eval_batches,
-                                   lambda: val_stream(prepared.data_dir, shape.micro_batch, cfg), self.step,
-                                   self.metrics)
+        dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
+        self.evaluator = Evaluator(t.eval_every, t.max_steps,
+                                   lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
         self.signals = job.StopSignals(cfg.cluster.signal)
         self.peaks = Peaks(self.memory.peak(), planned_bytes(cfg, shape, prepared.seq_len,
                                                              self.mesh["pp"].get_local_rank()),
@@ -180,6 +182,8 @@ class Trainer:
                  self.n_params / 1e6, self.flops_per_token, sh.layout.describe(), sh.global_batch, sh.micro_batch,
                  sh.grad_accum, sh.dp, seq_len, self.lr, torch.get_num_threads(), self.run_dir)
         log.info("model built and initialised in %.2f s (each rank draws only its own shards)", self.init_s)
+        if self.init_from:
+            log.info("weights loaded from model.init_from=%s", self.init_from)
         if not self.checkpointer.enabled:
             log.warning("train.checkpointing=false: no checkpoint will be written; this run cannot be resumed")
 

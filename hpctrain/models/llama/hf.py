@@ -153,3 +153,38 @@ def save_hf(model: Llama, out_dir: str | Path, **config_overrides) -> Path:
     out = Path(out_dir)
     to_hf(model, **config_overrides).save_pretrained(out)  # safetensors is the default format
     return out
+
+
+# Architecture fields that must agree between config.json and the run's model (max_seq_len and init_std need not).
+_MUST_MATCH = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+               "n_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size",
+               "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
+
+
+def check_hf_dir(path: str | Path, args: ModelArgs) -> None:
+    """A local transformers Llama directory whose config.json describes `args`' network, with safetensors weights;
+    ValueError (one line naming every mismatch) otherwise. Reads config.json only."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json: point it at a transformers model directory")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path} has no *.safetensors weights (only safetensors are read, never pickles)")
+    theirs = from_hf_config(LlamaConfig.from_pretrained(str(path), local_files_only=True))
+    bad = [f"{hf}={getattr(theirs, ours)} vs model.{'n_kv_heads' if ours == 'kv_heads' else ours}="
+           f"{getattr(args, ours)}" for ours, hf in _MUST_MATCH.items() if getattr(theirs, ours) != getattr(args, ours)]
+    if bad:
+        raise ValueError(f"{path}/config.json does not describe this model: {'; '.join(bad)}")
+
+
+def load_hf_weights(model, path: str | Path, args: ModelArgs) -> None:
+    """Copy a transformers Llama directory's weights (one or many safetensors files) into `model` in place, in any
+    layout: DCP's safetensors reader gives each rank only the slices its shards hold. Collective when distributed."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    names = key_map(args.n_layers)
+    # A tied checkpoint may lack lm_head.weight: the embedding, loaded, is the head too.
+    state = {names[k]: v for k, v in model.state_dict().items()
+             if k in names and not (args.tie_embeddings and k == "output.weight")}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())

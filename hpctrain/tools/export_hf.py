@@ -1,0 +1,118 @@
+"""`python -m hpctrain export-hf RUN_DIR OUT [checkpoint=DIR]`: a run's checkpoint as a transformers model directory.
+
+OUT gets config.json, the weights as safetensors files of at most `SHARD_BYTES` with their index (the layout the
+hub uses), and the tokenizer the run's shards were made with, so that `AutoModelForCausalLM.from_pretrained(OUT)`
+and `AutoTokenizer.from_pretrained(OUT)` load it. The checkpoint is read one output file at a time, whatever
+layout wrote it: memory stays one file's worth, never the whole model. OUT is written under a temporary name and
+renamed when complete; an existing non-empty OUT is refused, never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import torch
+
+SHARD_BYTES = 2 * 10**9
+USAGE = ("usage: python -m hpctrain export-hf RUN_DIR OUT [checkpoint=DIR]\nwrites the run's latest checkpoint "
+         "(or checkpoint=DIR) as a transformers model directory OUT (config.json, safetensors, tokenizer)")
+
+
+class ExportError(ValueError):
+    """Bad arguments, an unusable run directory or an occupied OUT: one line naming the fix."""
+
+
+def _groups(shapes: dict[str, tuple[torch.Size, torch.dtype]], limit: int) -> list[list[str]]:
+    """Consecutive tensors packed into files of at most `limit` bytes (a larger tensor gets a file of its own)."""
+    groups, size = [[]], 0
+    for key, (shape, dtype) in shapes.items():
+        nbytes = shape.numel() * dtype.itemsize
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups
+
+
+def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
+    """Write checkpoint `ckpt` of a run with config `cfg` to `out` as a transformers directory; returns `out`."""
+    from safetensors.torch import save_file
+
+    from hpctrain import checkpoint
+    from hpctrain.files import fsync_dir, write_json
+    from hpctrain.models import spec_of
+
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ExportError(f"{out} exists and is not an empty directory: choose a new OUT (nothing is overwritten)")
+    spec = spec_of(cfg)
+    args, hf = spec.args(cfg.model), spec.hf()
+    names = hf.key_map(args.n_layers)
+    with torch.device("meta"):
+        model = spec.build(args)
+    shapes = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()
+              if k in names and not (args.tie_embeddings and k == "output.weight")}  # a tied head is the embedding
+    groups = _groups(shapes, shard_bytes or SHARD_BYTES)
+    tmp = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
+    os.makedirs(tmp)
+    weight_map, total = {}, 0
+    for i, keys in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in keys}
+        checkpoint.read_weights(ckpt, tensors)
+        save_file({names[k]: t for k, t in tensors.items()}, os.path.join(tmp, file), metadata={"format": "pt"})
+        weight_map.update({names[k]: file for k in keys})
+        total += sum(t.nbytes for t in tensors.values())
+    write_json(os.path.join(tmp, "model.safetensors.index.json"),
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
+    eos = _copy_tokenizer(cfg, tmp)
+    ids = {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
+    hf.to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
+    fsync_dir(tmp)
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty (checked above); ours to replace
+    os.rename(tmp, out)
+    return out
+
+
+def _copy_tokenizer(cfg, dest: str) -> int | None:
+    """The tokenizer the run's shards name, copied beside the weights; returns its EOS id (None without shards)."""
+    from data_prep.shard_format import read_manifest
+
+    data = os.path.expanduser(str(cfg.data.path))
+    try:
+        manifest = read_manifest(data)
+    except Exception:  # noqa: BLE001 - the data may be gone; the weights are still worth exporting
+        return None
+    tok_dir = os.path.dirname(os.path.join(data, manifest.tokenizer.path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.isfile(os.path.join(tok_dir, name)):
+            shutil.copyfile(os.path.join(tok_dir, name), os.path.join(dest, name))
+    return manifest.eos_id
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    from hpctrain.errors import CheckpointError
+    from hpctrain.rundir import RunDirError, run_config
+
+    try:
+        positional = [a for a in argv if "=" not in a]
+        options = dict(a.split("=", 1) for a in argv if "=" in a)
+        if len(positional) != 2 or set(options) - {"checkpoint"}:
+            raise ExportError(f"expected RUN_DIR OUT [checkpoint=DIR], got {' '.join(argv) or 'nothing'}")
+        run_dir, out = positional
+        cfg, ckpt = run_config(run_dir, options.get("checkpoint"))
+        print(f"exported {ckpt} to {export(cfg, ckpt, out)}")
+    except (ExportError, RunDirError, CheckpointError) as e:
+        print(f"hpctrain export-hf: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
