@@ -161,6 +161,7 @@ class TrainConfig:
     ckpt_every: int = 100  # 0: only at the end
     ckpt_keep: int = 2
     checkpointing: bool = True  # false: no checkpoint is written (benchmarks); the run cannot resume
+    export_hf_at_end: bool = False  # the final checkpoint also as a transformers model in <run_dir>/hf/step-N
     resume: str = "auto"  # auto | never | path of a checkpoint directory
     max_nonfinite: int = 5  # consecutive skipped non-finite steps before the run stops
     progress: bool | None = None  # progress bar; None: only on a terminal

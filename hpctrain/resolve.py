@@ -96,6 +96,9 @@ def resolve(cfg, world: int = 1) -> RunShape:
     if cfg.optim.name == OptimName.adafactor and cfg.optim.implementation == OptimImpl.fused:
         raise ConfigError("optim.implementation=fused: Adafactor has no fused kernel in PyTorch; use "
                           "optim.implementation=foreach (or optim=adamw)")
+    if t.export_hf_at_end and not t.checkpointing:
+        raise ConfigError("train.export_hf_at_end=true exports the final checkpoint, and train.checkpointing=false "
+                          "writes none: drop one of them")
     if world > 1 and cfg.precision.name == PrecisionName.fp16:
         raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
                           f"(world {world}) yet: use precision=bf16")

@@ -303,3 +303,27 @@ def test_export_hf_from_every_layout(make_cfg, tmp_path, monkeypatch):
         assert sample(ours, x[0, :8].tolist(), 12, temperature=0.0) == theirs, name
         assert AutoTokenizer.from_pretrained(out).decode([5, 6, 7])
     assert export_hf.main([str(tmp_path / "single"), str(tmp_path / "single-hf")]) == 2  # occupied: refused
+
+
+@pytest.mark.multiproc
+def test_export_hf_at_end(make_cfg, tmp_path):
+    """train.export_hf_at_end=true (fsdp dp=2): the final checkpoint is also <run_dir>/hf/step-N, which transformers
+    loads with our logits; starting the finished run again leaves it as it is."""
+    from transformers import AutoModelForCausalLM
+
+    from hpctrain import checkpoint
+    from hpctrain.models import model_args
+    from hpctrain.training.run import train
+
+    cfg = make_cfg("train.max_steps=2", "train.eval_every=0", "train.global_batch=4", "train.micro_batch=2",
+                   "train.grad_accum=null", "train.export_hf_at_end=true", "parallel=fsdp", "parallel.dp=2",
+                   "train.tensorboard=false", "cluster.num_threads=1")
+    assert train(cfg, str(tmp_path))["status"] == "completed"
+    out = tmp_path / "hf" / "step-0000002"
+    ours = Llama(model_args(cfg)).eval()
+    checkpoint.load_model(checkpoint.latest(str(tmp_path)), ours)
+    x = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert max_diff(ours, AutoModelForCausalLM.from_pretrained(out).eval(), x) <= TOL
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert train(cfg, str(tmp_path))["status"] == "completed"
+    assert (out / "config.json").stat().st_mtime_ns == stamp

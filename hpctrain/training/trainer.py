@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from hpctrain import checkpoint
 from hpctrain.cluster import job
 from hpctrain.config import PrecisionName
 from hpctrain.data import DataError
@@ -100,6 +101,8 @@ class Trainer:
                     if stop:
                         break
                     self._evaluate(saved)
+            if not stop:
+                self._export_hf()
             status = _STATUS[stop]
         except BaseException as e:
             status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
@@ -140,6 +143,20 @@ class Trainer:
                 raise TrainingError(f"{s.consecutive_nonfinite} consecutive non-finite steps (last at step {s.step}): "
                                     "lower optim.lr, raise optim.warmup_steps or use precision=bf16; resume from the "
                                     "last checkpoint")
+
+    def _export_hf(self) -> None:
+        """train.export_hf_at_end: the final checkpoint as a transformers model, by the main rank, file by file."""
+        if not self.cfg.train.export_hf_at_end or not self.env.is_main:
+            return
+        from hpctrain.tools.export_hf import export
+
+        ckpt = checkpoint.latest(self.run_dir)
+        out = os.path.join(self.run_dir, "hf", os.path.basename(ckpt))
+        if os.path.isdir(out):  # a finished run started again
+            log.info("%s is exported already (%s)", ckpt, out)
+            return
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        log.info("exported %s as a transformers model to %s", ckpt, export(self.cfg, ckpt, out))
 
     def _evaluate(self, saved: bool) -> None:
         if not self.evaluator.due(self.state.step):
