@@ -156,23 +156,8 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     rows = []
     for i, st in enumerate(stages):
         P = st.per_device(tp)
-        opt = {OptimName.adamw: 8 * P, OptimName.sgd: 4 * P if cfg.optim.momentum > 0 else 0,
-               OptimName.adafactor: 4 * st.factored / tp}[OptimName(cfg.optim.name)]
-        # foreach optimizers make one parameter-sized temporary (AdamW: sqrt of the second moment); fused ones none.
-        plain_sgd = OptimName(cfg.optim.name) == OptimName.sgd and cfg.optim.momentum == 0
-        opt_temp = 0 if plain_sgd or OptimImpl(cfg.optim.implementation) == OptimImpl.fused else 4 * P
-        if dp > 1 and p.zero_stage == 3:  # two blocks gathered: the current one and the prefetched next
-            copies = 2 * st.largest_block / tp * c
-        elif dp > 1 and p.zero_stage == 2 or dp > 1:
-            copies = P * c
-        else:  # autocast's casts of the weights, kept for backward
-            copies = P * 2 if c == 2 else 0
-        if pp == 1:
-            flight = 1.0
-        elif schedule == "gpipe":
-            flight = float(m)
-        else:
-            flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        opt, opt_temp = _optimizer_bytes(cfg.optim, st, P, tp)
+        flight = _in_flight(schedule, pp, i, m, v)
         idx = [j for chunk in st.layers for j in chunk]
         n, acts, recompute = len(idx), {}, {}
         for mode in ActCkpt:  # selective checkpoints blocks whose global index is a multiple of ac_every
@@ -184,27 +169,56 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         # A pipeline schedule also keeps the last stage's output (the logits, in the compute dtype).
         logits = (seq_len * b * args.vocab_size / tp * ((16 if tp > 1 else 12) + (c if layout.pipelined else 0))
                   if i == pp - 1 else 0)
-        # The end of backward under data parallelism: the last unit reduced (the root's embedding, else a block;
-        # replicate's whole model) holds its gathered parameters, its unsharded gradients and their fp32 reduce
-        # copy; the other units are resharded by then (ZeRO-2 too: it reshards after backward).
-        if dp > 1:
-            unit = P if p.zero_stage == 0 else (st.root or st.largest_block) / tp
-            reducing = unit * (2 * c + 4)
-        else:
-            reducing = 0
         off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
         grads = off * 4 * P / z2 + (4 * P if full_grads else 0)
-        # Forward and backward hold the gradients only when several micro-batches accumulate into them.
-        held = grads if plan.grad_accum > 1 else 0
-        rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P,
-                     "params": off * 4 * P / z2, "grads": grads, "held_grads": held, "optim": off * opt / z2,
-                     "opt_temp": off * opt_temp / z2, "copies": copies, "reducing": reducing, "acts": acts, "recompute": recompute,
-                     "logits": logits,
-                     "flight": flight})
+        rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P, "params": off * 4 * P / z2,
+                     "grads": grads, "held_grads": grads if plan.grad_accum > 1 else 0,  # only when accumulating
+                     "optim": off * opt / z2, "opt_temp": off * opt_temp / z2,
+                     "copies": _copies(p.zero_stage, dp, c, st, P, tp),
+                     "reducing": _reducing(p.zero_stage, dp, c, st, P, tp),
+                     "acts": acts, "recompute": recompute, "logits": logits, "flight": flight})
     bubble = layout.bubble(m)
     flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len
     return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
             "flops": flops, "args": args, "c": c}
+
+
+def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int) -> tuple[float, float]:
+    """(state, the step's temporary): foreach optimizers make one parameter-sized temporary (AdamW: the square
+    root of the second moment); fused ones none."""
+    name = OptimName(ocfg.name)
+    state = {OptimName.adamw: 8 * P, OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0,
+             OptimName.adafactor: 4 * st.factored / tp}[name]
+    plain_sgd = name == OptimName.sgd and ocfg.momentum == 0
+    return state, 0 if plain_sgd or OptimImpl(ocfg.implementation) == OptimImpl.fused else 4 * P
+
+
+def _copies(zero_stage: int, dp: int, c: int, st: StageParams, P: int, tp: int) -> float:
+    """Parameters in the compute dtype beside the fp32 ones, from forward to backward."""
+    if dp > 1 and zero_stage == 3:  # two blocks gathered: the current one and the prefetched next
+        return 2 * st.largest_block / tp * c
+    if dp > 1:  # ZeRO-2 and replicate keep every gathered parameter
+        return P * c
+    return P * 2 if c == 2 else 0  # autocast's casts of the weights, kept for backward
+
+
+def _reducing(zero_stage: int, dp: int, c: int, st: StageParams, P: int, tp: int) -> float:
+    """The end of backward under data parallelism: the last unit reduced (the root's embedding, else a block;
+    replicate's whole model) holds its gathered parameters, its unsharded gradients and their fp32 reduce copy;
+    the other units are resharded by then (ZeRO-2 too: it reshards after backward)."""
+    if dp == 1:
+        return 0
+    unit = P if zero_stage == 0 else (st.root or st.largest_block) / tp
+    return unit * (2 * c + 4)
+
+
+def _in_flight(schedule: str, pp: int, stage: int, m: int, v: int) -> float:
+    """Micro-batches whose activations a stage holds at once."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    return min(m, pp - stage) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
 
 
 def total(row: dict, mode: str) -> float:
