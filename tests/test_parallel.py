@@ -30,6 +30,8 @@ LAYOUTS = {
     "dp2_zero0": ["parallel=ddp", "parallel.dp=2"],
     "dp2_zero2": ["parallel=zero2", "parallel.dp=2"],
     "dp2_zero3": ["parallel=fsdp", "parallel.dp=2"],
+    # CPU-only machines too: the offloaded state goes to ordinary (not pinned) host memory.
+    "dp2_zero3_offload": ["parallel=fsdp", "parallel.dp=2", "parallel.cpu_offload=true"],
     "tp2": ["parallel=tp2"],
     "tp2_sp": ["parallel=tp2_sp"],
     "dp2_tp2_sp_zero3": ["parallel=dp2_tp2"],

@@ -148,7 +148,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
         replicate(model, mesh=dp_mesh, mp_policy=mp)
     else:
         kw = {"mesh": dp_mesh, "mp_policy": mp,
-              "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+              # Pinned host memory needs an accelerator; a CPU-only run offloads to ordinary memory.
+              "offload_policy": (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload
+                                 else OffloadPolicy())}
         for block in model.layers.values():
             fully_shard(block, reshard_after_forward=zero_stage == 3, **kw)
         fully_shard(model, reshard_after_forward=zero_stage == 3, **kw)
