@@ -12,7 +12,6 @@ from hpctrain.config import (
     ConfigError,
     OptimImpl,
     OptimName,
-    PrecisionName,
     check_keys,
     check_values,
     signal_number,
@@ -99,9 +98,6 @@ def resolve(cfg, world: int = 1) -> RunShape:
     if t.export_hf_at_end and not t.checkpointing:
         raise ConfigError("train.export_hf_at_end=true exports the final checkpoint, and train.checkpointing=false "
                           "writes none: drop one of them")
-    if world > 1 and cfg.precision.name == PrecisionName.fp16:
-        raise ConfigError(f"precision=fp16 (loss scaling) is not available with multi-process layouts "
-                          f"(world {world}) yet: use precision=bf16")
     gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, layout.dp)
     layout.check_microbatches(ga)
     if t.seq_len is not None and t.seq_len > m.max_seq_len:

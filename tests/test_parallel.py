@@ -18,6 +18,7 @@ from helpers import (
     fsdp_unsharded_bytes,
     held_grad_bytes,
     read,
+    records,
     run_layout,
     step_metrics,
 )
@@ -96,7 +97,6 @@ def test_checkpoint_reshards_across_layouts(make_cfg, tmp_path):
     (["parallel.pp=2", "model.n_layers=3"], 2, ["model.n_layers=3", "parallel.pp"]),
     (["parallel=fsdp", "parallel.zero_stage=1"], 2, ["zero_stage=1"]),
     (["parallel=ddp", "parallel.cpu_offload=true"], 2, ["cpu_offload", "zero_stage=0"]),
-    (["parallel=ddp", "precision=fp16"], 2, ["fp16", "bf16"]),
     (["parallel=fsdp", "train.global_batch=6"], 4, ["global_batch=6", "4×4"]),
 ])
 def test_layout_errors_are_one_line(make_cfg, overrides, world, words):
@@ -441,3 +441,50 @@ def test_evaluation_is_split_over_data_parallel_ranks(make_cfg, tmp_path, layout
     one = list(val_share(data, make_cfg(*ev), resolve(make_cfg(*ev), 1), 0))
     assert torch.equal(torch.cat(one[0::2]), torch.cat(shares[0])) and torch.equal(torch.cat(one[1::2]),
                                                                                    torch.cat(shares[1]))
+
+
+def _agreed_overflow(out: str) -> None:
+    """Rank 0's gradient overflows, rank 1's does not: both must skip the step and back off alike."""
+    import torch
+
+    from hpctrain.parallel import process_group
+    from hpctrain.training.precision import AgreedGradScaler
+
+    env = process_group.init(60.0)
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = AgreedGradScaler("cpu", init_scale=1024.0)
+    scaler.scale(p.sum()).backward()
+    if env.rank == 0:
+        p.grad[0] = float("inf")
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    with open(f"{out}.{env.rank}", "w") as f:
+        f.write(f"{scaler.get_scale()} {p.detach().tolist()}")
+    process_group.shutdown()
+
+
+@pytest.mark.multiproc
+def test_fp16_overflow_is_agreed_by_every_rank(tmp_path):
+    from hpctrain.cluster.spawn import spawn
+
+    spawn(2, _agreed_overflow, (str(tmp_path / "r"),), threads=1)
+    assert read(tmp_path / "r.0") == read(tmp_path / "r.1") == "512.0 [1.0, 1.0, 1.0, 1.0]"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [["parallel=fsdp", "parallel.dp=2"], ["parallel=tp2"], ["parallel=dp2_tp2"],
+                                    ["parallel=pp2"]], ids=["fsdp", "tp2", "dp2_tp2", "pp2"])
+def test_fp16_in_several_processes_tracks_one_process(make_cfg, tmp_path, layout):
+    """precision=fp16 with one loss scale for all ranks: every step overflowing from a huge initial scale is skipped
+    on every rank as in one process (same losses, same scales), then, from a workable scale, the run tracks
+    one-process fp16."""
+    untied = ["model.tie_embeddings=false"] if "pp2" in layout[0] else []
+    for init, tol in ((2.0**40, 1e-5), (2.0**16, 2e-3)):
+        fp16 = ("precision=fp16", f"precision.loss_scale_init={init}", *untied)
+        ref = run_layout(make_cfg, tmp_path / f"one-{init}", *fp16)
+        got = run_layout(make_cfg, tmp_path / f"got-{init}", *fp16, *layout)
+        scales = [[r["loss_scale"] for r in records(tmp_path / f"{w}-{init}") if "loss" in r] for w in ("one", "got")]
+        assert scales[0] == scales[1], scales
+        assert max(abs(ref[s][0] - got[s][0]) for s in ref) <= tol, (init, ref, got)

@@ -6,6 +6,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hpctrain.config import PrecisionName
 
@@ -22,6 +24,30 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
 
+class AgreedGradScaler(torch.amp.GradScaler):
+    """fp16 loss scaling with one scale for every rank of a multi-process layout.
+
+    Each rank unscales the pieces of the gradients it holds (a DTensor's local shard: tensor parallelism and FSDP2
+    shard them), and an inf/nan anywhere is an overflow everywhere: the found-inf flag is all-reduced (MAX) over
+    all ranks, so every rank skips the same steps and backs the scale off alike. One process: plain GradScaler.
+    """
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                        by_dtype.setdefault(g.dtype, []).append(g)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)  # on the gradients' device: gloo CPU, NCCL GPU
+        return {found_inf.device: found_inf}
+
+
 def compute_dtype(pcfg) -> torch.dtype | None:
     """The low-precision compute dtype of precision=bf16|fp16; None for fp32 and tf32."""
     return {PrecisionName.bf16: torch.bfloat16, PrecisionName.fp16: torch.float16}.get(PrecisionName(pcfg.name))
@@ -36,7 +62,7 @@ def setup_precision(pcfg, device: torch.device) -> Precision:
     dtype = compute_dtype(pcfg)
     scaler = None
     if name == PrecisionName.fp16:
-        scaler = torch.amp.GradScaler(
+        scaler = AgreedGradScaler(
             device.type, init_scale=pcfg.loss_scale_init, growth_interval=pcfg.loss_scale_growth_interval
         )
     return Precision(dtype, scaler, device.type)

@@ -221,11 +221,11 @@ class PipelineTrainStep(TrainStep):
         self.n_microbatches = n_microbatches
         self.schedule = getattr(schedules, name)(stages if multi else stages[0], n_microbatches,
                                                  loss_fn=self._loss, scale_grads=False)
-        self._denom = 1.0
+        self._denom, self._scale = 1.0, 1.0
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Targets of -100 (padding in evaluation) count nothing: cross_entropy's ignore_index.
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / self._denom
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / self._denom * self._scale
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
         """One schedule run over n_microbatches micro-batches stacked along dim 0."""
@@ -242,8 +242,12 @@ class PipelineTrainStep(TrainStep):
 
     def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int) -> torch.Tensor:
         self._denom = float(n_tokens)
+        # fp16: the schedule backpropagates the loss it is given, so the scale goes in there (a power of two:
+        # exact); scale() also sets the scaler up on the stages without a loss, which unscale too.
+        scaler = self.precision.scaler
+        self._scale = scaler.scale(torch.ones((), device=self.device)).item() if scaler else 1.0
         batch = torch.cat(list(micro_batches))  # token ids: the step's whole local batch is small
-        total = self._run(batch[:, :-1], batch[:, 1:], forward_only=False)
+        total = self._run(batch[:, :-1], batch[:, 1:], forward_only=False) / self._scale
         dist.all_reduce(total, group=self.mesh["pp"].get_group())  # only the last stage holds the loss
         return total
 
@@ -251,7 +255,7 @@ class PipelineTrainStep(TrainStep):
     def evaluate(self, batches) -> float:
         """Validation batches go through the schedule n_microbatches at a time, as training's micro-batches do;
         a short last group (or batch) is padded with samples whose targets count nothing."""
-        self._denom = 1.0
+        self._denom, self._scale = 1.0, 1.0
         self.model.eval()
         total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
         group: list[torch.Tensor] = []
