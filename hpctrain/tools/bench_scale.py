@@ -58,13 +58,16 @@ def _overrides(data: str, run_dir: str, extra: list[str]) -> list[str]:
             "optim.warmup_steps=0", "cluster.num_threads=1", *extra]
 
 
+def _cell(value: float | None, width: int) -> str:
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.2f}"
+
+
 def report(result: dict, run_dir: str) -> list[str]:
     mem = result["memory"]
     lines = [f"{'rank':>4} {'start-up GiB':>13} {'step GiB':>9} {'planner GiB':>12} {'step/planner':>13}"]
-    shown = lambda v, width: f"{'n/a':>{width}}" if v is None else f"{v:>{width}.2f}"  # noqa: E731
     for rank, (start, step, plan) in enumerate(zip(mem["startup_gib"], mem["step_gib"], mem["planned_gib"])):
-        lines.append(f"{rank:>4} {shown(start, 13)} {shown(step, 9)} {shown(plan, 12)} "
-                     f"{shown(None if step is None else step / plan, 13)}")
+        lines.append(f"{rank:>4} {_cell(start, 13)} {_cell(step, 9)} {_cell(plan, 12)} "
+                     f"{_cell(None if step is None else step / plan, 13)}")
     steps = [r for r in read_metrics(run_dir) if "loss" in r]
     lines.append("steps: " + "; ".join(f"{r['step']}: loss {r['loss']:.3f}, {r['step_time_s']:.1f} s" for r in steps))
     return lines

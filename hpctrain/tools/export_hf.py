@@ -4,7 +4,7 @@ OUT gets config.json, the weights as safetensors files of at most `SHARD_BYTES` 
 hub uses), and the tokenizer the run's shards were made with, so that `AutoModelForCausalLM.from_pretrained(OUT)`
 and `AutoTokenizer.from_pretrained(OUT)` load it. The checkpoint is read one output file at a time, whatever
 layout wrote it: memory stays one file's worth, never the whole model. OUT is written under a temporary name and
-renamed when complete; an existing non-empty OUT is refused, never overwritten.
+renamed when complete; an existing OUT is refused, never overwritten.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
     from hpctrain.files import fsync_dir, write_json
     from hpctrain.models import spec_of
 
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ExportError(f"{out} exists and is not an empty directory: choose a new OUT (nothing is overwritten)")
+    if os.path.lexists(out):
+        raise ExportError(f"{out} exists: choose a new OUT (nothing is ever overwritten or removed)")
     spec = spec_of(cfg)
     args, hf = spec.args(cfg.model), spec.hf()
     names = hf.key_map(args.n_layers)
@@ -71,8 +71,6 @@ def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
     ids = {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
     hf.to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
     fsync_dir(tmp)
-    if os.path.isdir(out):
-        os.rmdir(out)  # empty (checked above); ours to replace
     os.rename(tmp, out)
     return out
 
