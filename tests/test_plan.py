@@ -235,10 +235,13 @@ def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, 
 
 
 @pytest.mark.multiproc
-def test_bench_scale_smoke(tmp_path, capsys):
+def test_bench_scale_smoke(tmp_path, capsys, monkeypatch):
     """`make bench-scale`'s code path on a shrunken llama_1b (its 128k vocabulary kept): the synthetic data is made
     once and reused, and every rank's peaks are printed against the planner."""
     from hpctrain.tools import bench_scale
+
+    # malloc's mmap threshold, once fixed, would stay fixed for the rest of this test process.
+    monkeypatch.setattr(bench_scale, "_fix_mmap_threshold", lambda: False)
 
     small = ["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=128"]
     result = bench_scale.main(["--out", str(tmp_path), *small])
