@@ -239,11 +239,6 @@ def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[float]:
     return [total(row, mode) for row in estimate(cfg, plan, seq_len)["rows"]]
 
 
-def worst_stage_bytes(cfg, plan: RunShape, seq_len: int) -> float:
-    """Estimated memory of the most loaded device, with the run's activation checkpointing."""
-    return max(stage_bytes(cfg, plan, seq_len))
-
-
 def _peak_tflops(cfg) -> float | None:
     if cfg.cluster.peak_tflops:
         return cfg.cluster.peak_tflops

@@ -101,9 +101,3 @@ class Peaks:
 def _gib(nbytes: float | None) -> float | None:
     return None if nbytes is None else round(nbytes / 2**30, 4)
 
-
-def planned_bytes(cfg, shape, seq_len: int, stage: int) -> float:
-    """The planner's estimate for a device of pipeline stage `stage`, with the run's activation checkpointing."""
-    from hpctrain.tools.planner import stage_bytes
-
-    return stage_bytes(cfg, shape, seq_len)[stage]

@@ -30,18 +30,28 @@ def build_model(cfg, spec: ModelSpec, layout: Layout, device: torch.device, mesh
 HF_PREFIX = "hf:"
 
 
+def _init_source(cfg) -> tuple[bool, str] | None:
+    """model.init_from as (a transformers directory?, its path), or None when unset."""
+    source = cfg.model.init_from
+    if source is None:
+        return None
+    hf = source.startswith(HF_PREFIX)
+    return hf, os.path.expanduser(source[len(HF_PREFIX):] if hf else source)
+
+
 def check_init_from(cfg, spec: ModelSpec) -> None:
     """model.init_from names weights this model can start from (one-line ValueError/CheckpointError otherwise);
     reads only metadata, before anything is spawned."""
     from hpctrain import checkpoint
 
-    source = cfg.model.init_from
+    source = _init_source(cfg)
     if source is None:
         return
-    if source.startswith(HF_PREFIX):
-        spec.hf().check_hf_dir(os.path.expanduser(source[len(HF_PREFIX):]), spec.args(cfg.model))
+    hf, path = source
+    if hf:
+        spec.hf().check_hf_dir(path, spec.args(cfg.model))
     else:
-        checkpoint.check_loadable(os.path.expanduser(source))
+        checkpoint.check_loadable(path)
 
 
 def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | None:
@@ -49,11 +59,12 @@ def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | 
     what was loaded (None when unset). Collective when distributed."""
     from hpctrain import checkpoint
 
-    source = cfg.model.init_from
+    source = _init_source(cfg)
     if source is None:
         return None
-    if source.startswith(HF_PREFIX):
-        spec.hf().load_hf_weights(model, os.path.expanduser(source[len(HF_PREFIX):]), spec.args(cfg.model))
+    hf, path = source
+    if hf:
+        spec.hf().load_hf_weights(model, path, spec.args(cfg.model))
     else:
-        checkpoint.load_weights(os.path.expanduser(source), model)
-    return source
+        checkpoint.load_weights(path, model)
+    return cfg.model.init_from

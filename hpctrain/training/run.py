@@ -27,11 +27,13 @@ log = logging.getLogger("hpctrain")
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated run: its shape (layout and batch split), its data directory and sequence length."""
+    """A validated run: its shape (layout and batch split), its data directory and sequence length, and the
+    planner's memory estimate for a device of each pipeline stage (bytes)."""
 
     shape: RunShape
     data_dir: str
     seq_len: int
+    planned: tuple[float, ...]
 
 
 def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
@@ -44,9 +46,12 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg.train.resume)
     _check_init_from(cfg)
+    from hpctrain.tools.planner import stage_bytes
+
+    planned = tuple(stage_bytes(cfg, shape, seq_len))
     if local:
-        _check_memory(cfg, shape, seq_len)
-    return Prepared(shape, data_dir, seq_len)
+        _check_memory(cfg, shape, seq_len, max(planned))
+    return Prepared(shape, data_dir, seq_len, planned)
 
 
 def _demo_requested(cfg, path: str) -> bool:
@@ -130,19 +135,18 @@ def _available_memory() -> float | None:
     return None
 
 
-def _check_memory(cfg, shape: RunShape, seq_len: int) -> None:
+def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float) -> None:
     """Refuse a micro-batch that cannot fit. A CPU-only torch trains on the host: against this machine's
     available memory, for all its local ranks; a CUDA build trains on GPUs: against cluster.gpu_mem_gb when
     given. No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's
-    estimate is approximate, so only what exceeds the whole capacity is refused."""
-    from hpctrain.tools.planner import worst_stage_bytes
-
+    estimate (`worst`: the most loaded device's bytes) is approximate, so only what exceeds the whole capacity
+    is refused."""
     if torch.backends.cuda.is_built():  # one rank per device
         cap, where, ranks = (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}", 1
     else:  # every rank started here shares this machine
         cap, where = _available_memory() or 0, "this machine's available memory"
         ranks = shape.world if process_group.launched_world() is None else 1
-    need = worst_stage_bytes(cfg, shape, seq_len) * ranks if cap else 0
+    need = worst * ranks if cap else 0  # an unknown capacity refuses nothing
     if need > cap:
         raise TrainingError(
             f"train.micro_batch={shape.micro_batch} (seq_len {seq_len}) needs about {need / 2**30:.1f} GiB, more "

@@ -26,7 +26,7 @@ from hpctrain.models import spec_of
 from hpctrain.training.checkpointer import Checkpointer
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, val_share
-from hpctrain.training.memory import MemoryProbe, Peaks, planned_bytes
+from hpctrain.training.memory import MemoryProbe, Peaks
 from hpctrain.training.metrics import Metrics, Throughput, peak_flops
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
@@ -79,8 +79,7 @@ class Trainer:
         self.evaluator = Evaluator(t.eval_every, t.max_steps,
                                    lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
         self.signals = job.StopSignals(cfg.cluster.signal)
-        self.peaks = Peaks(self.memory.peak(), planned_bytes(cfg, shape, prepared.seq_len,
-                                                             self.mesh["pp"].get_local_rank()),
+        self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
         self.memory.reset()
         self._log_start(prepared.seq_len)
