@@ -29,7 +29,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -72,6 +72,11 @@ bench-host: install
 # llama_1b (1.24 B parameters), fsdp dp=2, two bf16 steps: ~22.3 GiB free memory (make slurm-down first), ~2 min.
 bench-scale: install
 	$(PY) -m hpctrain.tools.bench_scale
+
+# Training stall per checkpoint, sync vs train.ckpt_async=true, against the disk's O_DIRECT write speed:
+# llama_350m (4.2 GB checkpoints), ~11 GiB memory and ~9 GB free disk under outputs/, ~2 min.
+bench-ckpt: install
+	$(PY) -m hpctrain.tools.bench_ckpt
 
 # --- data preparation (data_prep/) ---------------------------------------------------------------
 CORPUS ?=

@@ -12,6 +12,7 @@ manifest, shards and the tokenizer that produced them.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 
@@ -62,6 +63,21 @@ def build_synthetic(out_dir: str, vocab_size: int, seq_len: int, samples: int, v
                         created_by={"tool": "data_prep.synthetic", "settings": {
                             "vocab_size": vocab_size, "seq_len": seq_len, "samples": samples,
                             "val_samples": val_samples, "seed": seed, "shards": shards}})
+
+
+def cached_synthetic(out_dir: str, vocab_size: int, seq_len: int, samples: int, shards: int = 8) -> str:
+    """`out_dir` holding a synthetic shard set of these settings: built once, reused by later calls (the
+    benchmarks'); a DataError when it holds another shard set."""
+    from data_prep.shard_format import MANIFEST_NAME, read_manifest
+
+    if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
+        m = read_manifest(out_dir)
+        if m.vocab_size == vocab_size and m.block_len == seq_len + 1 and m.num_samples("train") >= samples:
+            return out_dir
+        raise DataError(f"{out_dir} holds another shard set (vocabulary {m.vocab_size}, blocks of {m.block_len}): "
+                        "remove it or choose another directory")
+    build_synthetic(out_dir, vocab_size, seq_len, samples, shards=shards)
+    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hpctrain.errors import CheckpointError
 from hpctrain.files import free_name, write_json
+from hpctrain.parallel.parallelize import tied_aliases
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -225,8 +226,23 @@ def latest(run_dir: str) -> str | None:
     return done[-1] if done else None
 
 
-def _model_optim_state(model, optimizer) -> dict:
+def _renamed(optim_sd: dict, aliases: dict[str, str], back: bool = False) -> dict:
+    """Flattened optimizer state with the keys of tied copies (`state.output.weight.exp_avg`) under the name of
+    the Parameter they copy, as one process saves it (`back`: the other way), so checkpoints reshard between a
+    pipeline and one process."""
+    for copy, source in aliases.items():
+        old, new = (source, copy) if back else (copy, source)
+        for part in ("state", "param_groups"):
+            prefix = f"{part}.{old}."
+            for key in [k for k in optim_sd if k.startswith(prefix)]:
+                optim_sd[f"{part}.{new}.{key[len(prefix):]}"] = optim_sd.pop(key)
+    return optim_sd
+
+
+def state_of(model, optimizer) -> dict:
+    """What a checkpoint's shards hold: model, optimizer (flattened) and this rank's RNG state."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    optim_sd = _renamed(optim_sd, tied_aliases(model))
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"cpu_rank{rank}": torch.get_rng_state()}}
     if torch.cuda.is_available():
@@ -234,31 +250,58 @@ def _model_optim_state(model, optimizer) -> dict:
     return state
 
 
-def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: int) -> str:
-    """Write checkpoint `step` atomically (collective: every rank calls it); return its path."""
-    final = os.path.join(root(run_dir), f"step-{step:07d}")
+def begin(run_dir: str, step: int) -> str:
+    """The hidden directory checkpoint `step` is written into, empty (collective); `publish` makes it complete."""
     tmp = os.path.join(root(run_dir), f".tmp-step-{step:07d}")
     if _is_main():
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, left over from a crash mid-save
         os.makedirs(tmp)
     _barrier()
-    dcp.save(_model_optim_state(model, optimizer), checkpoint_id=tmp)
-    if _is_main():
-        write_json(os.path.join(tmp, STATE_FILE), trainer_state)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        link_tmp = os.path.join(root(run_dir), ".latest.tmp")
-        if os.path.lexists(link_tmp):
-            os.remove(link_tmp)
-        os.symlink(os.path.basename(final), link_tmp)
-        link = os.path.join(root(run_dir), "latest")
-        if os.path.isdir(link) and not os.path.islink(link):  # a run copied without symlinks (cp -r): kept
-            os.rename(link, free_name(link + ".copy"))
-        os.replace(link_tmp, link)
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    return tmp
+
+
+def write(state: dict, tmp: str, threads: int = 1, group=None) -> None:
+    """DCP's write of `state` into `tmp` (collective over `group`), `threads` files at once per rank."""
+    dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=threads), process_group=group)
+
+
+def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: int, threads: int = 1) -> str:
+    """Write checkpoint `step` atomically (collective: every rank calls it); return its path."""
+    tmp = begin(run_dir, step)
+    write(state_of(model, optimizer), tmp, threads)
+    final = publish(run_dir, step, trainer_state, keep) if _is_main() else None
     _barrier()
+    return final or os.path.join(root(run_dir), f"step-{step:07d}")
+
+
+def dcp_failure(e: BaseException) -> str:
+    """A failed DCP save or load as one line (DCP gathers every rank's failures into one exception, raised on all)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        e = next((exc for exc, _trace in e.failures.values()), e)
+    return _describe(e)
+
+
+def publish(run_dir: str, step: int, trainer_state: dict, keep: int) -> str:
+    """Rank 0, once the shards of checkpoint `step` are written: its trainer state, the rename that makes it
+    complete, `latest`, and the removal of the complete checkpoints beyond the newest `keep`."""
+    final = os.path.join(root(run_dir), f"step-{step:07d}")
+    tmp = os.path.join(root(run_dir), f".tmp-step-{step:07d}")
+    write_json(os.path.join(tmp, STATE_FILE), trainer_state)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    link_tmp = os.path.join(root(run_dir), ".latest.tmp")
+    if os.path.lexists(link_tmp):
+        os.remove(link_tmp)
+    os.symlink(os.path.basename(final), link_tmp)
+    link = os.path.join(root(run_dir), "latest")
+    if os.path.isdir(link) and not os.path.islink(link):  # a run copied without symlinks (cp -r): kept
+        os.rename(link, free_name(link + ".copy"))
+    os.replace(link_tmp, link)
+    for old in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -310,8 +353,7 @@ def _dcp_load(state: dict, path: str, reader: _SafeReader | None = None, **kwarg
         dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=_SafeLoadPlanner(), **kwargs)
     except CheckpointException as e:  # a BaseException in DCP: it would escape `except Exception`
         # DCP gathers every rank's failures and raises them on all ranks: each rank takes the same decision.
-        cause = next((exc for exc, _trace in e.failures.values()), e)
-        raise cannot_load(path, _describe(cause)) from None
+        raise cannot_load(path, dcp_failure(e)) from None
 
 
 def load(path: str, model, optimizer) -> dict:
@@ -319,12 +361,12 @@ def load(path: str, model, optimizer) -> dict:
     Collective when distributed: a damaged checkpoint raises the same CheckpointError on every rank."""
     saved, reader = _agreed(lambda: (_read_trainer_state(path), _SafeReader(path)))
     present = reader.metadata.state_dict_metadata
-    state = _model_optim_state(model, optimizer)
+    state = state_of(model, optimizer)
     # RNG streams are per rank: a resume on more ranks than were saved starts the new ones fresh.
     state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in present}
     _dcp_load(state, path, reader)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_OPTIONS)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=_renamed(state["optim"], tied_aliases(model), back=True), options=_OPTIONS)
     for key, value in state["rng"].items():
         if key.startswith("cpu"):
             torch.set_rng_state(value)

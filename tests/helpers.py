@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -87,8 +88,10 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
     of a new interpreter's seconds), with its own stdout/stderr files, cwd and environment. The exit code is
     main's return value, a SystemExit's code, or 1 with the traceback on stderr, as `python -m` would give."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        gc.collect()  # as hpctrain.cluster.spawn does: garbage process groups destroyed here, never in the child
         pid = os.fork()
         if pid == 0:  # the child: never returns into pytest
+            gc.freeze()
             code = 1
             try:
                 os.dup2(out.fileno(), 1)

@@ -402,7 +402,8 @@ def test_real_checkpoints_load(run_with_ckpts, make_cfg):
 
 @pytest.mark.multiproc
 def test_a_multi_rank_checkpoint_loads_in_one_process(make_cfg, tmp_path):
-    """Saved by 2 ranks (FSDP, DTensor shards in two files): resumed and exported by one process."""
+    """Saved by 2 ranks (FSDP, DTensor shards in two files per rank: train.ckpt_write_threads=2): resumed and exported
+    by one process."""
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
     from hpctrain.training.optim import build_optimizer
@@ -411,7 +412,8 @@ def test_a_multi_rank_checkpoint_loads_in_one_process(make_cfg, tmp_path):
                    "train.eval_every=0", "cluster.num_threads=1")
     train(cfg, str(tmp_path / "run"))
     ckpt = _step(tmp_path / "run", 2)
-    assert sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) == [
+        "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]
     model = Llama(model_args(cfg))
     path, state = checkpoint.load_newest(str(tmp_path / "run"), model, build_optimizer(model, cfg.optim, 0.1))
     assert path == os.path.realpath(ckpt) and state["run"]["step"] == 2

@@ -327,3 +327,21 @@ def test_export_hf_at_end(make_cfg, tmp_path):
     stamp = (out / "config.json").stat().st_mtime_ns
     assert train(cfg, str(tmp_path))["status"] == "completed"
     assert (out / "config.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.multiproc
+def test_tied_hf_weights_start_a_pipeline_as_one_process(make_cfg, tmp_path):
+    """A tied checkpoint (no lm_head.weight in the files) under pp2: the last stage's copy of the embedding is read
+    from the embedding's tensor, so the first step is one process's."""
+    from hpctrain.training.run import train
+
+    path = _published(tmp_path, tie=True)
+    run = ("model.tie_embeddings=true", f"model.init_from=hf:{path}", "train.max_steps=1", "train.eval_every=0",
+           "train.checkpointing=false", "train.global_batch=4", "train.micro_batch=2", "train.grad_accum=null",
+           "train.tensorboard=false", "cluster.num_threads=1")
+    refs = {}
+    for name, layout in (("one", []), ("pp2", ["parallel=pp2"])):
+        assert train(make_cfg(*run, *layout), str(tmp_path / name))["status"] == "completed"
+        refs[name] = _step_one(tmp_path / name)
+    (loss, norm), (want_loss, want_norm) = refs["pp2"], refs["one"]
+    assert abs(loss - want_loss) <= TOL and abs(norm - want_norm) <= TOL * want_norm, refs

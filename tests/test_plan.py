@@ -255,3 +255,38 @@ def test_bench_scale_smoke(tmp_path, capsys, monkeypatch):
     bench_scale.main(["--out", str(tmp_path), *small])  # the data is reused, the first run moved aside
     assert (tmp_path / "data" / "manifest.json").stat().st_mtime_ns == manifest
     assert (tmp_path / "run" / "previous").is_dir()
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel=fsdp", "parallel.dp=2"]])
+def test_async_host_copy_is_the_checkpoints_share(make_cfg, synthetic_shards, tmp_path, layout):
+    """train.ckpt_async keeps a host copy of each rank's share of a checkpoint: the planner's line against the
+    bytes of a real checkpoint (every rank's shards, with DCP's per-tensor headers)."""
+    from hpctrain.training.run import train
+
+    run = (*MEDIUM, *layout, f"data.path={synthetic_shards(8192, 32)}", "train.seq_len=32", "train.global_batch=2",
+           "train.grad_accum=null")
+    cfg = make_cfg(*run, "train.ckpt_async=true", "train.max_steps=1", "train.ckpt_every=1", "train.eval_every=0",
+                   small_model=False)
+    train(cfg, str(tmp_path))
+    ck = tmp_path / "checkpoints" / "step-0000001"
+    on_disk = sum(f.stat().st_size for f in ck.iterdir() if f.name.endswith(".distcp"))
+    shape = resolve(cfg, 2 if layout else 1)
+    planned = estimate(cfg, shape, 32)["rows"][0]["async_copy"] * shape.dp
+    assert abs(planned - on_disk) <= 0.02 * on_disk, (planned, on_disk)
+    off = make_cfg(*run, small_model=False)
+    assert estimate(off, resolve(off, 2 if layout else 1), 32)["rows"][0]["async_copy"] == 0
+
+
+def test_bench_ckpt_smoke(tmp_path, capsys):
+    """`make bench-ckpt`'s code path on a small model: both runs, the disk's speed, every figure printed; the runs'
+    directory removed afterwards, the synthetic data kept."""
+    from hpctrain.tools import bench_ckpt
+
+    figures = bench_ckpt.main(["--out", str(tmp_path), "--model", "tiny", "--steps", "4", "--every", "2",
+                               "model.dim=64", "model.n_layers=2"])
+    out = capsys.readouterr().out
+    assert len(figures["sync_stalls_s"]) == len(figures["async_stalls_s"]) == len(figures["async_write_s"]) == 2
+    assert all(s > 0 for s in figures["sync_stalls_s"] + figures["async_stalls_s"]) and figures["checkpoint_gb"] > 0
+    assert len(figures["raw_write_gb_s"]) == 3 and min(figures["raw_write_gb_s"]) > 0
+    assert "sync:  stall per save" in out and "async: stall per save" in out and "% of raw" in out, out
+    assert sorted(os.listdir(tmp_path)) == ["data"]

@@ -316,14 +316,16 @@ def _checkpoint_with_nan_weight(make_cfg, tmp_path, into: str = "nan-ckpt") -> s
     return checkpoint.latest(str(tmp_path / into))
 
 
-def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path):
+@pytest.mark.parametrize("ckpt_async", [False, True])
+def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path, ckpt_async):
     """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: resumed from a
-    checkpoint holding a NaN weight)."""
+    checkpoint holding a NaN weight). Written in the background, the host copy is what is checked."""
     from hpctrain import checkpoint
 
     _checkpoint_with_nan_weight(make_cfg, tmp_path, into="run")
     with pytest.raises(TrainingError, match="not finite after step 3; no checkpoint written") as e:
-        train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.max_nonfinite=5"), str(tmp_path / "run"))
+        train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.max_nonfinite=5",
+                       f"train.ckpt_async={ckpt_async}"), str(tmp_path / "run"))
     assert "lower optim.lr" in str(e.value) and "\n" not in str(e.value)
     assert read_json(tmp_path / "run" / "result.json")["status"] == "failed"
     assert [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(tmp_path / "run"))] == ["step-0000002"]
@@ -390,9 +392,10 @@ def test_resume_from_an_older_checkpoint_of_the_same_run_starts_a_new_timeline(m
     assert "step-0000004" in os.listdir(previous / "checkpoints")
 
 
-def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, demo_data):
+@pytest.mark.parametrize("ckpt_async", [False, True])
+def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, demo_data, ckpt_async):
     """The step's checkpoint is written before its evaluation: a validation shard found corrupt at step 2 costs
-    no finished step."""
+    no finished step (written in the background: it is finished and published before the run ends)."""
     import shutil
 
     from data_prep.shard_format import read_manifest
@@ -406,8 +409,8 @@ def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, de
             f.seek(600)
             f.write(b"\xff" * 64)  # tokens changed: the checksum no longer matches
     with pytest.raises(DataError, match="checksum"):
-        train(make_cfg(f"data.path={data}", "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2"),
-              str(tmp_path / "run"))
+        train(make_cfg(f"data.path={data}", "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2",
+                       f"train.ckpt_async={ckpt_async}"), str(tmp_path / "run"))
     assert checkpoint.latest(str(tmp_path / "run")).endswith("step-0000002")
 
 

@@ -14,11 +14,11 @@ import signal
 import subprocess
 import threading
 
-import torch
 import torch.distributed as dist
 
 from hpctrain.config import signal_number
 from hpctrain.files import read_json, write_json
+from hpctrain.parallel.vote import OverlappedVote
 
 log = logging.getLogger("hpctrain")
 
@@ -51,7 +51,7 @@ class StopSignals:
         self.preempt_sig = signal_number(signame)
         self.noted = 0
         self._previous = {}
-        self._vote = None  # (work, flag) of the agreement started after the last step
+        self._vote = OverlappedVote()  # the agreement started after the last step
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread may handle signals (e.g. train() called from a worker thread)
         for sig, kind in ((self.preempt_sig, PREEMPT), (signal.SIGTERM, TERMINATE)):
@@ -74,14 +74,10 @@ class StopSignals:
         """
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.noted
-        if self._vote is not None:
-            work, flag = self._vote
-            work.wait()
-            self._vote = None
-            if flag.item():
-                return int(flag.item())
-        flag = torch.tensor([self.noted], dtype=torch.int32)  # CPU tensor: gloo, no device sync
-        self._vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        answer = self._vote.collect()
+        if answer and answer[0]:
+            return answer[0]
+        self._vote.start([self.noted])
         return 0
 
     def requeue(self) -> None:
@@ -107,9 +103,7 @@ class StopSignals:
     def restore(self, drain: bool = True) -> None:
         """Put the previous handlers back. `drain`: first collect the vote in flight, so that no collective is left
         pending (not after a failure: a rank that died might never join it, and this process is ending)."""
-        if self._vote is not None and drain:
-            self._vote[0].wait()
-        self._vote = None
+        self._vote.drop(drain)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
 

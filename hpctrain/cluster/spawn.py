@@ -8,6 +8,7 @@ fails, it stops the others and raises naming that rank.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -32,6 +33,9 @@ def free_port() -> int:
 
 def _child(rank: int, env: dict[str, str], threads: int, fn: Callable, args: tuple, quiet: tuple,
            errors) -> None:
+    # The parent's objects are never collected here: a process group among them would wait forever in its
+    # destructor for the parent's gloo threads, which a forked child does not have.
+    gc.freeze()
     os.environ.update(env)
     code = 0
     try:
@@ -82,6 +86,7 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
     base = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port())}
     ctx = mp.get_context("fork")
+    gc.collect()  # the parent's garbage (an earlier run's process groups) freed here, where its threads are
     errors = ctx.SimpleQueue()
     procs = []
     for rank in range(world):

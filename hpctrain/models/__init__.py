@@ -9,7 +9,8 @@ The module contract every family's model follows: blocks in `model.layers`, an `
 global layer index (names stay stable when a pipeline stage drops layers); the modules named in
 `first_stage` / `last_stage` may be None on the stages that do not hold them; `forward(tokens)` returns
 logits (a middle stage takes and returns hidden states); `init_weights()` draws every parameter and
-`init_buffers()` fills the non-persistent buffers (after `to_empty()`); `tie_weights()` re-ties shared ones.
+`init_buffers()` fills the non-persistent buffers (after `to_empty()`); `tie_weights()` re-ties shared ones
+(a Parameter shared by modules of different pipeline stages becomes one copy per stage, kept equal).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ What is model-specific (module names, the tensor-parallel plan) comes from the m
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hpctrain.config import ActCkpt
@@ -38,9 +40,16 @@ class StageParts(nn.Module):
     where another stage holds them). This view registers the chunks' submodules under their usual
     names, so optimizer, state dicts and DCP checkpoints use `layers.{global index}...` in every
     layout and reshard across them. It has no forward: the pipeline schedule runs the chunks.
+
+    Tied parameters on different stages (a tied embedding: the first stage's table, the last stage's head), as
+    Megatron does: each stage holds its own copy, drawn (and loaded) with the same values; their gradients are
+    summed across the two every step (`sync_tied_grads`), so both take the same steps. `tied_aliases` maps this
+    rank's copies to the one-process name of the Parameter they copy (for initialisation and optimizer state);
+    `tied_copies` are left out of the gradient norm, which counts a tied Parameter once as one process does.
     """
 
-    def __init__(self, chunks: list[nn.Module], stages: list[int], n_stages: int, spec: ModelSpec):
+    def __init__(self, chunks: list[nn.Module], stages: list[int], n_stages: int, spec: ModelSpec,
+                 tied: dict[str, str] | None = None, tie_group=None):
         super().__init__()
         self.chunks, self.stages, self.n_stages = chunks, stages, n_stages  # a plain list: no duplicate FQNs
         self.layers = nn.ModuleDict()
@@ -50,6 +59,27 @@ class StageParts(nn.Module):
                     self.register_module(name, getattr(chunk, name))
             for name, block in chunk.layers.items():
                 self.layers[name] = block
+        here = {name for name, _ in self.named_parameters()}
+        tied = tied or {}
+        self.tied_aliases = {copy: source for copy, source in tied.items() if copy in here and source not in here}
+        self._tie_group = tie_group
+        self._tied_names = [n for pair in tied.items() for n in pair if n in here and tie_group is not None]
+
+    @property
+    def tied_copies(self) -> list[nn.Parameter]:
+        return [self.get_parameter(name) for name in self.tied_aliases]
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of tied copies across their stages (collective for the first and last stages)."""
+        for name in self._tied_names:
+            p = self.get_parameter(name)
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # A tensor-parallel embedding's gradient comes back replicated: this rank's vocab shard of it, as
+                # the head's (a local slice, no communication).
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=self._tie_group)
 
     def _apply(self, fn, recurse=True):  # to_empty / to(): the chunks' own buffers (RoPE) too
         for chunk in self.chunks:
@@ -66,10 +96,41 @@ class StageParts(nn.Module):
             chunk.init_buffers()
 
     def tie_weights(self) -> None:
-        pass  # resolve() refuses tied embeddings with pp > 1
+        pass  # tied parameters on different stages are copies, drawn and loaded alike
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline-parallel model runs through its schedule (PipelineTrainStep), not forward()")
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """{name: the name it shares a Parameter with} of a (meta) model, as one process ties them."""
+    first, tied = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """This rank's copies of tied Parameters held on another pipeline stage, by the name of what they copy."""
+    return model.tied_aliases if isinstance(model, StageParts) else {}
+
+
+def end_stages_group(mesh: DeviceMesh):
+    """The group of the first and last pipeline ranks at this rank's (dp, tp) coordinate, or None on the ranks in
+    between (collective: every rank makes every such group, in the same order)."""
+    pp_dim = mesh.mesh_dim_names.index("pp")
+    pp = mesh.mesh.shape[pp_dim]
+    if pp == 2:
+        return mesh["pp"].get_group()
+    mine = None
+    for column in mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist():
+        group = dist.new_group([column[0], column[-1]])
+        if dist.get_rank() in (column[0], column[-1]):
+            mine = group
+    return mine
 
 
 def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, virtual_stages: int,
@@ -163,6 +224,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg, spec: ModelSpec,
                 param_dtype: torch.dtype | None = None) -> nn.Module:
     """The layout's model: the model itself (pp=1) or a StageParts view of this rank's pipeline stages."""
+    tied = tied_parameters(model)
     chunks = apply_pipeline_split(model, mesh["pp"], layout.pp_virtual_stages, spec)
     for chunk in chunks:
         apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel, spec)
@@ -172,4 +234,4 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg, spec: 
     if not layout.pipelined:
         return chunks[0]
     stages = stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.pp_virtual_stages)
-    return StageParts(chunks, stages, layout.pp_stages, spec)
+    return StageParts(chunks, stages, layout.pp_stages, spec, tied, end_stages_group(mesh) if tied else None)

@@ -35,21 +35,6 @@ def _fix_mmap_threshold(nbytes: int = 64 * 1024) -> bool:
         return False
 
 
-def _data(out: str, vocab: int) -> str:
-    """The synthetic shard set, built once into `out` (reused when its settings match)."""
-    from data_prep.shard_format import MANIFEST_NAME
-    from data_prep.synthetic import build_synthetic
-    from hpctrain.data import read_manifest
-
-    if os.path.exists(os.path.join(out, MANIFEST_NAME)):
-        m = read_manifest(out)
-        if m.vocab_size == vocab and m.block_len == SEQ_LEN + 1 and m.num_samples("train") >= 8:
-            return out
-        sys.exit(f"bench-scale: {out} holds another shard set: remove it or pass --out elsewhere")
-    build_synthetic(out, vocab, SEQ_LEN, samples=16, shards=8)
-    return out
-
-
 def _overrides(data: str, run_dir: str, extra: list[str]) -> list[str]:
     return [f"run_dir={run_dir}", "model=llama_1b", "parallel=fsdp", "parallel.dp=2", "precision=bf16",
             f"data.path={data}", "data.prepare_demo=false", f"train.seq_len={SEQ_LEN}", "train.global_batch=2",
@@ -81,10 +66,15 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     fixed = _fix_mmap_threshold()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the run's lines: init time, memory, steps
+    from data_prep.shard_format import DataError
+    from data_prep.synthetic import cached_synthetic
     from hpctrain.compose import compose
     from hpctrain.training.run import train
 
-    data = _data(os.path.join(a.out, "data"), 128256)
+    try:
+        data = cached_synthetic(os.path.join(a.out, "data"), 128256, SEQ_LEN, samples=16)
+    except DataError as e:
+        sys.exit(f"bench-scale: {e} (or pass --out elsewhere)")
     run_dir = os.path.join(a.out, "run")
     cfg = compose(_overrides(data, run_dir, a.overrides))
     result = train(cfg, run_dir)

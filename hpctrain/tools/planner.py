@@ -35,6 +35,7 @@ from hpctrain.parallel.layout import world_of
 from hpctrain.parallel.process_group import local_device_count
 from hpctrain.resolve import RunShape, resolve
 from hpctrain.training.metrics import PEAK_TFLOPS
+from hpctrain.training.optim import implementation
 
 GiB = 2**30
 HEADROOM = 0.9  # usable share of device memory: allocator fragmentation, NCCL buffers, CUDA context
@@ -156,7 +157,7 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     rows = []
     for i, st in enumerate(stages):
         P = st.per_device(tp)
-        opt, opt_temp = _optimizer_bytes(cfg.optim, st, P, tp)
+        opt, opt_temp = _optimizer_bytes(cfg.optim, st, P, tp, dtensors=dp > 1 or tp > 1)
         flight = _in_flight(schedule, pp, i, m, v)
         idx = [j for chunk in st.layers for j in chunk]
         n, acts, recompute = len(idx), {}, {}
@@ -171,26 +172,30 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
                   if i == pp - 1 else 0)
         off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
         grads = off * 4 * P / z2 + (4 * P if full_grads else 0)
+        # train.ckpt_async copies the checkpoint's shard (fp32 parameters, optimizer state) to host memory, kept
+        # between saves.
+        async_copy = (4 * P + opt) / z2 if cfg.train.ckpt_async and cfg.train.checkpointing else 0
         rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P, "params": off * 4 * P / z2,
                      "grads": grads, "held_grads": grads if plan.grad_accum > 1 else 0,  # only when accumulating
                      "optim": off * opt / z2, "opt_temp": off * opt_temp / z2,
                      "copies": _copies(p.zero_stage, dp, c, st, P, tp),
                      "reducing": _reducing(p.zero_stage, dp, c, st, P, tp),
-                     "acts": acts, "recompute": recompute, "logits": logits, "flight": flight})
+                     "acts": acts, "recompute": recompute, "logits": logits, "flight": flight,
+                     "async_copy": async_copy})
     bubble = layout.bubble(m)
     flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len
     return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
             "flops": flops, "args": args, "c": c}
 
 
-def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int) -> tuple[float, float]:
+def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int, dtensors: bool) -> tuple[float, float]:
     """(state, the step's temporary): foreach optimizers make one parameter-sized temporary (AdamW: the square
-    root of the second moment); fused ones none."""
+    root of the second moment); fused ones none (`dtensors`: the layout's parameters are DTensors)."""
     name = OptimName(ocfg.name)
     state = {OptimName.adamw: 8 * P, OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0,
              OptimName.adafactor: 4 * st.factored / tp}[name]
     plain_sgd = name == OptimName.sgd and ocfg.momentum == 0
-    return state, 0 if plain_sgd or OptimImpl(ocfg.implementation) == OptimImpl.fused else 4 * P
+    return state, 0 if plain_sgd or implementation(ocfg, dtensors) == OptimImpl.fused else 4 * P
 
 
 def _copies(zero_stage: int, dp: int, c: int, st: StageParams, P: int, tp: int) -> float:
@@ -233,10 +238,11 @@ def total(row: dict, mode: str) -> float:
     return max(backward, reduced, step)
 
 
-def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[float]:
-    """Estimated memory of a device of each pipeline stage, with the run's activation checkpointing."""
+def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
+    """Estimated memory of a device of each pipeline stage, with the run's activation checkpointing, and the host
+    memory its rank holds besides (train.ckpt_async's copy)."""
     mode = ActCkpt(cfg.parallel.activation_checkpointing).value
-    return [total(row, mode) for row in estimate(cfg, plan, seq_len)["rows"]]
+    return [(total(row, mode), row["async_copy"]) for row in estimate(cfg, plan, seq_len)["rows"]]
 
 
 def _peak_tflops(cfg) -> float | None:
@@ -265,7 +271,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     out.append(f"  {'':28}" + "".join(f"{'stage ' + str(r['stage']):>10}" for r in rows))
     lines = [("parameters (fp32)", "params"), ("gradients (fp32)", "grads"),
              (f"optimizer ({OptimName(cfg.optim.name).value})", "optim"),
-             (f"optimizer temporary ({OptimImpl(cfg.optim.implementation).value})", "opt_temp"),
+             (f"optimizer temporary ({implementation(cfg.optim, plan.dp > 1 or plan.tp > 1).value})", "opt_temp"),
              (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),
              ("loss buffers (fp32 logits)", "logits"), ("last unit being reduced", "reducing")]
     for label, key in lines:
@@ -276,6 +282,9 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
         out.append(f"  {'TOTAL, ckpt=' + m:28}" + "".join(f"{gib(total(r, m)):>10}" for r in rows))
     out.append("  (TOTAL is the largest of three moments, not the sum: backward's start, backward's end under data "
                "parallelism, the optimizer step)")
+    if any(r["async_copy"] for r in rows):
+        out.append(f"  {'host copy (train.ckpt_async)':28}" + "".join(f"{gib(r['async_copy']):>10}" for r in rows)
+                   + "  (host memory per rank, besides the above)")
     flight = ", ".join(f"{r['flight']:g}" for r in rows)
     out.append(f"  micro-batches in flight: {flight} "
                f"(schedule {e['schedule']}, m={e['m']} micro-batches of {e['b']:g} sample(s))")

@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 from hpctrain import checkpoint
 from hpctrain.errors import TrainingError
-from hpctrain.training.step import params_finite
+from hpctrain.parallel.vote import OverlappedVote, any_rank
+from hpctrain.training.step import all_finite, params_finite
 
 log = logging.getLogger("hpctrain")
+
+
+class _NonFinite(Exception):
+    """The weights of a checkpoint being written are not all finite (on some rank)."""
+
+
+@dataclass
+class _Write:
+    """A checkpoint being written in the background."""
+
+    step: int
+    future: Future  # its result: when the background thread was done with it
+    started: float
 
 
 class Checkpointer:
@@ -18,29 +40,147 @@ class Checkpointer:
     `optional`: the same, None where this run has none (an fp16 loss scaler). `enabled=False`
     (train.checkpointing=false, for benchmarks): nothing is written, but the weights are still checked finite
     whenever a save was due, so a diverged run still fails.
+
+    `asynchronous` (train.ckpt_async): a save pauses training only while the state is copied to host memory (made
+    by the first save, then reused; pinned on GPU); a background thread checks the copy's weights finite and writes
+    it, with its own gloo group; rank 0's thread renames it complete and moves `latest` once DCP's coordinator has
+    every rank's shards and the metadata on disk, so a crash at any point resumes from the previous one. At most
+    one write is in flight; the ranks agree after each step (`poll`) whether every rank's write has finished, so a
+    failed write (or non-finite weights) stops every rank at the same step.
+    `stall_s` / `write_s`: how long each save held training back, and how long each took to reach the disk.
     """
 
-    def __init__(self, run_dir: str, every: int, keep: int, last_step: int, model, optimizer,
-                 parts: dict, optional: dict | None = None, enabled: bool = True):
-        self.run_dir, self.every, self.keep, self.last_step = run_dir, every, keep, last_step
-        self.enabled = enabled
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, run_dir: str, t, model, optimizer, parts: dict, optional: dict | None = None,
+                 timeout_s: float = 600.0):
+        """`t`: the run's `train` config (ckpt_every, ckpt_keep, max_steps, checkpointing, ckpt_async,
+        ckpt_write_threads); `timeout_s`: the background writes' group timeout."""
+        self.run_dir, self.every, self.keep, self.last_step = run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps
+        self.enabled, self.asynchronous, self.threads = t.checkpointing, t.ckpt_async and t.checkpointing, \
+            t.ckpt_write_threads
+        self.model, self.optimizer, self.timeout_s = model, optimizer, timeout_s
         self.parts, self.optional = parts, optional or {}
+        self.stall_s: list[float] = []
+        self.write_s: list[float] = []
+        self._writing: _Write | None = None
+        self._done = OverlappedVote()
+        self._stager = self._group = None
+        if self.asynchronous:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=gpu))
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint")
 
     def due(self, step: int, stopping: bool = False) -> bool:
         return bool(stopping or (self.every and step % self.every == 0) or step == self.last_step)
 
     def save(self, step: int) -> None:
-        if not params_finite(self.model):  # never a checkpoint that resuming would train on from NaN
-            raise TrainingError(
-                f"the parameters are not finite after step {step}; no checkpoint written (the last good one: "
-                f"{checkpoint.latest(self.run_dir) or 'none'}): lower optim.lr or raise optim.warmup_steps, then "
-                "resume from it with train.resume=PATH")
+        """Checkpoint `step` (collective). Asynchronous: after the previous write has finished."""
+        t0 = time.perf_counter()
+        self.wait()
+        if not self.asynchronous and not params_finite(self.model):
+            raise self._nonfinite(step)
         if not self.enabled:
             return
         doc = {name: part.state_dict() for name, part in self.parts.items()}
         doc.update({name: part.state_dict() if part is not None else None for name, part in self.optional.items()})
-        checkpoint.save(self.run_dir, step, self.model, self.optimizer, doc, self.keep)
+        if self.asynchronous:
+            doc = json.loads(json.dumps(doc))  # a copy: the parts move on while the write runs
+            if self._group is None:  # made at the first save (collective), destroyed by close()
+                self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            tmp = checkpoint.begin(self.run_dir, step)
+            staged = self._stager.stage(checkpoint.state_of(self.model, self.optimizer))
+            self._writing = _Write(step, self._writer.submit(self._write, staged, tmp, step, doc), t0)
+            self.stall_s.append(time.perf_counter() - t0)
+            log.info("checkpoint step %d: training held %.2f s (copy to host memory); writing in the background",
+                     step, self.stall_s[-1])
+            return
+        path = checkpoint.save(self.run_dir, step, self.model, self.optimizer, doc, self.keep, self.threads)
+        self.stall_s.append(time.perf_counter() - t0)
+        self.write_s.append(self.stall_s[-1])
+        log.info("checkpoint %s written in %.2f s", path, self.write_s[-1])
+
+    def _write(self, staged: dict, tmp: str, step: int, trainer_state: dict) -> float:
+        """The background thread: the host copy's weights checked finite on every rank, then written; rank 0
+        publishes it, since DCP's coordinator returns only once every rank's shards and the metadata are written."""
+        if not all_finite(list(staged["model"].values()), self._group):
+            raise _NonFinite
+        checkpoint.write(staged, tmp, self.threads, self._group)
+        if dist.get_rank() == 0:
+            checkpoint.publish(self.run_dir, step, trainer_state, self.keep)
+        return time.perf_counter()
+
+    def _nonfinite(self, step: int) -> TrainingError:
+        return TrainingError(
+            f"the parameters are not finite after step {step}; no checkpoint written (the last good one: "
+            f"{checkpoint.latest(self.run_dir) or 'none'}): lower optim.lr or raise optim.warmup_steps, then "
+            "resume from it with train.resume=PATH")
+
+    def poll(self) -> None:
+        """After each step (collective): once every rank has finished the write in flight, take its outcome."""
+        if self._writing is None:
+            return
+        answer = self._done.collect()
+        if answer is not None and not answer[0]:
+            self.wait()
+        else:
+            self._done.start([0 if self._writing.future.done() else 1])
+
+    def wait(self) -> None:
+        """Wait for the write in flight, if any (collective); a write that failed on any rank ends the run on all."""
+        w, self._writing = self._writing, None
+        if w is None:
+            return
+        self._done.drop(drain=True)
+        error = finished = None
+        try:
+            finished = w.future.result()
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            error = e
+        if any_rank(error is not None):
+            raise self._failed(w.step, error)
+        self.write_s.append(finished - w.started)
+        log.info("checkpoint step %d written in %.2f s (in the background)", w.step, self.write_s[-1])
+
+    def _failed(self, step: int, error: BaseException | None) -> TrainingError:
+        if isinstance(error, _NonFinite):  # never a checkpoint that resuming would train on from NaN
+            return self._nonfinite(step)
+        reason = checkpoint.dcp_failure(error) if error is not None else "it failed on another rank"
+        return TrainingError(
+            f"checkpoint step {step} could not be written ({reason}); the last complete one is "
+            f"{checkpoint.latest(self.run_dir) or 'none'}: free space in or fix {checkpoint.root(self.run_dir)}, "
+            "then resume (train.resume=auto)")
+
+    def close(self, failed: bool = False) -> None:
+        """End of the run: the write in flight finished (collective). After a failure, without collectives (a rank
+        may be gone): this rank's part of it waited for (rank 0 published it if every rank wrote theirs), a failure
+        only logged, as the run's own error is the one reported. The host copy is released."""
+        try:
+            if not failed:
+                self.wait()
+            elif self._writing is not None:
+                self._done.drop(drain=False)
+                w, self._writing = self._writing, None
+                try:
+                    w.future.result()
+                except BaseException as e:  # noqa: BLE001
+                    log.error("%s", self._failed(w.step, e))
+        finally:
+            if self._stager is not None:
+                self._writer.shutdown()
+                self._stager.close()
+                self._stager = None
+            if self._group is not None:
+                # Now, in this process: a process group left to the garbage collector can be collected in a
+                # forked child, whose destructor then waits for the parent's gloo threads forever.
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    def summary(self) -> dict:
+        """For result.json: each save's stall and write time, in seconds."""
+        return {"async": self.asynchronous, "stall_s": [round(s, 3) for s in self.stall_s],
+                "write_s": [round(s, 3) for s in self.write_s]}
 
     def restore(self, start: str | None) -> str | None:
         """Load `start` ("auto": the run dir's newest loadable checkpoint; None: nothing); return what was loaded."""

@@ -9,7 +9,7 @@ import torch
 from hpctrain.models import ModelSpec
 from hpctrain.parallel.init import init_parameters
 from hpctrain.parallel.layout import Layout
-from hpctrain.parallel.parallelize import parallelize
+from hpctrain.parallel.parallelize import parallelize, tied_aliases
 from hpctrain.training.precision import compute_dtype
 
 
@@ -23,7 +23,7 @@ def build_model(cfg, spec: ModelSpec, layout: Layout, device: torch.device, mesh
     model.to_empty(device=device)
     model.init_buffers()
     model.tie_weights()
-    init_parameters(model, spec.init_rule(args), cfg.train.seed)
+    init_parameters(model, spec.init_rule(args), cfg.train.seed, tied_aliases(model))
     return model.train()
 
 

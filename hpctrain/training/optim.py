@@ -26,11 +26,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def implementation(ocfg, dtensors: bool) -> OptimImpl:
+    """The kernels the optimizer runs: optim.implementation, except foreach for SGD over DTensor parameters
+    (any dp or tp layout), for which torch 2.13 has no fused kernel (no sharding rule for aten._fused_sgd_)."""
+    impl = OptimImpl(ocfg.implementation)
+    return OptimImpl.foreach if impl == OptimImpl.fused and ocfg.name == OptimName.sgd and dtensors else impl
+
+
 def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
+    from torch.distributed.tensor import DTensor
+
     groups = param_groups(model, ocfg.weight_decay)
     # foreach: grouped kernels (one parameter-sized temporary); fused: one kernel, no temporary (AdamW and SGD,
     # CPU and CUDA). Adafactor has only foreach.
-    impl = {"fused": True} if OptimImpl(ocfg.implementation) == OptimImpl.fused else {"foreach": True}
+    dtensors = any(isinstance(p, DTensor) for group in groups for p in group["params"])
+    impl = {"fused": True} if implementation(ocfg, dtensors) == OptimImpl.fused else {"foreach": True}
     if ocfg.name == OptimName.adamw:
         return torch.optim.AdamW(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **impl)
     if ocfg.name == OptimName.adafactor:

@@ -48,9 +48,10 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     _check_init_from(cfg)
     from hpctrain.tools.planner import stage_bytes
 
-    planned = tuple(stage_bytes(cfg, shape, seq_len))
+    stages = stage_bytes(cfg, shape, seq_len)
+    planned = tuple(device for device, _ in stages)
     if local:
-        _check_memory(cfg, shape, seq_len, max(planned))
+        _check_memory(cfg, shape, seq_len, max(planned), max(host for _, host in stages))
     return Prepared(shape, data_dir, seq_len, planned)
 
 
@@ -135,24 +136,27 @@ def _available_memory() -> float | None:
     return None
 
 
-def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float) -> None:
+def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float) -> None:
     """Refuse a micro-batch that cannot fit. A CPU-only torch trains on the host: against this machine's
     available memory, for all its local ranks; a CUDA build trains on GPUs: against cluster.gpu_mem_gb when
     given. No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's
-    estimate (`worst`: the most loaded device's bytes) is approximate, so only what exceeds the whole capacity
-    is refused."""
+    estimate (`worst`: the most loaded device's bytes; `host`: a rank's host memory besides, which a CPU rank's
+    device is) is approximate, so only what exceeds the whole capacity is refused."""
+    hint = ""
     if torch.backends.cuda.is_built():  # one rank per device
         cap, where, ranks = (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}", 1
     else:  # every rank started here shares this machine
         cap, where = _available_memory() or 0, "this machine's available memory"
         ranks = shape.world if process_group.launched_world() is None else 1
+        worst += host
+        hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""
     need = worst * ranks if cap else 0  # an unknown capacity refuses nothing
     if need > cap:
         raise TrainingError(
             f"train.micro_batch={shape.micro_batch} (seq_len {seq_len}) needs about {need / 2**30:.1f} GiB, more "
             f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain plan ...` shows the parts): lower "
             "train.micro_batch (train.grad_accum keeps the global batch) or set "
-            "parallel.activation_checkpointing=full")
+            f"parallel.activation_checkpointing=full{hint}")
 
 
 def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout
+from hpctrain.parallel.vote import any_rank
 from hpctrain.training.precision import Precision
 
 
@@ -92,14 +93,18 @@ def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
     return total.sqrt()
 
 
+def all_finite(tensors, group=None) -> bool:
+    """Whether these tensors (DTensors: their local shards) are all finite on every rank of `group` (collective
+    when distributed). One max-abs per tensor (NaN and inf carry through it): no tensor-sized temporaries."""
+    local = [t for t in map(_local, tensors) if t.numel()]
+    norms = torch._foreach_norm(local, float("inf")) if local else []
+    ok = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()) if norms else True  # one host sync
+    return not any_rank(not ok, group)
+
+
 def params_finite(model: nn.Module) -> bool:
     """Whether every rank's parameters are all finite (collective when distributed: every rank calls it)."""
-    checks = [torch.isfinite(t).all() for p in model.parameters() if (t := _local(p)).numel()]
-    ok = torch.stack(checks).all() if checks else torch.tensor(True)
-    flag = ok.to(device="cpu", dtype=torch.int32).reshape(1)  # one host sync; gloo reduces CPU tensors
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return all_finite([p.detach() for p in model.parameters()])
 
 
 def clip_grads(params: list[torch.Tensor], max_norm: float, norm: float) -> None:
@@ -126,6 +131,7 @@ class TrainStep:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.grad_clip, self.device, self.mesh = grad_clip, device, mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.norm_params = self.params  # what the gradient norm counts: each Parameter once
         self.loss_parallel = loss_parallel
         self.loss_ctx = loss_parallel_ctx(loss_parallel)
         self.batch_mesh = batch_mesh if batch_mesh is not None or mesh is None else mesh["dp"]
@@ -148,7 +154,7 @@ class TrainStep:
             dist.all_reduce(total, group=self.batch_mesh.get_group())
         if scaler:
             scaler.unscale_(self.optimizer)
-        norm = grad_norm(self.params, self.mesh)
+        norm = grad_norm(self.norm_params, self.mesh)
         loss_value, norm_value = total.item(), norm.item()
         if self.grad_clip > 0 and math.isfinite(norm_value):
             clip_grads(self.params, self.grad_clip, norm_value)
@@ -213,6 +219,8 @@ class PipelineTrainStep(TrainStep):
 
         super().__init__(model, optimizer, precision, grad_clip, device, mesh, loss_parallel, batch_mesh)
         self.grad_sync = None  # the schedule runs FSDP's gradient reduction after its last microbatch
+        copies = {id(p) for p in model.tied_copies}  # a tied embedding's copy on the last stage: counted once
+        self.norm_params = [p for p in self.params if id(p) not in copies]
         group = mesh["pp"].get_group()
         stages = [PipelineStage(chunk, s, model.n_stages, device, group=group)
                   for chunk, s in zip(model.chunks, model.stages)]
@@ -248,6 +256,7 @@ class PipelineTrainStep(TrainStep):
         self._scale = scaler.scale(torch.ones((), device=self.device)).item() if scaler else 1.0
         batch = torch.cat(list(micro_batches))  # token ids: the step's whole local batch is small
         total = self._run(batch[:, :-1], batch[:, 1:], forward_only=False) / self._scale
+        self.model.sync_tied_grads()
         dist.all_reduce(total, group=self.mesh["pp"].get_group())  # only the last stage holds the loss
         return total
 

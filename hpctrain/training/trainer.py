@@ -62,9 +62,9 @@ class Trainer:
         self.step = build_train_step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip, env.device,
                                      self.mesh, shape.layout, sharded_gradients(cfg.parallel), shape.grad_accum)
         self.state = RunState()
-        self.checkpointer = Checkpointer(run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps, self.model, self.optimizer,
+        self.checkpointer = Checkpointer(run_dir, t, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
-                                         {"scaler": self.precision.scaler}, t.checkpointing)
+                                         {"scaler": self.precision.scaler}, cfg.cluster.pg_timeout_s)
         self.resumed_from = self.checkpointer.restore(start)
         # Starting weights only for a fresh start: a resumed run continues its own.
         self.init_from = None if self.resumed_from else load_initial_weights(self.model, cfg, spec)
@@ -93,6 +93,7 @@ class Trainer:
                 while self.state.step < self.cfg.train.max_steps:
                     self._train_step()
                     stop = self.signals.agreed()  # every rank stops after the same step
+                    self.checkpointer.poll()  # a checkpoint written in the background becomes complete
                     # The step's checkpoint first: an evaluation that fails must not cost finished steps.
                     saved = self.checkpointer.due(self.state.step, bool(stop))
                     if saved:
@@ -100,11 +101,13 @@ class Trainer:
                     if stop:
                         break
                     self._evaluate(saved)
+            self.checkpointer.close()
             if not stop:
                 self._export_hf()
             status = _STATUS[stop]
         except BaseException as e:
             status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
+            self.checkpointer.close(failed=True)
             raise
         finally:
             result = self._finish(status, error)
@@ -175,7 +178,7 @@ class Trainer:
                   "steps": s.step, "tokens": s.tokens, "samples": s.samples, "skipped_nonfinite": s.skipped_nonfinite,
                   "skipped_overflow": s.skipped_overflow, "data_corrupt_shards": self.feed.corrupt_shards,
                   "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
-                  "memory": self.peaks.gathered}
+                  "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary()}
         if self.env.is_main:
             write_json(os.path.join(self.run_dir, RESULT_FILE), result)
         return result

@@ -185,6 +185,8 @@ def load_hf_weights(model, path: str | Path, args: ModelArgs) -> None:
 
     names = key_map(args.n_layers)
     # A tied checkpoint may lack lm_head.weight: the embedding, loaded, is the head too.
-    state = {names[k]: v for k, v in model.state_dict().items()
-             if k in names and not (args.tie_embeddings and k == "output.weight")}
+    ours = model.state_dict()
+    state = {names[k]: v for k, v in ours.items() if k in names and not (args.tie_embeddings and k == "output.weight")}
+    if args.tie_embeddings and "output.weight" in ours and "tok_embeddings.weight" not in ours:
+        state[names["tok_embeddings.weight"]] = ours["output.weight"]  # a last pipeline stage's copy of the table
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())

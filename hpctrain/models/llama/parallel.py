@@ -60,9 +60,6 @@ def check_layout(args, layout, sequence_parallel: bool) -> None:
         if args.n_layers % stages:
             raise ConfigError(f"model.n_layers={args.n_layers} is not divisible by parallel.pp×pp_virtual_stages="
                               f"{pp}×{v}={stages} pipeline stages: choose pp and virtual stages that divide the layers")
-        if args.tie_embeddings:
-            raise ConfigError(f"model.tie_embeddings=true with parallel.pp={pp}: embedding and output head live on "
-                              "different pipeline stages: set model.tie_embeddings=false")
     for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", kv), ("model.vocab_size", args.vocab_size),
                     ("model.ffn_hidden", args.ffn_hidden)):
         if n % layout.tp:
