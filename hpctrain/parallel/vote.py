@@ -15,10 +15,6 @@ class OverlappedVote:
     def __init__(self):
         self._work = None  # (work or None, tensor) of the vote in flight
 
-    @property
-    def in_flight(self) -> bool:
-        return self._work is not None
-
     def start(self, values: list[int]) -> None:
         flag = torch.tensor(values, dtype=torch.int32)  # a CPU tensor: gloo, no device sync
         many = dist.is_initialized() and dist.get_world_size() > 1

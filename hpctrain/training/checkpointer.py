@@ -55,8 +55,8 @@ class Checkpointer:
         """`t`: the run's `train` config (ckpt_every, ckpt_keep, max_steps, checkpointing, ckpt_async,
         ckpt_write_threads); `timeout_s`: the background writes' group timeout."""
         self.run_dir, self.every, self.keep, self.last_step = run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps
-        self.enabled, self.asynchronous, self.threads = t.checkpointing, t.ckpt_async and t.checkpointing, \
-            t.ckpt_write_threads
+        self.enabled, self.threads = t.checkpointing, t.ckpt_write_threads
+        self.asynchronous = t.ckpt_async and t.checkpointing
         self.model, self.optimizer, self.timeout_s = model, optimizer, timeout_s
         self.parts, self.optional = parts, optional or {}
         self.stall_s: list[float] = []
