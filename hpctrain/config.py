@@ -170,6 +170,27 @@ class TrainConfig:
     tensorboard: bool = True
 
 
+class AlertWhen(str, Enum):
+    above = "above"
+    below = "below"
+
+
+@dataclass
+class AlertRule:
+    metric: str = "loss"  # see hpctrain.training.monitor.METRICS
+    threshold: float = 0.0
+    when: AlertWhen = AlertWhen.above
+    for_s: float = 60.0  # wall-time seconds past the threshold before it fires
+
+
+@dataclass
+class MonitorConfig:
+    # name -> {metric, threshold, when, for_s} (conf/monitor/default.yaml); plain mappings, so that a command line
+    # can add one (+monitor.rules.x={...}); checked as AlertRule by hpctrain.training.monitor.parse_rules
+    rules: dict[str, Any] = field(default_factory=dict)
+    notify_cmd: list[str] | None = None  # argument list run with each alert as JSON on stdin (never a shell)
+
+
 def _nccl_defaults() -> dict[str, str | None]:
     # Exported before the process group starts (None: leave the environment as it is). IB_TIMEOUT 22
     # (~17 s per retry) rides out fabric hiccups that the default 18 (~1 s) turns into hard failures.
@@ -211,6 +232,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     run_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 
 

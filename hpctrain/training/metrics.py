@@ -136,10 +136,11 @@ class Metrics:
 
     @classmethod
     def for_run(cls, run_dir: str, is_main: bool, tcfg, start_step: int, throughput: Throughput,
-                corrupt_total) -> Metrics:
+                corrupt_total, extra_sinks=()) -> Metrics:
+        """`extra_sinks`: more sinks of the main rank (the alert rules)."""
         sinks, bar = [], None
         if is_main:
-            sinks = default_sinks(run_dir, start_step, tcfg.tensorboard)
+            sinks = [*default_sinks(run_dir, start_step, tcfg.tensorboard), *extra_sinks]
             if tcfg.progress if tcfg.progress is not None else sys.stderr.isatty():
                 from tqdm import tqdm
 

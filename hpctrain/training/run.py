@@ -20,6 +20,7 @@ from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
 from hpctrain.resolve import RunShape, resolve
 from hpctrain.training.feed import val_stream
+from hpctrain.training.monitor import check_monitor
 from hpctrain.training.trainer import Trainer
 
 log = logging.getLogger("hpctrain")
@@ -43,6 +44,7 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     """
     world = world or process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
+    check_monitor(cfg.monitor)
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg.train.resume)
     _check_init_from(cfg)

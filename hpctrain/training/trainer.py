@@ -29,6 +29,7 @@ from hpctrain.training.feed import TrainFeed, val_share
 from hpctrain.training.memory import MemoryProbe, Peaks
 from hpctrain.training.metrics import Metrics, Throughput, peak_flops
 from hpctrain.training.model_init import build_model, load_initial_weights
+from hpctrain.training.monitor import AlertSink, Context
 from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
 from hpctrain.training.precision import setup_precision
 from hpctrain.training.state import RunState
@@ -74,7 +75,9 @@ class Trainer:
         self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
         peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
         throughput = Throughput(self.tokens_per_step, self.flops_per_token, peak, env.world, env.device)
-        self.metrics = Metrics.for_run(run_dir, env.is_main, t, self.state.step, throughput, self.feed.corrupt_total)
+        alerts = [AlertSink(run_dir, cfg.monitor, Context(env.device, env.world))] if env.is_main else []
+        self.metrics = Metrics.for_run(run_dir, env.is_main, t, self.state.step, throughput, self.feed.corrupt_total,
+                                       alerts)
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
         self.evaluator = Evaluator(t.eval_every, t.max_steps,
                                    lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
