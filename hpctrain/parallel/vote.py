@@ -10,15 +10,18 @@ import torch.distributed as dist
 
 class OverlappedVote:
     """An element-wise MAX over ranks of a few ints, started after one step and collected after the next, so the
-    all-reduce runs while that step computes. Collective: every rank starts and collects at the same steps."""
+    all-reduce runs while that step computes. Collective over `group` (default: every rank): they all start and
+    collect at the same steps."""
 
-    def __init__(self):
+    def __init__(self, group=None):
+        self.group = group
         self._work = None  # (work or None, tensor) of the vote in flight
 
     def start(self, values: list[int]) -> None:
         flag = torch.tensor(values, dtype=torch.int32)  # a CPU tensor: gloo, no device sync
-        many = dist.is_initialized() and dist.get_world_size() > 1
-        self._work = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if many else None, flag)
+        many = dist.is_initialized() and dist.get_world_size(self.group) > 1
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True) if many else None
+        self._work = (work, flag)
 
     def collect(self) -> list[int] | None:
         """The answer to the vote in flight (None when none is)."""
@@ -39,8 +42,7 @@ class OverlappedVote:
 
 
 def any_rank(flag: bool, group=None) -> bool:
-    """Whether `flag` is true on any rank of `group` (a blocking all-reduce; collective when distributed)."""
-    t = torch.tensor([int(flag)], dtype=torch.int32)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    """Whether `flag` is true on any rank of `group` (a vote collected at once; collective when distributed)."""
+    vote = OverlappedVote(group)
+    vote.start([int(flag)])
+    return bool(vote.collect()[0])

@@ -96,7 +96,7 @@ class Trainer:
                 while self.state.step < self.cfg.train.max_steps:
                     self._train_step()
                     stop = self.signals.agreed()  # every rank stops after the same step
-                    self.checkpointer.poll()  # a checkpoint written in the background becomes complete
+                    self.checkpointer.poll()  # the outcome of a background write, the same on every rank
                     # The step's checkpoint first: an evaluation that fails must not cost finished steps.
                     saved = self.checkpointer.due(self.state.step, bool(stop))
                     if saved:
