@@ -29,7 +29,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -78,6 +78,17 @@ bench-scale: install
 bench-ckpt: install
 	$(PY) -m hpctrain.tools.bench_ckpt
 
+# llama_1b bf16 at 2048 tokens on one GPU: hpctrain (largest micro-batch that fits) against a plain transformers
+# loop, tokens/s and MFU; BENCH_GPU_ARGS passes more (e.g. --variants hpctrain,eager,logits-loss). ~3 min on an H100.
+BENCH_GPU_ARGS ?=
+bench-gpu: install
+	$(PY) -m hpctrain.tools.bench_gpu $(call args,BENCH_GPU_ARGS)
+
+# On a GPU node: the GPU-marked tests, then the throughput run, in one table (outputs/gpu-check/table.txt).
+# Without a CUDA device the tests are skipped with their reason. Under 8 minutes on one H100.
+gpu-check: install
+	$(PY) -m hpctrain.tools.gpu_check
+
 # --- data preparation (data_prep/) ---------------------------------------------------------------
 CORPUS ?=
 OUT ?=
@@ -93,7 +104,7 @@ PREP_SBATCH_ARGS ?=
 # their values to build the recipes' environment (a $(shell ...) in one would run); the recipes pass them as
 # quoted arguments instead.
 unexport CORPUS OUT TOKENIZER VOCAB SEQ_LEN WORKERS SHARD_MB TEXT_FIELD PREP_ARGS PREP_SBATCH_ARGS \
-  DEMO_DIR DEMO_STEPS PYTEST_ARGS
+  DEMO_DIR DEMO_STEPS PYTEST_ARGS BENCH_GPU_ARGS
 
 tokenizer: install
 	@$(call need,CORPUS OUT) || { echo "usage: make tokenizer CORPUS='raw/*.jsonl' VOCAB=32000 OUT=DIR [TEXT_FIELD=text]" >&2; exit 2; }

@@ -166,6 +166,11 @@ class TrainConfig:
     export_hf_at_end: bool = False  # the final checkpoint also as a transformers model in <run_dir>/hf/step-N
     resume: str = "auto"  # auto | never | path of a checkpoint directory
     max_nonfinite: int = 5  # consecutive skipped non-finite steps before the run stops
+    # The loss computed with the output projection, chunk by chunk: the [tokens, vocab] logits are never held
+    # whole (hpctrain.models.cross_entropy). Not with pipeline or tensor parallelism.
+    fused_loss: bool = False
+    profile_steps: list[int] | None = None  # [first, last]: the torch profiler over these steps, on every rank
+    memory_snapshot: bool = False  # CUDA: the allocator's history, dumped on out-of-memory and at the end
     progress: bool | None = None  # progress bar; None: only on a terminal
     tensorboard: bool = True
 
@@ -189,6 +194,11 @@ class MonitorConfig:
     # can add one (+monitor.rules.x={...}); checked as AlertRule by hpctrain.training.monitor.parse_rules
     rules: dict[str, Any] = field(default_factory=dict)
     notify_cmd: list[str] | None = None  # argument list run with each alert as JSON on stdin (never a shell)
+    # Hang forensics (hpctrain.training.hang): an iteration running longer than hang_s (None: 90 % of
+    # cluster.pg_timeout_s) writes every rank's stacks to <run_dir>/hang/ and names the ranks that stopped; each
+    # rank sends a heartbeat every heartbeat_s.
+    hang_s: float | None = None
+    heartbeat_s: float = 5.0
 
 
 def _nccl_defaults() -> dict[str, str | None]:
@@ -297,7 +307,8 @@ _RANGES = {
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts"), _AT_LEAST_0),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "precision.loss_scale_init",
-                     "optim.eps", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb"), _POSITIVE),
+                     "optim.eps", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb",
+                     "monitor.hang_s", "monitor.heartbeat_s"), _POSITIVE),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "optim.momentum"), _FRACTION),
     "optim.min_lr_ratio": (0, True, 1, True),
     "optim.lr": (0, False, 1e3, True),  # far above any real LR; near fp32's max Adam's first step crashes

@@ -80,6 +80,16 @@ def _batch(global_batch, micro_batch, grad_accum, dp) -> tuple[int, int, int]:
     return global_batch, micro_batch, grad_accum
 
 
+def _check_profile_steps(steps, max_steps: int) -> None:
+    if steps is None:
+        return
+    steps = list(steps)
+    if len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 1 <= steps[0] <= steps[1] <= max_steps:
+        raise ConfigError(f"train.profile_steps={steps} must be [first, last] steps with 1 <= first <= last <= "
+                          f"train.max_steps={max_steps}, e.g. train.profile_steps=[10,12] (leave out the first steps: "
+                          "compile and allocator warm-up)")
+
+
 def resolve(cfg, world: int = 1) -> RunShape:
     """Derive and check the numbers a run on `world` ranks needs; raise ConfigError on the first problem."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -98,6 +108,11 @@ def resolve(cfg, world: int = 1) -> RunShape:
     if t.export_hf_at_end and not t.checkpointing:
         raise ConfigError("train.export_hf_at_end=true exports the final checkpoint, and train.checkpointing=false "
                           "writes none: drop one of them")
+    if t.fused_loss and (layout.pipelined or layout.loss_parallel):
+        raise ConfigError(f"train.fused_loss=true needs parallel.tp=1 and parallel.pp=1 (got tp={layout.tp}, "
+                          f"pp={layout.pp}: tensor parallelism computes the loss on vocab-sharded logits, a pipeline "
+                          "inside its schedule): drop train.fused_loss")
+    _check_profile_steps(t.profile_steps, t.max_steps)
     gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, layout.dp)
     layout.check_microbatches(ga)
     if t.seq_len is not None and t.seq_len > m.max_seq_len:

@@ -182,10 +182,11 @@ def edit_tokens(data_dir: str, index: int, edit, fix_sha256: bool = False) -> st
 
 
 class WarningLines(logging.Handler):
-    """A logging handler that keeps the messages of WARNING and above (attach it to the logger under test)."""
+    """A logging handler that keeps the messages of `level` (WARNING) and above (attach it to the logger under
+    test; for INFO lines, lower the logger's level too)."""
 
-    def __init__(self):
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int = logging.WARNING):
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record):

@@ -177,12 +177,14 @@ def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["dies", "stalls"])
 def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
-    """SIGKILL one rank: the launcher names it at once. SIGSTOP one: the others' sub-group collectives
-    time out after cluster.pg_timeout_s and the job exits non-zero."""
+    """SIGKILL one rank: the launcher names it at once. SIGSTOP one: the others' sub-group collectives time out after
+    cluster.pg_timeout_s and the job exits non-zero, with one line naming the stopped rank and its node, and every
+    other rank's Python stacks in <run_dir>/hang/ (hang forensics, written before the collectives time out)."""
     timeout = 8
     layout = ["parallel=ddp", "parallel.dp=2"] if how == "dies" else ["parallel=dp2_tp2"]
     proc, ranks = _start_and_wait_for_training(demo_data, tmp_path / "run", *layout, "train.max_steps=100000",
-                                               "train.ckpt_every=0", f"cluster.pg_timeout_s={timeout}")
+                                               "train.ckpt_every=0", f"cluster.pg_timeout_s={timeout}",
+                                               "monitor.heartbeat_s=1")
     victim = len(ranks) - 1
     t0 = time.time()
     os.kill(ranks[victim], signal.SIGKILL if how == "dies" else signal.SIGSTOP)
@@ -193,7 +195,18 @@ def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
     if how == "dies":
         assert f"rank {victim} of 2 failed (killed by SIGKILL)" in err, err[-2000:]
     else:
-        assert f"Timed out waiting {timeout * 1000}ms" in err and "of 4 failed" in err, err[-2000:]
+        from hpctrain.training.hang import node_name
+
+        line = next((x for x in err.splitlines() if "stopped responding" in x), err[-3000:])
+        print(line)
+        assert "of 4 failed" in line and f"rank {victim} (node {node_name()}, last heartbeat " in line, line
+        assert "(monitor.hang_s=7.2) on rank" in line or "a collective timed out in step" in line, line
+        hang = tmp_path / "run" / "hang"
+        assert sorted(os.listdir(hang)) == [f"rank-{r}.txt" for r in range(4) if r != victim], err[-2000:]
+        for r in range(3):
+            stacks = (hang / f"rank-{r}.txt").read_text()
+            assert f"rank {victim} (node" in stacks and "Thread MainThread" in stacks, stacks
+            assert "hpctrain/training/trainer.py" in stacks and "hpctrain-hangwatch" in stacks, stacks
 
 
 def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:

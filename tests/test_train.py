@@ -14,8 +14,8 @@ import torch
 
 from hpctrain.training.run import TrainingError, train
 
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "data_wait_frac", "mem_gb",
-               "step_time_s"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "mfu", "data_wait_frac",
+               "mem_gb", "step_time_s"}
 
 
 def read_json(path) -> dict:
@@ -67,13 +67,40 @@ def test_run_writes_metrics_tensorboard_checkpoints_result(make_cfg, tmp_path):
 
 
 def test_mfu_with_peak_tflops(make_cfg, tmp_path):
-    train(make_cfg("train.max_steps=2", "train.eval_every=0", "cluster.peak_tflops=1.0"), str(tmp_path))
+    import logging
+
+    from helpers import WarningLines
+
+    logger, lines = logging.getLogger("hpctrain"), WarningLines(logging.INFO)
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        train(make_cfg("train.max_steps=2", "train.eval_every=0", "cluster.peak_tflops=1.0"), str(tmp_path))
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
     r = records(tmp_path)[-1]
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import flops_per_token
 
     cfg = make_cfg()
     assert r["mfu"] == pytest.approx(flops_per_token(model_args(cfg), 64) * r["tokens_per_s"] / 1e12)
+    assert r["tokens_per_s_per_device"] == r["tokens_per_s"]  # one device
+    assert any(m.startswith("MFU against 1 TFLOP/s per device (cluster.peak_tflops); ") for m in lines.messages)
+
+
+def test_peak_named_per_device():
+    """The peak MFU divides by: the device's dense figure for the precision (never the sparse one), and the reason
+    when there is none."""
+    from hpctrain.training.metrics import PEAK_TFLOPS, peak_flops
+
+    assert PEAK_TFLOPS["H100"]["bf16"] == PEAK_TFLOPS["H200"]["bf16"] == 989.0
+    assert (PEAK_TFLOPS["A100"]["bf16"], PEAK_TFLOPS["B200"]["bf16"]) == (312.0, 2250.0)
+    cpu = peak_flops(torch.device("cpu"), "bf16", None)
+    assert cpu.flops is None and cpu.describe() == ("MFU not reported: no peak known for a cpu device (set "
+                                                    "cluster.peak_tflops to the device's dense peak)")
+    assert peak_flops(torch.device("cpu"), "bf16", 989.0).flops == 989e12
 
 
 def test_accumulation_8x1_equals_1x8(make_cfg, tmp_path):

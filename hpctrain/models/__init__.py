@@ -8,7 +8,9 @@ spec. A family is a package `hpctrain.models.<family>` whose `SPEC` is its Model
 The module contract every family's model follows: blocks in `model.layers`, an `nn.ModuleDict` keyed by the
 global layer index (names stay stable when a pipeline stage drops layers); the modules named in
 `first_stage` / `last_stage` may be None on the stages that do not hold them; `forward(tokens)` returns
-logits (a middle stage takes and returns hidden states); `init_weights()` draws every parameter and
+logits (a middle stage takes and returns hidden states), `forward(tokens, targets)` of a whole model the summed
+next-token cross entropy without materialising the logits (train.fused_loss), with its kernels compiled when
+parallel.compile sets `compile_loss`; `init_weights()` draws every parameter and
 `init_buffers()` fills the non-persistent buffers (after `to_empty()`); `tie_weights()` re-ties shared ones
 (a Parameter shared by modules of different pipeline stages becomes one copy per stage, kept equal).
 """

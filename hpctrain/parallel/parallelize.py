@@ -184,11 +184,14 @@ def apply_activation_checkpointing(model: nn.Module, mode: ActCkpt, every: int) 
 
 
 def apply_compile(model: nn.Module, enabled: bool) -> None:
-    """Compile each block separately: identical blocks share one compiled graph, cold start stays short."""
+    """Compile each block separately: identical blocks share one compiled graph, cold start stays short. A model
+    whose loss has compilable kernels of its own (`compile_loss`) gets them compiled too."""
     if not enabled:
         return
     for block in model.layers.children():
         block.compile(fullgraph=True)  # in place: parameter names keep no `_orig_mod.` prefix
+    if hasattr(model, "compile_loss"):
+        model.compile_loss = True
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype | None,

@@ -14,7 +14,8 @@ norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one m
                checkpointed block keeps its input. Times the micro-batches in flight (m = grad_accum per step):
                1F1B min(m, pp−stage), GPipe m, interleaved / zero-bubble ×(1+(pp−1)/(pp·v)).
   loss         s·b·vocab/tp · 12 (16 with loss_parallel): fp32 log-probabilities kept, their gradient, the
-               logits' gradient; a pipeline's last stage also keeps its output logits (· c)
+               logits' gradient; a pipeline's last stage also keeps its output logits (· c). train.fused_loss:
+               4·vocab·dim + 4·s·b·dim (the gradients it made in forward) + one chunk's logits (· (4 + c))
   reducing     dp>1: the last unit backward reduces (root, else a block; replicate: the model) · (2c + 4)
 The peak is the largest of three moments (`total`): backward's start, backward's end under data parallelism,
 the optimizer step. With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 %
@@ -168,7 +169,7 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         # The loss at the start of backward: fp32 log-probabilities kept for backward, their gradient and the
         # logits' (one more with loss_parallel, which keeps its own softmax statistics of the vocab shard).
         # A pipeline schedule also keeps the last stage's output (the logits, in the compute dtype).
-        logits = (seq_len * b * args.vocab_size / tp * ((16 if tp > 1 else 12) + (c if layout.pipelined else 0))
+        logits = (_loss_bytes(args, seq_len * b, tp, c, layout.pipelined, cfg.train.fused_loss)
                   if i == pp - 1 else 0)
         off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
         grads = off * 4 * P / z2 + (4 * P if full_grads else 0)
@@ -186,6 +187,21 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len
     return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
             "flops": flops, "args": args, "c": c}
+
+
+def _loss_bytes(args, tokens: int, tp: int, c: int, pipelined: bool, fused: bool) -> float:
+    """The loss's buffers at the start of backward. Plain: fp32 log-probabilities kept for backward, their
+    gradient and the logits' (one more with loss_parallel, which keeps its own softmax statistics of the vocab
+    shard); a pipeline schedule also keeps the last stage's output (the logits, in the compute dtype).
+    train.fused_loss: the gradients it computed in forward (the weight's in fp32, the hidden states'), its
+    compute-dtype copies of both inputs, and one chunk's fp32 logits with their compute-dtype gradient."""
+    if not fused:
+        return tokens * args.vocab_size / tp * ((16 if tp > 1 else 12) + (c if pipelined else 0))
+    from hpctrain.models.cross_entropy import chunk_tokens
+
+    weight, hidden = args.vocab_size * args.dim, tokens * args.dim
+    copies = (weight + hidden) * c if c == 2 else 0
+    return 4 * weight + 4 * hidden + copies + min(tokens, chunk_tokens(args.vocab_size)) * args.vocab_size * (4 + c)
 
 
 def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int, dtensors: bool) -> tuple[float, float]:
@@ -273,7 +289,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
              (f"optimizer ({OptimName(cfg.optim.name).value})", "optim"),
              (f"optimizer temporary ({implementation(cfg.optim, plan.dp > 1 or plan.tp > 1).value})", "opt_temp"),
              (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),
-             ("loss buffers (fp32 logits)", "logits"), ("last unit being reduced", "reducing")]
+             ("loss buffers", "logits"), ("last unit being reduced", "reducing")]
     for label, key in lines:
         out.append(f"  {label:28}" + "".join(f"{gib(r[key]):>10}" for r in rows))
     for m in dict.fromkeys(["none", "full", mode]):

@@ -17,8 +17,11 @@ from hpctrain.files import METRICS_FILE, atomic_write, step_of
 
 log = logging.getLogger("hpctrain")
 
-# Dense peak TFLOPS per device by compute dtype (vendor datasheets, no sparsity).
+# Dense peak TFLOPS per device by compute dtype (vendor datasheets, no sparsity: NVIDIA's headline Hopper figure of
+# 1,979 bf16 TFLOP/s counts 2:4 sparsity), looked up by the device name (`torch.cuda.get_device_name`), most
+# specific names first.
 PEAK_TFLOPS = {
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.7, "fp32": 66.9},
     "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
@@ -33,19 +36,32 @@ PEAK_TFLOPS = {
 }
 
 
-def peak_flops(device, precision: str, override_tflops: float | None) -> float | None:
-    """Peak FLOP/s of one device, or None when unknown (then MFU is reported as null)."""
+@dataclass(frozen=True)
+class Peak:
+    """The FLOP/s one device could do at best in the run's precision, and where that figure comes from."""
+
+    flops: float | None  # None: unknown, MFU is reported as null
+    source: str
+
+    def describe(self) -> str:
+        if self.flops is None:
+            return f"MFU not reported: {self.source} (set cluster.peak_tflops to the device's dense peak)"
+        return f"MFU against {self.flops / 1e12:g} TFLOP/s per device ({self.source})"
+
+
+def peak_flops(device, precision: str, override_tflops: float | None) -> Peak:
+    """Peak FLOP/s of one device: cluster.peak_tflops, else the dense peak of the device's model in the table."""
     if override_tflops:
-        return override_tflops * 1e12
+        return Peak(override_tflops * 1e12, "cluster.peak_tflops")
     if device.type != "cuda":
-        return None
+        return Peak(None, f"no peak known for a {device.type} device")
     import torch  # here, not at the top: reading metrics (the sweep report) must not pay for importing torch
 
     name = torch.cuda.get_device_name(device)
-    for key, table in PEAK_TFLOPS.items():  # most specific names first
-        if key in name:
-            return table[precision] * 1e12 or None
-    return None
+    for key, table in PEAK_TFLOPS.items():
+        if key in name and table[precision]:
+            return Peak(table[precision] * 1e12, f"the dense {precision} peak of {name}")
+    return Peak(None, f"{name} is not in hpctrain's peak table for {precision}")
 
 
 def memory_gb(device) -> float:
@@ -201,6 +217,7 @@ class _Window:
             "lr": lr,
             "grad_norm": result.grad_norm,
             "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / tp.world,
             "mfu": (tp.flops_per_token * tps / (tp.peak_flops * tp.world)) if tp.peak_flops else None,
             "data_wait_frac": self.data / elapsed,
             "mem_gb": memory_gb(tp.device),

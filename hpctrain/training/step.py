@@ -28,9 +28,12 @@ class StepResult:
     loss_scale: float | None = None
 
 
-def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy of a [B, T+1] block of tokens."""
+def token_loss_sum(model: nn.Module, batch: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """Summed next-token cross entropy of a [B, T+1] block of tokens. `fused`: the model computes it with its
+    output projection, chunk by chunk (train.fused_loss: the logits are never held whole)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
+    if fused:
+        return model(inputs, targets)
     logits = model(inputs)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
@@ -122,17 +125,18 @@ class TrainStep:
     the batch is split over (`batch_mesh`, default the "dp" dim) and gradients are summed over them, so every
     layout computes the one-process gradients. `loss_parallel`: the model yields vocab-sharded logits (tensor
     parallel). `reduce_every_microbatch`: FSDP reduces (reduce-scatters) the gradients after each micro-batch
-    instead of once after the last, so sharded gradients are never held whole.
+    instead of once after the last, so sharded gradients are never held whole. `fused_loss`: the model computes
+    the loss with its output projection (`token_loss_sum`).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
                  grad_clip: float, device: torch.device, mesh=None, loss_parallel: bool = False, batch_mesh=None,
-                 reduce_every_microbatch: bool = False):
+                 reduce_every_microbatch: bool = False, fused_loss: bool = False):
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.grad_clip, self.device, self.mesh = grad_clip, device, mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.norm_params = self.params  # what the gradient norm counts: each Parameter once
-        self.loss_parallel = loss_parallel
+        self.loss_parallel, self.fused_loss = loss_parallel, fused_loss
         self.loss_ctx = loss_parallel_ctx(loss_parallel)
         self.batch_mesh = batch_mesh if batch_mesh is not None or mesh is None else mesh["dp"]
         self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
@@ -184,14 +188,15 @@ class TrainStep:
             batch = batch.to(self.device, non_blocking=True)
             with self.loss_ctx():
                 with self.precision.autocast():
-                    loss = token_loss_sum(self.model, batch) / n_tokens
+                    loss = token_loss_sum(self.model, batch, self.fused_loss) / n_tokens
                 (scaler.scale(loss) if scaler else loss).backward()
             total += _local(loss.detach()).float()
         return total
 
     def evaluate(self, batches) -> float:
         """Mean token loss over every data-parallel rank's `batches` (each rank its own share)."""
-        total, n = token_loss_total(self.model, batches, self.precision, self.device, self.loss_parallel)
+        total, n = token_loss_total(self.model, batches, self.precision, self.device, self.loss_parallel,
+                                    self.fused_loss)
         return self._mean_over_replicas(total, n)
 
     def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
@@ -297,14 +302,15 @@ def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tens
 
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
                      device: torch.device, mesh, layout: Layout, reduce_every_microbatch: bool = False,
-                     grad_accum: int = 1) -> TrainStep:
+                     grad_accum: int = 1, fused_loss: bool = False) -> TrainStep:
     """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipelined step runs
-    its `grad_accum` micro-batches as one schedule, which reduces once after the last of them."""
+    its `grad_accum` micro-batches as one schedule, which reduces once after the last of them. `fused_loss`
+    (train.fused_loss) is refused with pipelines and tensor parallelism before this (`resolve`)."""
     if layout.pipelined:
         return PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
                                  layout.pp_schedule, grad_accum, layout.batch_mesh(mesh))
     return TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
-                     layout.batch_mesh(mesh), reduce_every_microbatch)
+                     layout.batch_mesh(mesh), reduce_every_microbatch, fused_loss)
 
 
 def loss_parallel_ctx(enabled: bool):
@@ -313,7 +319,7 @@ def loss_parallel_ctx(enabled: bool):
 
 @torch.no_grad()
 def token_loss_total(model: nn.Module, batches, precision: Precision, device: torch.device,
-                     loss_parallel: bool = False) -> tuple[torch.Tensor, int]:
+                     loss_parallel: bool = False, fused: bool = False) -> tuple[torch.Tensor, int]:
     """(summed token loss in float64, target tokens) over the given batches, in eval mode."""
     was_training = model.training
     model.eval()
@@ -321,7 +327,7 @@ def token_loss_total(model: nn.Module, batches, precision: Precision, device: to
     for batch in batches:
         batch = batch.to(device, non_blocking=True)
         with loss_parallel_ctx(loss_parallel)(), precision.autocast():
-            total += _local(token_loss_sum(model, batch)).double()
+            total += _local(token_loss_sum(model, batch, fused)).double()
         n += batch.shape[0] * (batch.shape[1] - 1)
     model.train(was_training)
     return total, n

@@ -26,12 +26,14 @@ from hpctrain.models import spec_of
 from hpctrain.training.checkpointer import Checkpointer
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, val_share
+from hpctrain.training.hang import HangWatch
 from hpctrain.training.memory import MemoryProbe, Peaks
 from hpctrain.training.metrics import Metrics, Throughput, peak_flops
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.monitor import AlertSink, Context
 from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
 from hpctrain.training.precision import setup_precision
+from hpctrain.training.profiling import MemorySnapshot, StepProfiler
 from hpctrain.training.state import RunState
 from hpctrain.training.step import build_train_step
 
@@ -61,7 +63,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.step = build_train_step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip, env.device,
-                                     self.mesh, shape.layout, sharded_gradients(cfg.parallel), shape.grad_accum)
+                                     self.mesh, shape.layout, sharded_gradients(cfg.parallel), shape.grad_accum,
+                                     t.fused_loss)
         self.state = RunState()
         self.checkpointer = Checkpointer(run_dir, t, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
@@ -74,7 +77,8 @@ class Trainer:
         self.n_params = spec.num_params(self.model)
         self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
         peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
-        throughput = Throughput(self.tokens_per_step, self.flops_per_token, peak, env.world, env.device)
+        self.peak = peak
+        throughput = Throughput(self.tokens_per_step, self.flops_per_token, peak.flops, env.world, env.device)
         alerts = [AlertSink(run_dir, cfg.monitor, Context(env.device, env.world))] if env.is_main else []
         self.metrics = Metrics.for_run(run_dir, env.is_main, t, self.state.step, throughput, self.feed.corrupt_total,
                                        alerts)
@@ -84,6 +88,10 @@ class Trainer:
         self.signals = job.StopSignals(cfg.cluster.signal)
         self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
+        self.profiler = StepProfiler(run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
+        self.snapshot = MemorySnapshot(run_dir, t.memory_snapshot, env.rank, env.device)
+        m = cfg.monitor
+        self.hang = HangWatch(run_dir, env.rank, env.world, m.hang_s or 0.9 * cfg.cluster.pg_timeout_s, m.heartbeat_s)
         self.memory.reset()
         self._log_start(prepared.seq_len)
 
@@ -94,6 +102,7 @@ class Trainer:
         try:
             with self.metrics.redirect():
                 while self.state.step < self.cfg.train.max_steps:
+                    self.hang.begin(self.state.step + 1)  # the whole iteration: step, checkpoint, evaluation
                     self._train_step()
                     stop = self.signals.agreed()  # every rank stops after the same step
                     self.checkpointer.poll()  # the outcome of a background write, the same on every rank
@@ -104,26 +113,36 @@ class Trainer:
                     if stop:
                         break
                     self._evaluate(saved)
+                    self.hang.end()
             self.checkpointer.close()
             if not stop:
                 self._export_hf()
             status = _STATUS[stop]
         except BaseException as e:
-            status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), str(e)
+            hung = self.hang.explain(e)
+            status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), hung or str(e)
+            self.snapshot.close(e)
             self.checkpointer.close(failed=True)
+            if hung:
+                raise TrainingError(hung) from e
             raise
         finally:
+            self.hang.close()
+            self.profiler.close()
+            self.snapshot.close(None)
             result = self._finish(status, error)
         if stop:
             self._stopped(stop)
         return result
 
     def _train_step(self) -> None:
+        self.profiler.before_step(self.state.step + 1)
         t0 = time.perf_counter()
         result = self.step(self.feed.next_step(), self.tokens_per_step)
         self.scheduler.step()
         self.state.advance(self.shape.global_batch, self.tokens_per_step)
         step_time = time.perf_counter() - t0
+        self.profiler.after_step(self.state.step)
         self._account(result)
         if self.state.step == self.peaks.at_step:
             self.peaks.report(self.memory.peak(), self.env.world)
@@ -204,6 +223,8 @@ class Trainer:
                  self.n_params / 1e6, self.flops_per_token, sh.layout.describe(), sh.global_batch, sh.micro_batch,
                  sh.grad_accum, sh.dp, seq_len, self.lr, torch.get_num_threads(), self.run_dir)
         log.info("model built and initialised in %.2f s (each rank draws only its own shards)", self.init_s)
+        log.info("%s; %.3g FLOPs per token = 6·N + 12·L·H·Q·T (N: matmul weights, output head included; full "
+                 "attention)", self.peak.describe(), self.flops_per_token)
         if self.init_from:
             log.info("weights loaded from model.init_from=%s", self.init_from)
         if not self.checkpointer.enabled:

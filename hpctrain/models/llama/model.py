@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.models.cross_entropy import linear_cross_entropy
+
 
 @dataclass
 class ModelArgs:
@@ -133,6 +135,7 @@ class Llama(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        self.compile_loss = False  # the fused loss's chunk kernels through torch.compile (parallel.compile sets it)
         # Non-persistent: never in the state_dict; init_weights() fills them (also after to_empty()).
         shape = (args.max_seq_len, 1, args.head_dim)  # broadcasts over [B, T, H, D]
         self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
@@ -171,9 +174,10 @@ class Llama(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]; a pipeline stage without embedding takes and/or returns
-        hidden states [B, T, dim] instead."""
+        hidden states [B, T, dim] instead. With `targets` [B, T] (a whole model): the summed next-token cross
+        entropy instead of the logits, never materialising them (`linear_cross_entropy`)."""
         if self.tok_embeddings is not None:
             if tokens.size(1) > self.args.max_seq_len:
                 raise ValueError(f"sequence length {tokens.size(1)} > max_seq_len {self.args.max_seq_len}")
@@ -184,6 +188,8 @@ class Llama(nn.Module):
             h = layer(h, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             h = self.norm(h)
+        if targets is not None:
+            return linear_cross_entropy(h, self.output.weight, targets, compiled=self.compile_loss)
         return self.output(h) if self.output is not None else h
 
 

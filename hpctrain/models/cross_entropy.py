@@ -1,0 +1,100 @@
+"""Next-token cross entropy fused with the output projection, chunked over tokens: the [tokens, vocab] logits are
+never held whole.
+
+With Llama 3's 128,256-token vocabulary the logits of one 2048-token sample are 1 GiB in fp32, and the plain path
+(`F.linear` then `F.cross_entropy`) keeps several such tensors alive into backward (the bf16 logits, their fp32
+copy, the log-probabilities, then their gradients). Here the loss's gradient is computed in forward, one chunk of
+tokens at a time (logits, softmax, softmax − one-hot, and its two matmuls back into the hidden states and the
+weight): what is kept for backward is one gradient of the hidden states and one of the weight, and the largest
+temporary is one chunk's logits (`CHUNK_ELEMENTS`). The FLOPs are those of the plain path (no recomputation).
+
+Numerics follow the plain path under autocast: matmuls in the autocast dtype (fp32 accumulation), the softmax
+and the loss in fp32; the weight's gradient is summed over chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100  # targets that count nothing (F.cross_entropy's default ignore_index)
+CHUNK_ELEMENTS = 2**28  # logits per chunk at most: 1 GiB in fp32 (2,048 tokens of a 128,256-token vocabulary)
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk for this vocabulary: a multiple of 128 (whole matmul tiles) where one fits, else at least
+    one."""
+    n = CHUNK_ELEMENTS // vocab_size
+    return n // 128 * 128 if n >= 128 else max(1, n)
+
+
+def _chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, with_grad: bool):
+    """One chunk: (summed loss in fp32, d(loss)/d(logits) in the compute dtype, or None). Written in place, so that
+    eager keeps one fp32 [chunk, vocab] tensor; torch.compile fuses the elementwise passes into the matmul's."""
+    logits = (x @ w.T).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    keep = targets != IGNORE_INDEX
+    safe = targets.masked_fill(~keep, 0).unsqueeze(1)
+    loss = ((lse - logits.gather(1, safe).squeeze(1)) * keep).sum()
+    if not with_grad:
+        return loss, None
+    # d(sum of losses)/d(logits) = softmax − one-hot, zero on ignored rows; made in place of the logits.
+    g = logits.sub_(lse.unsqueeze(1)).exp_()
+    g.scatter_add_(1, safe, -torch.ones_like(safe, dtype=g.dtype))
+    g.mul_(keep.unsqueeze(1))
+    return loss, g.to(x.dtype)
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled_chunk
+    if not compiled:
+        return _chunk
+    if _compiled_chunk is None:  # compiled once per process, at first use; a shape of its own per chunk length
+        _compiled_chunk = torch.compile(_chunk, dynamic=False)
+    return _compiled_chunk
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, dtype, with_grad, compiled):
+        compute = dtype or hidden.dtype
+        h, w = hidden.to(compute), weight.to(compute)
+        one_chunk = _chunk_fn(compiled)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if with_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        for start in range(0, h.shape[0], chunk):
+            x = h[start:start + chunk]
+            loss, g = one_chunk(x, w, targets[start:start + chunk], with_grad)
+            total += loss
+            if with_grad:
+                grad_h[start:start + chunk] = (g @ w).to(hidden.dtype)
+                grad_w += (g.T @ x).float()
+        if with_grad:
+            ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype), (grad_w * grad_out).to(ctx.weight_dtype),
+                None, None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int | None = None, compiled: bool = False) -> torch.Tensor:
+    """Summed cross entropy of `hidden @ weight.T` ([..., dim] hidden states, [vocab, dim] weight) against
+    `targets` ([...] token ids; IGNORE_INDEX counts nothing), without materialising the logits.
+
+    Equals `F.cross_entropy(F.linear(hidden, weight).flatten(0, -2), targets.flatten(), reduction="sum")`, in
+    value and gradients, under autocast too (its dtype is read here and applied inside). `compiled`: each chunk's
+    kernels through torch.compile (one fused pass over the logits instead of several)."""
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(),
+                                         chunk or chunk_tokens(weight.shape[0]), dtype, with_grad, compiled)

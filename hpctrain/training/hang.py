@@ -1,0 +1,177 @@
+"""Hang forensics: when a step stops making progress, every rank that still runs writes its Python stacks to
+`<run_dir>/hang/rank-N.txt` and the failure names the ranks that stopped responding, with their nodes.
+
+Each rank runs a watchdog thread that, every `monitor.heartbeat_s`, records a heartbeat (wall time) and the node
+it runs on in the job's store through a connection of its own, and checks how long the current iteration (step,
+checkpoint, evaluation) has run. Past `monitor.hang_s` (default: 90 % of cluster.pg_timeout_s, so before the
+collectives' own timeout) it writes the stacks of every thread of its process and works out who is stuck:
+ranks whose heartbeat is older than three beats stopped responding (a stopped or dead process, a lost node); if
+every rank still beats, they are all alive but waiting (a collective one of them never joined, a stuck data
+read). A collective that times out ends the run with that line instead of the backend's bare timeout.
+
+On NCCL the flight recorder is on (`flight_recorder_env`): a timed-out collective dumps every rank's recent
+collectives to `hang/nccl-trace-rank-N` (PyTorch's `fr_trace` tool reads them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+log = logging.getLogger("hpctrain")
+HANG_DIR = "hang"
+STALE_BEATS = 3  # a heartbeat older than this many intervals: the rank stopped responding
+_KEY = "hpctrain/heartbeat/{}"
+
+
+def node_name() -> str:
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def flight_recorder_env(run_dir: str) -> dict[str, str]:
+    """NCCL's flight recorder, dumped into <run_dir>/hang/ when a collective times out (both spellings of the
+    dump path: PyTorch renamed it)."""
+    prefix = os.path.join(os.path.abspath(run_dir), HANG_DIR, "nccl-trace-rank-")
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+
+
+def is_timeout(error: BaseException) -> bool:
+    """A collective or store operation that ran out of time (gloo, NCCL and the store word it differently; all
+    raise RuntimeErrors), not one of hpctrain's own one-line errors."""
+    from hpctrain.errors import BAD_INPUT
+
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and not isinstance(error, BAD_INPUT) and (
+        "timed out" in text or "timeout" in text)
+
+
+def _store(timeout_s: float):
+    """A store client of our own (never the process group's, which a blocked collective may hold), or None for a
+    job without one (a single process)."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class HangWatch:
+    """The watchdog of one rank: `begin(step)` / `end()` around each loop iteration, `close()` at the end."""
+
+    def __init__(self, run_dir: str, rank: int, world: int, hang_s: float, beat_s: float):
+        self.run_dir, self.rank, self.world, self.hang_s, self.beat_s = run_dir, rank, world, hang_s, beat_s
+        self.node = node_name()
+        self.line: str | None = None  # the diagnosis, once made
+        self._step, self._since = 0, None
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        try:
+            self._store = _store(max(5.0, 2 * beat_s))
+        except Exception as e:  # noqa: BLE001 - forensics must never stop a run
+            log.warning("hang forensics without heartbeats: the store at MASTER_ADDR does not answer (%s)", e)
+            self._store = None
+        self._beat()
+        self._thread = threading.Thread(target=self._watch, name="hpctrain-hangwatch", daemon=True)
+        self._thread.start()
+
+    def begin(self, step: int) -> None:
+        with self._lock:
+            self._step, self._since = step, time.monotonic()
+
+    def end(self) -> None:
+        with self._lock:
+            self._since = None
+
+    def _beat(self) -> None:
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # the store's host may be the rank that is gone
+                self._store.set(_KEY.format(self.rank), f"{time.time():.3f} {self.node}")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            self._beat()
+            with self._lock:
+                since, step = self._since, self._step
+            if since is not None and self.line is None and time.monotonic() - since > self.hang_s:
+                self.diagnose(f"step {step} has run for {_seconds(time.monotonic() - since)} s (monitor.hang_s="
+                              f"{self.hang_s:g})")
+
+    def _others(self) -> tuple[list[str], str | None]:
+        """(descriptions of the ranks that stopped responding, why they could not be read or None)."""
+        if self._store is None:
+            return [], "no heartbeats in a single process" if self.world == 1 else "no store to read heartbeats"
+        now, stale = time.time(), []
+        try:
+            for r in range(self.world):
+                key = _KEY.format(r)
+                if not self._store.check([key]):
+                    stale.append(f"rank {r} (never sent a heartbeat)")
+                    continue
+                beat, node = self._store.get(key).decode().split(" ", 1)
+                if now - float(beat) > STALE_BEATS * self.beat_s:
+                    stale.append(f"rank {r} (node {node}, last heartbeat {_seconds(now - float(beat))} s ago)")
+        except Exception as e:  # noqa: BLE001 - the store lives in rank 0's process
+            return stale, (f"the store on rank 0 ({os.environ.get('MASTER_ADDR')}) does not answer ({type(e).__name__}):"
+                           " rank 0 is likely the one that stopped")
+        return stale, None
+
+    def diagnose(self, what: str) -> str:
+        """Write this rank's stacks and work out who is stuck; return (and keep) the one-line diagnosis."""
+        if self.line is not None:
+            return self.line
+        stale, unreadable = self._others()
+        if stale:
+            who = f"{', '.join(stale)} stopped responding"
+        elif unreadable:
+            who = unreadable
+        else:
+            who = f"every one of the {self.world} ranks still responds (waiting on each other or on data)"
+        folder = os.path.join(self.run_dir, HANG_DIR)
+        line = (f"{what} on rank {self.rank} (node {self.node}): {who}; the Python stacks of every rank still "
+                f"running are in {folder}/")
+        self.line = line
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"rank-{self.rank}.txt"), "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n\n{stacks()}\n")
+        except OSError as e:
+            log.error("could not write the stacks of rank %d: %s", self.rank, e)
+        log.error("hang: %s", line)
+        return line
+
+    def explain(self, error: BaseException) -> str | None:
+        """The diagnosis for a run that failed with `error`: made now for a timed-out collective, or the one the
+        watchdog made; None when the run did not hang."""
+        if self.line is None and is_timeout(error):
+            with self._lock:
+                step = self._step
+            self.diagnose(f"a collective timed out in step {step}")
+        return self.line
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.beat_s)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f}" if s >= 10 else f"{s:.1f}"
+
+
+def stacks() -> str:
+    """Every thread's Python stack, innermost call last, as `py-spy dump` would list them."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    out = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda item: item[0] != main):  # main first
+        out.append(f"Thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(out)

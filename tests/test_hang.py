@@ -1,0 +1,70 @@
+"""Hang forensics in one process (tests/test_parallel.py stops one of four real ranks)."""
+
+import time
+
+import pytest
+
+from hpctrain.errors import TrainingError
+from hpctrain.training.hang import HangWatch, flight_recorder_env, is_timeout
+
+
+def _stuck_in_a_step(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_step_past_hang_s_writes_the_stacks_once(tmp_path):
+    watch = HangWatch(str(tmp_path), rank=0, world=1, hang_s=0.3, beat_s=0.1)
+    try:
+        watch.begin(7)
+        _stuck_in_a_step(1.0)
+        watch.end()
+    finally:
+        watch.close()
+    line = watch.line
+    assert line.startswith("step 7 has run for ") and "(monitor.hang_s=0.3) on rank 0 (node " in line, line
+    assert "no heartbeats in a single process" in line and line.endswith(f"are in {tmp_path}/hang/")
+    stacks = (tmp_path / "hang" / "rank-0.txt").read_text()
+    assert sum(line.startswith("20") for line in stacks.splitlines()) == 1  # once, however long the hang lasts
+    assert "Thread MainThread" in stacks and "in _stuck_in_a_step" in stacks, stacks  # where the main thread was
+    assert "Thread hpctrain-hangwatch" in stacks
+
+
+def test_iterations_within_hang_s_write_nothing(tmp_path):
+    watch = HangWatch(str(tmp_path), rank=0, world=1, hang_s=0.5, beat_s=0.05)
+    try:
+        for step in range(1, 6):
+            watch.begin(step)
+            time.sleep(0.1)
+            watch.end()
+        time.sleep(0.7)  # between iterations (e.g. finished) nothing is watched
+    finally:
+        watch.close()
+    assert watch.line is None and not (tmp_path / "hang").exists()
+
+
+@pytest.mark.parametrize("error,timed_out", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms for recv "
+                  "operation to complete"), True),
+    (RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE)"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (TrainingError("data.timeout too small"), False),  # hpctrain's own one-line errors are never a hang
+    (KeyboardInterrupt(), False),
+])
+def test_which_failures_are_collective_timeouts(tmp_path, error, timed_out):
+    assert is_timeout(error) == timed_out
+    watch = HangWatch(str(tmp_path), rank=2, world=1, hang_s=100, beat_s=10)
+    try:
+        watch.begin(3)
+        line = watch.explain(error)
+    finally:
+        watch.close()
+    assert (line is not None) == timed_out
+    if timed_out:
+        assert line.startswith("a collective timed out in step 3 on rank 2 (node ")
+        assert (tmp_path / "hang" / "rank-2.txt").exists()
+
+
+def test_flight_recorder_dumps_into_the_run(tmp_path):
+    env = flight_recorder_env(str(tmp_path))
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/hang/nccl-trace-rank-"
