@@ -1,11 +1,12 @@
 """Hang forensics in one process (tests/test_parallel.py stops one of four real ranks)."""
 
+import os
 import time
 
 import pytest
 
 from hpctrain.errors import TrainingError
-from hpctrain.training.hang import HangWatch, flight_recorder_env, is_timeout
+from hpctrain.training.hang import HangWatch, apply_flight_recorder, flight_recorder_env, is_timeout
 
 
 def _stuck_in_a_step(seconds: float) -> None:
@@ -18,9 +19,11 @@ def test_a_step_past_hang_s_writes_the_stacks_once(tmp_path):
         watch.begin(7)
         _stuck_in_a_step(1.0)
         watch.end()
+        line = watch.line
+        watch.begin(8)  # the slow step finished after all: the next one starts with no diagnosis
+        assert watch.line is None and watch.explain(MemoryError("out of memory")) is None
     finally:
         watch.close()
-    line = watch.line
     assert line.startswith("step 7 has run for ") and "(monitor.hang_s=0.3) on rank 0 (node " in line, line
     assert "no heartbeats in a single process" in line and line.endswith(f"are in {tmp_path}/hang/")
     stacks = (tmp_path / "hang" / "rank-0.txt").read_text()
@@ -59,12 +62,20 @@ def test_which_failures_are_collective_timeouts(tmp_path, error, timed_out):
     finally:
         watch.close()
     assert (line is not None) == timed_out
+    assert (watch.line is not None) == timed_out  # any other failure is reported as itself
     if timed_out:
         assert line.startswith("a collective timed out in step 3 on rank 2 (node ")
         assert (tmp_path / "hang" / "rank-2.txt").exists()
 
 
-def test_flight_recorder_dumps_into_the_run(tmp_path):
+def test_flight_recorder_dumps_into_the_run(tmp_path, monkeypatch):
     env = flight_recorder_env(str(tmp_path))
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/hang/nccl-trace-rank-"
+    for key in env:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")  # the job's own setting wins
+    apply_flight_recorder(str(tmp_path / "a"))
+    apply_flight_recorder(str(tmp_path / "b"))  # a later run in the same process dumps into its own directory
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/b/hang/nccl-trace-rank-"

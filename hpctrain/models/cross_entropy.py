@@ -31,14 +31,18 @@ def _chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, with_grad: b
     """One chunk: (summed loss in fp32, d(loss)/d(logits) in the compute dtype, or None). Written in place, so that
     eager keeps one fp32 [chunk, vocab] tensor; torch.compile fuses the elementwise passes into the matmul's."""
     logits = (x @ w.T).float()
-    lse = torch.logsumexp(logits, dim=-1)
     keep = targets != IGNORE_INDEX
     safe = targets.masked_fill(~keep, 0).unsqueeze(1)
-    loss = ((lse - logits.gather(1, safe).squeeze(1)) * keep).sum()
+    # log-sum-exp in place (torch.logsumexp would make a second [chunk, vocab] fp32 tensor): shift by the row
+    # max, read the target's shifted logit, exponentiate, sum.
+    logits.sub_(logits.amax(dim=-1, keepdim=True))
+    picked = logits.gather(1, safe).squeeze(1)
+    total = logits.exp_().sum(dim=-1)
+    loss = ((total.log() - picked) * keep).sum()
     if not with_grad:
         return loss, None
     # d(sum of losses)/d(logits) = softmax − one-hot, zero on ignored rows; made in place of the logits.
-    g = logits.sub_(lse.unsqueeze(1)).exp_()
+    g = logits.div_(total.unsqueeze(1))
     g.scatter_add_(1, safe, -torch.ones_like(safe, dtype=g.dtype))
     g.mul_(keep.unsqueeze(1))
     return loss, g.to(x.dtype)
@@ -80,7 +84,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype), (grad_w * grad_out).to(ctx.weight_dtype),
+        # In fp32: the upstream gradient (1/tokens, times a loss scale) rounded to bf16 would scale this part of
+        # the model differently from the rest.
+        return ((grad_h.float() * grad_out).to(grad_h.dtype), (grad_w * grad_out).to(ctx.weight_dtype),
                 None, None, None, None, None)
 
 

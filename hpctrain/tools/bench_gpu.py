@@ -69,6 +69,11 @@ def largest_micro_batch(a, data: str, variant: str, capacity: float, limit: int 
     return best
 
 
+def _smaller_divisor(global_batch: int, micro_batch: int) -> int:
+    """The largest micro-batch below `micro_batch` (about half of it or less) that divides the global batch."""
+    return next(m for m in range(micro_batch // 2 or 1, 0, -1) if global_batch % m == 0)
+
+
 def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -103,8 +108,9 @@ def run_hpctrain(a, data: str, variant: str, micro_batch: int, global_batch: int
         except torch.OutOfMemoryError:
             if micro_batch == 1:
                 raise
-            print(f"  {variant}: micro-batch {micro_batch} ran out of memory; trying {micro_batch // 2}", flush=True)
-            micro_batch //= 2
+            smaller = _smaller_divisor(global_batch, micro_batch)
+            print(f"  {variant}: micro-batch {micro_batch} ran out of memory; trying {smaller}", flush=True)
+            micro_batch = smaller
     records = [r for r in read_metrics(run_dir) if "step_time_s" in r]
     times = [r["step_time_s"] for r in records]
     peak_gib = max(r["mem_gb"] for r in records)
@@ -122,9 +128,9 @@ def run_transformers(a, data: str, model_args, micro_batch: int, global_batch: i
         except torch.OutOfMemoryError:
             if micro_batch == 1:
                 raise
-            print(f"  transformers: micro-batch {micro_batch} ran out of memory; trying {micro_batch // 2}",
-                  flush=True)
-            micro_batch //= 2
+            smaller = _smaller_divisor(global_batch, micro_batch)
+            print(f"  transformers: micro-batch {micro_batch} ran out of memory; trying {smaller}", flush=True)
+            micro_batch = smaller
 
 
 def _transformers_loop(a, data, model_args, micro_batch, global_batch, flops_per_token, peak, seed) -> dict:
@@ -134,6 +140,7 @@ def _transformers_loop(a, data, model_args, micro_batch, global_batch, flops_per
     from hpctrain.models.llama.hf import to_hf_config
 
     dev = device()
+    model = opt = params = None
     torch.manual_seed(seed)
     with dev:
         model = LlamaForCausalLM(to_hf_config(model_args, attn_implementation="sdpa")).float().train()
@@ -266,8 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
     for variant in a.variants:
         mb = micro if variant == a.variants[0] or a.micro_batch else min(
             micro, largest_micro_batch(a, data, variant, capacity))
-        while global_batch % mb:
-            mb //= 2
+        if global_batch % mb:
+            mb = _smaller_divisor(global_batch, mb)
         t0 = time.perf_counter()
         rows.append(run_hpctrain(a, data, variant, mb, global_batch, flops_per_token, peak.flops))
         print(f"  {variant}: {rows[-1]['tokens_per_s']:.0f} tokens/s at micro-batch {rows[-1]['micro_batch']} "

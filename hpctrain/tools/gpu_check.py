@@ -8,7 +8,8 @@ run, in one table.
 2. The throughput run (`hpctrain.tools.bench_gpu`): llama_1b in bf16 at 2048 tokens, hpctrain against a plain
    transformers loop, tokens/s and MFU (skipped without a CUDA device).
 
-Everything lands in --out (junit.xml, bench.json, table.txt); the exit status is 1 when a test or the run failed.
+Everything lands in --out (junit-*.xml, bench-*.json: new files each time; table.txt); the exit status is 1 when
+a test, pytest itself or the run failed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -37,15 +39,21 @@ def machine() -> str:
 
 def run_tests(out: str, pytest_args: list[str]) -> list[dict]:
     """Each GPU test's outcome, time and the figures it printed (from pytest's JUnit report)."""
-    junit = os.path.join(out, "junit.xml")
+    fd, junit = tempfile.mkstemp(prefix="junit-", suffix=".xml", dir=out)  # a new report, never an old one's
+    os.close(fd)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", os.path.join(ROOT, "tests", "test_gpu.py"), "-q", "-rs",
            "-p", "no:cacheprovider", f"--junitxml={junit}", "-o", "junit_logging=system-out", *pytest_args]
     print("$ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT)
-    if not os.path.exists(junit):
-        return [{"name": "pytest", "outcome": "failed", "time": 0.0, "detail": "no report (pytest did not run)"}]
+    code = subprocess.run(cmd, cwd=ROOT).returncode
+    try:
+        cases = list(ET.parse(junit).getroot().iter("testcase"))
+    except ET.ParseError:  # pytest died before writing it (a CUDA or NCCL abort)
+        cases = []
     rows = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    if code not in (0, 1) or not cases:  # 1: some test failed (listed); anything else: pytest itself did
+        rows.append({"name": "pytest", "outcome": "failed", "time": 0.0,
+                     "detail": f"pytest exited with {code}{'' if cases else ' and no report'}"})
+    for case in cases:
         outcome, detail = "passed", ""
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
@@ -65,12 +73,13 @@ def run_throughput(out: str, bench_args: list[str]) -> dict | None:
 
     if not torch.cuda.is_available():
         return None
-    path = os.path.join(out, "bench.json")
+    fd, path = tempfile.mkstemp(prefix="bench-", suffix=".json", dir=out)  # this run's, never an old one's
+    os.close(fd)
     cmd = [sys.executable, "-m", "hpctrain.tools.bench_gpu", "--out", os.path.join(out, "bench"), "--json", path,
            *bench_args]
     print("$ " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, cwd=ROOT)
-    if p.returncode != 0 or not os.path.exists(path):
+    if p.returncode != 0 or not os.path.getsize(path):
         return {"error": f"bench_gpu exited with {p.returncode}"}
     with open(path) as f:
         return json.load(f)
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import shlex
 
+    a.out = os.path.abspath(a.out)  # pytest and the benchmark run from the repository's root
     os.makedirs(a.out, exist_ok=True)
     header = machine()
     print(f"gpu-check: {header}", flush=True)

@@ -15,7 +15,8 @@ norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one m
                1F1B min(m, pp−stage), GPipe m, interleaved / zero-bubble ×(1+(pp−1)/(pp·v)).
   loss         s·b·vocab/tp · 12 (16 with loss_parallel): fp32 log-probabilities kept, their gradient, the
                logits' gradient; a pipeline's last stage also keeps its output logits (· c). train.fused_loss:
-               4·vocab·dim + 4·s·b·dim (the gradients it made in forward) + one chunk's logits (· (4 + c))
+               4·vocab·dim + 4·s·b·dim (the gradients it made in forward) + one chunk's logits (· (4 + c)) or
+               the weight gradient's per-chunk temporaries, whichever is larger
   reducing     dp>1: the last unit backward reduces (root, else a block; replicate: the model) · (2c + 4)
 The peak is the largest of three moments (`total`): backward's start, backward's end under data parallelism,
 the optimizer step. With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 %
@@ -201,7 +202,12 @@ def _loss_bytes(args, tokens: int, tp: int, c: int, pipelined: bool, fused: bool
 
     weight, hidden = args.vocab_size * args.dim, tokens * args.dim
     copies = (weight + hidden) * c if c == 2 else 0
-    return 4 * weight + 4 * hidden + copies + min(tokens, chunk_tokens(args.vocab_size)) * args.vocab_size * (4 + c)
+    chunk = min(tokens, chunk_tokens(args.vocab_size)) * args.vocab_size
+    # A chunk's peak: its fp32 logits (the gradient is made in place) and, in bf16/fp16, the gradient's cast; then
+    # that gradient and the weight gradient's matmul result with, in bf16/fp16, its fp32 copy.
+    low = c == 2
+    return 4 * weight + 4 * hidden + copies + max(chunk * (4 + (c if low else 0)),
+                                                   chunk * c + weight * (c + (4 if low else 0)))
 
 
 def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int, dtensors: bool) -> tuple[float, float]:

@@ -44,6 +44,22 @@ def flight_recorder_env(run_dir: str) -> dict[str, str]:
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
 
 
+_ours: dict[str, str] = {}  # what this process set: a later run in it (a benchmark, a test) sets its own
+
+
+def apply_flight_recorder(run_dir: str) -> dict[str, str]:
+    """Export flight_recorder_env before the process group starts; a variable the job's environment set is kept.
+    Returns {key: "value (source)"} as process_group.apply_env does."""
+    effective = {}
+    for key, value in flight_recorder_env(run_dir).items():
+        if key in os.environ and os.environ[key] != _ours.get(key):
+            effective[key] = f"{os.environ[key]} (environment)"
+        else:
+            os.environ[key] = _ours[key] = value
+            effective[key] = f"{value} (flight recorder)"
+    return effective
+
+
 def is_timeout(error: BaseException) -> bool:
     """A collective or store operation that ran out of time (gloo, NCCL and the store word it differently; all
     raise RuntimeErrors), not one of hpctrain's own one-line errors."""
@@ -74,7 +90,7 @@ class HangWatch:
         self.node = node_name()
         self.line: str | None = None  # the diagnosis, once made
         self._step, self._since = 0, None
-        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._lock, self._diagnosing, self._stop = threading.Lock(), threading.Lock(), threading.Event()
         try:
             self._store = _store(max(5.0, 2 * beat_s))
         except Exception as e:  # noqa: BLE001 - forensics must never stop a run
@@ -87,6 +103,7 @@ class HangWatch:
     def begin(self, step: int) -> None:
         with self._lock:
             self._step, self._since = step, time.monotonic()
+            self.line = None  # a slow iteration that finished after all was no hang
 
     def end(self) -> None:
         with self._lock:
@@ -127,8 +144,12 @@ class HangWatch:
 
     def diagnose(self, what: str) -> str:
         """Write this rank's stacks and work out who is stuck; return (and keep) the one-line diagnosis."""
-        if self.line is not None:
+        with self._diagnosing:  # the watchdog and a failing main thread: one diagnosis
+            if self.line is None:
+                self.line = self._diagnose(what)
             return self.line
+
+    def _diagnose(self, what: str) -> str:
         stale, unreadable = self._others()
         if stale:
             who = f"{', '.join(stale)} stopped responding"
@@ -139,7 +160,6 @@ class HangWatch:
         folder = os.path.join(self.run_dir, HANG_DIR)
         line = (f"{what} on rank {self.rank} (node {self.node}): {who}; the Python stacks of every rank still "
                 f"running are in {folder}/")
-        self.line = line
         try:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, f"rank-{self.rank}.txt"), "a") as f:
@@ -150,13 +170,15 @@ class HangWatch:
         return line
 
     def explain(self, error: BaseException) -> str | None:
-        """The diagnosis for a run that failed with `error`: made now for a timed-out collective, or the one the
-        watchdog made; None when the run did not hang."""
-        if self.line is None and is_timeout(error):
-            with self._lock:
-                step = self._step
-            self.diagnose(f"a collective timed out in step {step}")
-        return self.line
+        """The diagnosis for a run that failed with a timed-out collective (the watchdog's, when it made one in this
+        iteration, else made now); None for any other failure. (NCCL's own watchdog ends a process whose
+        collective timed out without a Python exception: there the watchdog's line in the log and the stack files
+        are what remains.)"""
+        if not is_timeout(error):
+            return None
+        with self._lock:
+            step = self._step
+        return self.diagnose(f"a collective timed out in step {step}")
 
     def close(self) -> None:
         self._stop.set()

@@ -21,12 +21,13 @@ PROFILE_DIR, MEMORY_DIR = "profile", "memory"
 HISTORY_ENTRIES = 100_000  # allocator events kept (PyTorch's recommended order of magnitude)
 
 
-def _out(run_dir: str, folder: str, name: str) -> str:
-    """run_dir/folder/name, or name-2, name-3, ... (before the extension): never a file that exists."""
+def _out(run_dir: str, folder: str, name: str, also: str = "") -> str:
+    """run_dir/folder/name, or name-2, name-3, ... (before the extension): never a file that exists, nor its twin
+    with the extension `also`."""
     os.makedirs(os.path.join(run_dir, folder), exist_ok=True)
     stem, ext = os.path.splitext(os.path.join(run_dir, folder, name))
     path, n = stem + ext, 1
-    while os.path.lexists(path):
+    while os.path.lexists(path) or (also and os.path.lexists(path[:-len(ext)] + also)):
         n += 1
         path = f"{stem}-{n}{ext}"
     return path
@@ -55,9 +56,9 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._prof.stop()
-        trace = _out(self.run_dir, PROFILE_DIR, f"rank-{self.rank}.json")
+        trace = _out(self.run_dir, PROFILE_DIR, f"rank-{self.rank}.json", also=".txt")
         self._prof.export_chrome_trace(trace)
-        table = _out(self.run_dir, PROFILE_DIR, f"rank-{self.rank}.txt")
+        table = trace[:-len(".json")] + ".txt"  # the same attempt's suffix for both
         events = self._prof.key_averages()
         by_device = "cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         with open(table, "w") as f:
@@ -77,8 +78,9 @@ class StepProfiler:
 
 
 class MemorySnapshot:
-    """train.memory_snapshot: the CUDA allocator's history, recorded from start-up, dumped on an out-of-memory error
-    and at the end. A rank without CUDA says so once and records nothing."""
+    """train.memory_snapshot: the CUDA allocator's history, recorded once the model and optimizer are built (every
+    step's allocations), dumped on an out-of-memory error (-oom) or when the run ends otherwise (-end). A rank
+    without CUDA says so once and records nothing."""
 
     def __init__(self, run_dir: str, enabled: bool, rank: int, device: torch.device):
         self.run_dir, self.rank, self.device = run_dir, rank, device

@@ -20,7 +20,7 @@ from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
 from hpctrain.resolve import RunShape, resolve
 from hpctrain.training.feed import val_stream
-from hpctrain.training.hang import HANG_DIR, flight_recorder_env
+from hpctrain.training.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.training.monitor import check_monitor
 from hpctrain.training.trainer import Trainer
 
@@ -193,8 +193,7 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
 def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
     nccl = process_group.apply_env(cfg.cluster.nccl)
     if torch.cuda.is_available():  # NCCL's flight recorder, dumped into <run_dir>/hang/ on a collective timeout
-        os.makedirs(os.path.join(run_dir, HANG_DIR), exist_ok=True)
-        nccl.update(process_group.apply_env(flight_recorder_env(run_dir)))
+        nccl.update(apply_flight_recorder(run_dir))
     env = process_group.init(cfg.cluster.pg_timeout_s)
     try:
         # Hydra's default run dir has a timestamp: ranks started apart could disagree; rank 0 decides, also
@@ -212,6 +211,8 @@ def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
         run_dir, stalled, start = shared
         if stalled:
             raise TrainingError(stalled)
+        if env.device.type == "cuda":  # where the flight recorder dumps (after a previous run moved aside)
+            os.makedirs(os.path.join(run_dir, HANG_DIR), exist_ok=True)
         if env.is_main and env.device.type == "cuda":  # logged once the run dir holds only this run
             log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
         return Trainer(cfg, run_dir, prepared, env, start).fit()

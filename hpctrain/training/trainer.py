@@ -121,7 +121,10 @@ class Trainer:
         except BaseException as e:
             hung = self.hang.explain(e)
             status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), hung or str(e)
-            self.snapshot.close(e)
+            try:
+                self.snapshot.close(e)
+            except Exception as snap:  # noqa: BLE001 - never hide the run's own error behind the dump's
+                log.error("the memory snapshot could not be written: %s", snap)
             self.checkpointer.close(failed=True)
             if hung:
                 raise TrainingError(hung) from e
