@@ -90,7 +90,7 @@ class Trainer:
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
         self.snapshot = MemorySnapshot(run_dir, t.memory_snapshot, env.rank, env.device)
-        m = cfg.monitor
+        m = cfg.monitor  # last: its thread is stopped by fit(); a rank lost before its first heartbeat is named so
         self.hang = HangWatch(run_dir, env.rank, env.world, m.hang_s or 0.9 * cfg.cluster.pg_timeout_s, m.heartbeat_s)
         self.memory.reset()
         self._log_start(prepared.seq_len)
