@@ -52,3 +52,19 @@ def test_gpu_check_without_a_gpu_skips_each_test_with_its_reason(tmp_path, capsy
     assert len(rows) >= 15 and all(r[1] == "skipped" for r in rows), table
     assert all(line.endswith("needs a CUDA GPU (run make gpu-check there)") for line in table[2:2 + len(rows)])
     assert f"0 passed, 0 failed, {len(rows)} skipped" in table and table[-1] == "throughput run: skipped (no CUDA device)"
+
+
+def test_out_of_memory_retries_smaller_micro_batches_of_the_same_global_batch(capsys):
+    tried = []
+
+    def attempt(mb):
+        tried.append(mb)
+        if mb > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return mb
+
+    assert bench_gpu._shrinking_on_oom("x", 28, 7, attempt) == 2 and tried == [7, 2]  # 3 does not divide 28
+    tried.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        bench_gpu._shrinking_on_oom("x", 8, 8, lambda mb: attempt(mb + 5))
+    assert "x: micro-batch 8 ran out of memory; trying 4" in capsys.readouterr().out

@@ -92,25 +92,19 @@ def _summary(name: str, micro_batch: int, grad_accum: int, step_times: list[floa
 
 def run_hpctrain(a, data: str, variant: str, micro_batch: int, global_batch: int, flops_per_token: float,
                  peak: float | None) -> dict:
-    """One hpctrain run at `micro_batch` (or half of it, and so on, on an out-of-memory error)."""
+    """One hpctrain run at `micro_batch` (or a smaller one on an out-of-memory error)."""
     from hpctrain.compose import compose
     from hpctrain.files import read_metrics
     from hpctrain.training.run import train
 
-    while True:
-        run_dir = os.path.join(a.out, f"run-{variant}")
-        cfg = compose(_overrides(a, data, run_dir, variant, micro_batch, global_batch // micro_batch))
-        _free_memory()
+    run_dir = os.path.join(a.out, f"run-{variant}")
+
+    def attempt(mb: int) -> int:
         torch._dynamo.reset()  # each run compiles from cold (inside its warm-up steps)
-        try:
-            train(cfg, run_dir)
-            break
-        except torch.OutOfMemoryError:
-            if micro_batch == 1:
-                raise
-            smaller = _smaller_divisor(global_batch, micro_batch)
-            print(f"  {variant}: micro-batch {micro_batch} ran out of memory; trying {smaller}", flush=True)
-            micro_batch = smaller
+        train(compose(_overrides(a, data, run_dir, variant, mb, global_batch // mb)), run_dir)
+        return mb
+
+    micro_batch = _shrinking_on_oom(variant, global_batch, micro_batch, attempt)
     records = [r for r in read_metrics(run_dir) if "step_time_s" in r]
     times = [r["step_time_s"] for r in records]
     peak_gib = max(r["mem_gb"] for r in records)
@@ -120,16 +114,23 @@ def run_hpctrain(a, data: str, variant: str, micro_batch: int, global_batch: int
 
 def run_transformers(a, data: str, model_args, micro_batch: int, global_batch: int, flops_per_token: float,
                      peak: float | None, seed: int) -> dict:
-    """The plain loop, at `micro_batch` (halved on an out-of-memory error), accumulating to `global_batch`."""
+    """The plain loop, at `micro_batch` (a smaller one on an out-of-memory error), accumulating to `global_batch`."""
+    return _shrinking_on_oom("transformers", global_batch, micro_batch, lambda mb: _transformers_loop(
+        a, data, model_args, mb, global_batch, flops_per_token, peak, seed))
+
+
+def _shrinking_on_oom(side: str, global_batch: int, micro_batch: int, attempt):
+    """attempt(micro_batch), retried at smaller micro-batches (dividing the global batch) while it runs out of
+    memory; its result."""
     while True:
         _free_memory()
         try:
-            return _transformers_loop(a, data, model_args, micro_batch, global_batch, flops_per_token, peak, seed)
+            return attempt(micro_batch)
         except torch.OutOfMemoryError:
             if micro_batch == 1:
                 raise
             smaller = _smaller_divisor(global_batch, micro_batch)
-            print(f"  transformers: micro-batch {micro_batch} ran out of memory; trying {smaller}", flush=True)
+            print(f"  {side}: micro-batch {micro_batch} ran out of memory; trying {smaller}", flush=True)
             micro_batch = smaller
 
 
