@@ -76,9 +76,8 @@ class Trainer:
                               shape.layout.batch_mesh(self.mesh))
         self.n_params = spec.num_params(self.model)
         self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
-        peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
-        self.peak = peak
-        throughput = Throughput(self.tokens_per_step, self.flops_per_token, peak.flops, env.world, env.device)
+        self.peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
+        throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.peak.flops, env.world, env.device)
         alerts = [AlertSink(run_dir, cfg.monitor, Context(env.device, env.world))] if env.is_main else []
         self.metrics = Metrics.for_run(run_dir, env.is_main, t, self.state.step, throughput, self.feed.corrupt_total,
                                        alerts)
