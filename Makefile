@@ -29,14 +29,14 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,track]"
 	touch $@
 
 install: $(STAMP)
@@ -72,6 +72,10 @@ bench-host: install
 # llama_1b (1.24 B parameters), fsdp dp=2, two bf16 steps: ~22.3 GiB free memory (make slurm-down first), ~2 min.
 bench-scale: install
 	$(PY) -m hpctrain.tools.bench_scale
+
+# What monitoring costs: the same 2-rank run with the monitor defaults and with everything off (target <= 1 %):
+bench-monitor: install
+	$(PY) -m hpctrain.tools.bench_monitor
 
 # Training stall per checkpoint, sync vs train.ckpt_async=true, against the disk's O_DIRECT write speed:
 # llama_350m (4.2 GB checkpoints), ~11 GiB memory and ~9 GB free disk under outputs/, ~2 min.

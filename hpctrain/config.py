@@ -172,12 +172,17 @@ class TrainConfig:
     profile_steps: list[int] | None = None  # [first, last]: the torch profiler over these steps, on every rank
     memory_snapshot: bool = False  # CUDA: the allocator's history, dumped on out-of-memory and at the end
     progress: bool | None = None  # progress bar; None: only on a terminal
-    tensorboard: bool = True
 
 
 class AlertWhen(str, Enum):
     above = "above"
     below = "below"
+
+
+class AlertAction(str, Enum):
+    warn = "warn"  # alerts.jsonl, the log, notify_cmd, the trackers
+    checkpoint = "checkpoint"  # and a checkpoint at the next step boundary
+    stop = "stop"  # and a checkpoint, then the run stops (status "stopped"; not requeued)
 
 
 @dataclass
@@ -186,6 +191,23 @@ class AlertRule:
     threshold: float = 0.0
     when: AlertWhen = AlertWhen.above
     for_s: float = 60.0  # wall-time seconds past the threshold before it fires
+    action: AlertAction = AlertAction.warn
+
+
+class SpikeAction(str, Enum):
+    none = "none"
+    warn = "warn"
+    skip_batch = "skip_batch"  # drop that global batch's update
+    rollback = "rollback"  # reload the last checkpoint, skip the data since it
+
+
+@dataclass
+class LossSpikeConfig:
+    # A step's loss above factor × the median loss of the last `window` steps (hpctrain.training.spikes).
+    factor: float = 3.0
+    window: int = 100
+    action: SpikeAction = SpikeAction.warn
+    max_rollbacks: int = 3  # rollbacks in one run before a spike stops it instead
 
 
 @dataclass
@@ -199,6 +221,37 @@ class MonitorConfig:
     # rank sends a heartbeat every heartbeat_s.
     hang_s: float | None = None
     heartbeat_s: float = 5.0
+    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
+    # One step in sample_every runs under the profiler on every rank: communication overhead, synchronisation
+    # time and stragglers (ranks whose compute time is above (1 + straggler_frac) × the median), named with their
+    # node (hpctrain.training.comm_sample). 0: never.
+    sample_every: int = 100
+    straggler_frac: float = 0.2
+    failure_window_s: float = 3600.0  # node_failure_rate counts the node failures of this much time
+
+
+class Tracker(str, Enum):
+    tensorboard = "tensorboard"
+    mlflow = "mlflow"
+    wandb = "wandb"
+
+
+class WandbMode(str, Enum):
+    offline = "offline"  # written under <run_dir>/wandb; `wandb sync` uploads it later
+    online = "online"  # needs `wandb login` (or WANDB_API_KEY) and the network from the main rank
+
+
+@dataclass
+class LoggingConfig:
+    # Where metrics go besides metrics.jsonl and the console (hpctrain.training.metrics); [] for none.
+    trackers: list[Tracker] = field(default_factory=lambda: [Tracker.tensorboard])
+    # MLflow and W&B (hpctrain.training.trackers). The tracking URI: a server (http://host:5000), a database
+    # (sqlite:///path/mlflow.db, postgresql://...); None: $MLFLOW_TRACKING_URI, else a SQLite store in
+    # <sweep_dir>/mlflow (a sweep point) or <run_dir>/mlflow.
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str | None = None  # None: the sweep dir for a sweep point, "hpctrain" for a single run
+    wandb_project: str = "hpctrain"
+    wandb_mode: WandbMode = WandbMode.offline
 
 
 def _nccl_defaults() -> dict[str, str | None]:
@@ -243,6 +296,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 
 
@@ -300,17 +354,20 @@ _RANGES = {
                      "parallel.pp_virtual_stages", "parallel.ac_every", "precision.loss_scale_growth_interval",
                      "optim.ref_global_batch", "data.lanes", "data.prefetch", "train.seq_len", "train.max_steps",
                      "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",
-                     "train.ckpt_write_threads",
+                     "train.ckpt_write_threads", "monitor.loss_spike.window",
                      "cluster.tasks_per_node", "cluster.nodes", "cluster.cpus_per_task", "cluster.num_threads",
                      "cluster.mem_gb", "cluster.time_min"), _AT_LEAST_1),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
-                     "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts"), _AT_LEAST_0),
+                     "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
+                     "monitor.loss_spike.max_rollbacks", "monitor.sample_every"), _AT_LEAST_0),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "precision.loss_scale_init",
                      "optim.eps", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb",
-                     "monitor.hang_s", "monitor.heartbeat_s"), _POSITIVE),
+                     "monitor.hang_s", "monitor.heartbeat_s", "monitor.straggler_frac",
+                     "monitor.failure_window_s"), _POSITIVE),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "optim.momentum"), _FRACTION),
     "optim.min_lr_ratio": (0, True, 1, True),
+    "monitor.loss_spike.factor": (1, False, None, False),
     "optim.lr": (0, False, 1e3, True),  # far above any real LR; near fp32's max Adam's first step crashes
 }
 # What a key's zero or null means, where users may expect another value to mean it.

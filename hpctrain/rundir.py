@@ -21,7 +21,8 @@ log = logging.getLogger("hpctrain")
 
 # What a run writes: the first four make a directory hold a previous run; all of them move aside with it.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "result.json")
-RUN_RECORDS = (".hydra", "train.log", "slurm.json", ".submitit", "hf", "alerts.jsonl", "profile", "memory", "hang")
+RUN_RECORDS = (".hydra", "train.log", "slurm.json", ".submitit", "hf", "alerts.jsonl", "profile", "memory", "hang",
+               "trackers.json", "mlflow", "wandb")  # the trackers: a run started over gets new tracker runs
 PREVIOUS = "previous"
 
 _first_new: str | None = None  # the highest ancestor of this run's directory that did not exist before it

@@ -207,7 +207,7 @@ def one_line(error, *words: str) -> str:
 
 # 8 samples per step, micro-batches of 2: accumulation 4 in one process, 2 per rank with dp=2.
 LAYOUT_RUN = ("train.global_batch=8", "train.micro_batch=2", "train.max_steps=3", "train.eval_every=0",
-              "train.ckpt_every=0", "train.tensorboard=false", "cluster.num_threads=1", "optim.decay_steps=10")
+              "train.ckpt_every=0", "logging.trackers=[]", "cluster.num_threads=1", "optim.decay_steps=10")
 
 
 def step_metrics(run_dir) -> dict[int, tuple[float, float]]:
@@ -236,7 +236,7 @@ def cli_args(run_dir, demo_data, *extra) -> list[str]:
 
     return [f"run_dir={run_dir}", f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL,
             "train.global_batch=8", "train.micro_batch=2", "train.log_every=1", "train.eval_every=0",
-            "train.tensorboard=false", "cluster.num_threads=1", "optim.decay_steps=10", "optim.warmup_steps=2",
+            "logging.trackers=[]", "cluster.num_threads=1", "optim.decay_steps=10", "optim.warmup_steps=2",
             "optim.lr=1e-2", *extra]
 
 

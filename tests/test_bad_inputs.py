@@ -22,7 +22,7 @@ from hpctrain.tools import generate
 from hpctrain.tools import summary as metrics
 
 BASE = [*SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=2", "train.log_every=1",
-        "train.eval_every=0", "train.tensorboard=false", "cluster.num_threads=1"]
+        "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1"]
 
 
 class _Exploit:

@@ -204,7 +204,7 @@ def test_planner_within_15_percent_of_cuda_peak(make_cfg, tmp_path, shards_32k_1
 
     cfg = make_cfg(*PLANNER_CASES[case], f"data.path={shards_32k_1024}", "train.seq_len=1024", "train.grad_accum=2",
                    "train.global_batch=null", "train.max_steps=2", "train.eval_every=0", "train.checkpointing=false",
-                   "train.tensorboard=false", small_model=False)
+                   "logging.trackers=[]", small_model=False)
     result = train(cfg, str(tmp_path))
     planned, measured = result["memory"]["planned_gib"][0], result["memory"]["step_gib"][0]
     print(f"planner {case}: planned {planned:.2f} GiB, measured {measured:.2f} GiB ({planned / measured - 1:+.1%})")
@@ -231,3 +231,20 @@ def test_memory_snapshot_at_the_end_and_on_out_of_memory(make_cfg, tmp_path, sha
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert json.loads((tmp_path / "oom" / "result.json").read_text())["status"] == "failed"
     assert (tmp_path / "oom" / "memory" / "rank-0-oom.pickle").stat().st_size > 0
+
+
+def test_gpu_utilization_rule_reads_nvml_on_cuda(make_cfg, tmp_path):
+    """On a GPU the utilisation rule is active (NVML through pynvml) or says once why not; a rule below 101 %
+    fires at the first logged step (utilisation is at most 100)."""
+    from hpctrain.training.run import train
+
+    train(make_cfg("train.max_steps=3", "train.eval_every=0", "logging.trackers=[]",
+                   "monitor.rules.gpu_utilization.threshold=101", "monitor.rules.gpu_utilization.for_s=0"),
+          str(tmp_path))
+    with open(tmp_path / "alerts.jsonl") as f:
+        events = [json.loads(line) for line in f if '"gpu_utilization"' in line]
+    assert events and events[0]["event"] in ("firing", "inactive"), events
+    if events[0]["event"] == "inactive":
+        assert "pynvml" in events[0]["reason"], events
+    else:
+        assert 0 <= events[0]["value"] <= 100 and events[0]["step"] == 1

@@ -193,7 +193,7 @@ def test_runs_start_from_hf_weights_in_every_layout(make_cfg, tmp_path):
     path = _published(tmp_path)
     run = ("model.tie_embeddings=false", f"model.init_from=hf:{path}", "train.max_steps=1", "train.eval_every=0",
            "train.checkpointing=false", "train.global_batch=4", "train.micro_batch=2", "train.grad_accum=null",
-           "train.tensorboard=false", "cluster.num_threads=1")
+           "logging.trackers=[]", "cluster.num_threads=1")
     assert train(make_cfg(*run), str(tmp_path / "one"))["status"] == "completed"
     ref = _step_one(tmp_path / "one")
     # The same global batch through transformers: the run's first two micro-batches (one process, in order).
@@ -238,7 +238,7 @@ def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path)
     from hpctrain.training.run import TrainingError, train
     from hpctrain.training.step import TrainStep
 
-    first = ("train.eval_every=0", "train.ckpt_every=2", "train.max_steps=2", "train.tensorboard=false")
+    first = ("train.eval_every=0", "train.ckpt_every=2", "train.max_steps=2", "logging.trackers=[]")
     train(make_cfg(*first), str(tmp_path / "a"))
     ckpt = checkpoint.latest(str(tmp_path / "a"))
     want = Llama(model_args(make_cfg()))
@@ -248,7 +248,7 @@ def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))
     # Through a run: its first step starts from those weights (its loss is the loaded model's on that batch).
     result = train(make_cfg("train.eval_every=0", "train.max_steps=1", f"model.init_from={ckpt}",
-                            "train.tensorboard=false"), str(tmp_path / "b"))
+                            "logging.trackers=[]"), str(tmp_path / "b"))
     assert result["status"] == "completed" and result["steps"] == 1
     from hpctrain.data import ShardStream, choose_lanes, read_manifest
 
@@ -284,7 +284,7 @@ def test_export_hf_from_every_layout(make_cfg, tmp_path, monkeypatch):
     from hpctrain.training.run import train
 
     run = ("train.max_steps=2", "train.eval_every=0", "train.global_batch=4", "train.micro_batch=2",
-           "train.grad_accum=null", "train.tensorboard=false", "cluster.num_threads=1")
+           "train.grad_accum=null", "logging.trackers=[]", "cluster.num_threads=1")
     x = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(export_hf, "SHARD_BYTES", 200_000)  # several files, as the hub has them
     untied = "model.tie_embeddings=false"
@@ -323,7 +323,7 @@ def test_export_hf_at_end(make_cfg, tmp_path):
 
     cfg = make_cfg("train.max_steps=2", "train.eval_every=0", "train.global_batch=4", "train.micro_batch=2",
                    "train.grad_accum=null", "train.export_hf_at_end=true", "parallel=fsdp", "parallel.dp=2",
-                   "train.tensorboard=false", "cluster.num_threads=1")
+                   "logging.trackers=[]", "cluster.num_threads=1")
     assert train(cfg, str(tmp_path))["status"] == "completed"
     out = tmp_path / "hf" / "step-0000002"
     ours = Llama(model_args(cfg)).eval()
@@ -344,7 +344,7 @@ def test_tied_hf_weights_start_a_pipeline_as_one_process(make_cfg, tmp_path):
     path = _published(tmp_path, tie=True)
     run = ("model.tie_embeddings=true", f"model.init_from=hf:{path}", "train.max_steps=1", "train.eval_every=0",
            "train.checkpointing=false", "train.global_batch=4", "train.micro_batch=2", "train.grad_accum=null",
-           "train.tensorboard=false", "cluster.num_threads=1")
+           "logging.trackers=[]", "cluster.num_threads=1")
     refs = {}
     for name, layout in (("one", []), ("pp2", ["parallel=pp2"])):
         assert train(make_cfg(*run, *layout), str(tmp_path / name))["status"] == "completed"

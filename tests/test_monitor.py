@@ -70,3 +70,92 @@ def test_bad_rules_are_one_line(make_cfg, override, words):
         prepare(make_cfg(override))
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_checkpoint_action_saves_at_the_next_step_boundary(make_cfg, tmp_path):
+    """A rule with action=checkpoint, firing at step 2 (loss below 100 from the first logged step on, for 0 s
+    and ckpt_every=0): an extra checkpoint at that step besides the final one."""
+    train(make_cfg(*RUN, "train.max_steps=6", "monitor.rules.loss.for_s=0", "monitor.rules.loss.threshold=100",
+                   "monitor.rules.loss.when=below", "monitor.rules.loss.action=checkpoint"), str(tmp_path))
+    (fired,) = [e for e in _alerts(tmp_path) if e["rule"] == "loss"]
+    assert fired["event"] == "firing" and fired["action"] == "checkpoint" and fired["step"] == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-0000001", "step-0000006"]
+
+
+@pytest.mark.multiproc
+def test_stop_action_stops_every_rank_after_a_checkpoint_and_the_run_resumes(make_cfg, tmp_path):
+    """dp=2: the main rank's rule fires at step 1; the ranks agree through the stop vote and all stop at the same
+    step with a checkpoint; status "stopped" naming the rule, and the same command without the rule resumes."""
+    from hpctrain.cluster.job import Stopped
+
+    base = (*RUN, "train.max_steps=8", "parallel=ddp", "parallel.dp=2", "cluster.num_threads=1")
+    with pytest.raises(Stopped, match="stopped by alert halt after step 2"):
+        train(make_cfg(*base, "+monitor.rules.halt={metric:loss,threshold:100,when:below,for_s:0,action:stop}"),
+              str(tmp_path))
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "stopped" and result["stopped_by"] == "halt" and result["steps"] == 2
+    assert (tmp_path / "checkpoints" / "step-0000002").is_dir()
+    result = train(make_cfg(*base), str(tmp_path))
+    assert result["status"] == "completed" and result["steps"] == 8
+
+
+def test_node_failures_are_the_restarts_the_run_did_not_ask_for(tmp_path, monkeypatch):
+    """record_attempt (each job attempt, as under Slurm): a restart after a clean stop (result.json "preempted",
+    written by that attempt) is a requeue; one with no result of its own is a node failure. The rate rule
+    fires on it and clears once it is older than monitor.failure_window_s."""
+    import time
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from hpctrain.cluster import job
+    from hpctrain.config import MonitorConfig
+    from hpctrain.training.monitor import AlertSink, Context
+
+    run = str(tmp_path)
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "4", "SLURM_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert job.record_attempt(run, 0, 3) is None and job.node_failures(run) == ([], 4)
+    time.sleep(0.05)  # file times are coarser than time.time() (a few ms); attempts last far longer
+    (tmp_path / "result.json").write_text(json.dumps({"status": "preempted"}))  # this attempt stopped itself
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    job.record_attempt(run, 10, 3)
+    assert job.node_failures(run) == ([], 4)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # killed under the run: its result.json is the older attempt's
+    before = time.time()
+    job.record_attempt(run, 20, 3)
+    (failed_at,), nodes = job.node_failures(run)
+    assert nodes == 4 and failed_at >= before
+
+    mcfg = OmegaConf.structured(MonitorConfig)
+    mcfg.rules = {"nodes": {"metric": "node_failure_rate", "threshold": 5.0, "when": "above", "for_s": 0.0}}
+    sink = AlertSink(run, mcfg, Context(torch.device("cpu"), 4, node_failures=job.node_failures(run),
+                                        failure_window_s=0.5))
+    sink.write({"step": 1, "loss": 3.0})
+    time.sleep(0.6)
+    sink.write({"step": 2, "loss": 3.0})
+    events = [(e["event"], e["step"], e.get("value")) for e in _alerts(tmp_path) if e["rule"] == "nodes"]
+    assert events == [("firing", 1, 25.0), ("cleared", 2, 0.0)], events
+
+
+@pytest.mark.parametrize("rule, key", [("gradient_norm", "grad_norm"), ("throughput", "tokens_per_s_per_device")])
+def test_more_rules_fire_and_clear_with_their_metric(make_cfg, tmp_path, rule, key):
+    """The default rules on the gradient norm and on throughput (tokens/s per device), their threshold set to the
+    median of a first run's values and their duration to 0: events at exactly the logged steps where the second
+    run's own records cross it, both ways (throughput differs run to run; each run is checked against itself)."""
+    train(make_cfg(*RUN), str(tmp_path / "first"))
+    values = sorted(r[key] for r in records(tmp_path / "first") if r.get(key) is not None)
+    threshold = values[len(values) // 2]
+    train(make_cfg(*RUN, f"monitor.rules.{rule}.threshold={threshold}", f"monitor.rules.{rule}.for_s=0"),
+          str(tmp_path / "run"))
+    below = rule == "throughput"  # its default rule fires below the threshold
+    want, firing = [], False
+    for r in records(tmp_path / "run"):
+        if r.get(key) is None:
+            continue
+        past = r[key] < threshold if below else r[key] > threshold
+        if past != firing:
+            firing = past
+            want.append(("firing" if firing else "cleared", r["step"]))
+    got = [(e["event"], e["step"]) for e in _alerts(tmp_path / "run") if e["rule"] == rule]
+    assert got == want and ("cleared", want[1][1]) in got, (got, want)

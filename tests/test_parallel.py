@@ -195,7 +195,7 @@ def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
     if how == "dies":
         assert f"rank {victim} of 2 failed (killed by SIGKILL)" in err, err[-2000:]
     else:
-        from hpctrain.training.hang import node_name
+        from hpctrain.parallel.process_group import node_name
 
         line = next((x for x in err.splitlines() if "stopped responding" in x), err[-3000:])
         print(line)
@@ -439,7 +439,7 @@ def test_evaluation_is_split_over_data_parallel_ranks(make_cfg, tmp_path, layout
     from hpctrain.training.run import train
 
     ev = ("train.eval_every=2", "train.eval_batches=3", "train.max_steps=2", "train.global_batch=8",
-          "train.micro_batch=2", "train.grad_accum=null", "train.ckpt_every=0", "train.tensorboard=false",
+          "train.micro_batch=2", "train.grad_accum=null", "train.ckpt_every=0", "logging.trackers=[]",
           "cluster.num_threads=1")
     vals = {}
     for name, extra in (("one", []), ("split", layout)):

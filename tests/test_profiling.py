@@ -8,7 +8,7 @@ from helpers import WarningLines, one_line
 from hpctrain.config import ConfigError
 from hpctrain.training.run import train
 
-RUN = ("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false")
+RUN = ("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=0", "logging.trackers=[]")
 
 
 def _trace_steps(path) -> list[str]:

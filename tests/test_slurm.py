@@ -207,7 +207,8 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
     if len(set(nodes.split())) < 3:
         pytest.skip("needs 3 idle nodes (make slurm-up starts n1..n3)")
     steps, run = 150, tmp_path / "run"
-    job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=10"))
+    job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=10",
+                          "monitor.rules.node_failure_rate.for_s=0"))
     slurm_jobs.append(job)
     until("the checkpoint at step 10", lambda: last_step(run) >= 12, 150, every=0.2)
     victim = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True)
@@ -238,6 +239,11 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
     assert attempt["restart_count"] >= 1 and victim not in attempt["nodelist"], attempt
     assert "resumed from" in read(run / "train.log")
     _assert_same_run(run, ref, steps)
+    # The restart the run did not ask for is a node failure: 1 of the job's 2 nodes within the hour.
+    assert len(attempt["node_failures"]) == 1 and attempt["nodes"] == 2, attempt
+    alerts = [json.loads(line) for line in read(run / "alerts.jsonl").splitlines()]
+    fired = [e for e in alerts if e["rule"] == "node_failure_rate" and e["event"] == "firing"]
+    assert fired and fired[0]["value"] == 50.0, alerts
 
 
 @pytest.mark.timeout(300)

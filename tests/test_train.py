@@ -212,7 +212,7 @@ def _cli(run_dir, demo_data, *extra):
 
     return [sys.executable, "-m", "hpctrain", f"run_dir={run_dir}", f"data.path={demo_data}",
             "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
-            "train.log_every=1", "train.eval_every=0", "train.ckpt_every=2", "train.tensorboard=false",
+            "train.log_every=1", "train.eval_every=0", "train.ckpt_every=2", "logging.trackers=[]",
             "cluster.num_threads=1", *extra]
 
 

@@ -13,16 +13,18 @@ import os
 import signal
 import subprocess
 import threading
+import time
 
 import torch.distributed as dist
 
 from hpctrain.config import signal_number
-from hpctrain.files import read_json, write_json
+from hpctrain.files import RESULT_FILE, read_json, write_json
 from hpctrain.parallel.vote import OverlappedVote
 
 log = logging.getLogger("hpctrain")
 
-PREEMPT, TERMINATE = 1, 2  # TERMINATE wins when both arrive: a cancelled job must not requeue itself
+# TERMINATE wins over PREEMPT: a cancelled job must not requeue itself; ALERT (an alert rule's `stop` action) neither.
+PREEMPT, TERMINATE, ALERT = 1, 2, 3
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, run the same command again to resume
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -50,6 +52,9 @@ class StopSignals:
     def __init__(self, signame: str):
         self.preempt_sig = signal_number(signame)
         self.noted = 0
+        self.checkpoint = 0  # an alert asked for a checkpoint (on this rank, then agreed: on every rank)
+        self.alert = None  # the alert rule that asked this rank (the main one) to stop
+        self.checkpoint_agreed = False
         self._previous = {}
         self._vote = OverlappedVote()  # the agreement started after the last step
         if threading.current_thread() is not threading.main_thread():
@@ -63,21 +68,34 @@ class StopSignals:
         return note
 
     def name(self, kind: int) -> str:
+        if kind == ALERT:
+            return f"alert {self.alert}" if self.alert else "an alert rule (see alerts.jsonl)"
         return (self.preempt_sig if kind == PREEMPT else signal.SIGTERM).name
 
+    def ask(self, action: str, rule: str) -> None:
+        """An alert rule's action on this rank: "checkpoint", or "stop" (after a checkpoint), at a step boundary
+        that every rank agrees on."""
+        if action == "stop":
+            self.noted, self.alert = max(self.noted, ALERT), self.alert or rule
+        self.checkpoint = 1
+
     def agreed(self) -> int:
-        """0, PREEMPT or TERMINATE: the strongest request any rank had noted by the end of the previous step
+        """0, PREEMPT, TERMINATE or ALERT: the strongest request any rank had noted by the end of the previous step
         (collective when world > 1: every rank calls it after every step).
 
         The vote is an all-reduce started after one step and collected after the next, so it runs while that
         step computes and never holds a step back as a global barrier would: a stop takes effect one step later.
+        The same vote carries an alert's checkpoint request: `checkpoint_agreed` after the call.
         """
         if not (dist.is_initialized() and dist.get_world_size() > 1):
+            self.checkpoint_agreed, self.checkpoint = bool(self.checkpoint), 0
             return self.noted
         answer = self._vote.collect()
+        self.checkpoint_agreed = bool(answer and answer[1])
         if answer and answer[0]:
             return answer[0]
-        self._vote.start([self.noted])
+        self._vote.start([self.noted, self.checkpoint])
+        self.checkpoint = 0
         return 0
 
     def requeue(self) -> None:
@@ -121,6 +139,29 @@ def quiet_other_ranks() -> None:
     log.setLevel(logging.WARNING)
 
 
+def _stopped_cleanly(run_dir: str, attempt_started: float) -> bool:
+    """Whether the previous attempt (started at `attempt_started`) ended by stopping itself for a requeue
+    (preemption, time limit, SIGTERM): its result.json was written after it started and says so. Otherwise it
+    was killed under the run (a node failure, `scontrol requeue`): no result of its own."""
+    path = os.path.join(run_dir, RESULT_FILE)
+    try:
+        if os.path.getmtime(path) < attempt_started:
+            return False
+        return read_json(path).get("status") in ("preempted", "terminated")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def node_failures(run_dir: str) -> tuple[list[float], int] | None:
+    """(wall times of this run's node failures, the job's node count), from <run_dir>/slurm.json; None outside
+    Slurm."""
+    try:
+        doc = read_json(os.path.join(run_dir, "slurm.json"))
+    except (OSError, ValueError):
+        return None
+    return list(doc.get("node_failures", [])), max(int(doc.get("nodes", 1)), 1)
+
+
 def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
                    nccl: dict[str, str] | None = None) -> str | None:
     """Write <run_dir>/slurm.json for this job attempt (with the NCCL settings in effect and their source);
@@ -137,13 +178,16 @@ def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
     if os.path.isfile(path):
         prev = read_json(path)
     restarts = int(e.get("SLURM_RESTART_COUNT", 0))
-    stalled = 0
+    stalled, failures = 0, list(prev.get("node_failures", []))
     if restarts and prev.get("job_id") == e["SLURM_JOB_ID"] and restarts > prev.get("restart_count", 0):
         stalled = prev.get("stalled_restarts", 0) + 1 if latest_step <= prev.get("start_step", -1) else 0
+        if not _stopped_cleanly(run_dir, prev.get("started_at", 0.0)):
+            failures.append(time.time())
     doc = {"job_id": e["SLURM_JOB_ID"], "array_job_id": e.get("SLURM_ARRAY_JOB_ID"),
            "array_task_id": e.get("SLURM_ARRAY_TASK_ID"), "nodelist": e.get("SLURM_JOB_NODELIST"),
-           "restart_count": restarts, "start_step": latest_step, "stalled_restarts": stalled,
-           "nccl": nccl or {}}
+           "nodes": int(e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES") or 1), "restart_count": restarts,
+           "start_step": latest_step, "stalled_restarts": stalled, "started_at": time.time(),
+           "node_failures": failures, "nccl": nccl or {}}
     write_json(path, doc)
     if stalled > max_stalled:
         return (f"Slurm job {doc['job_id']} was restarted {stalled} times in a row without reaching a new "

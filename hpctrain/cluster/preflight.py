@@ -13,7 +13,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -24,13 +23,9 @@ import torch.distributed as dist
 
 from hpctrain.cmdline import Parser
 from hpctrain.parallel import process_group
+from hpctrain.parallel.process_group import node_name
 
 JOIN_KEY = "preflight/joined/{}"
-
-
-def node_name() -> str:
-    # Several slurmd daemons may share one host: the Slurm node name is the identity that matters.
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

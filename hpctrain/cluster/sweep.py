@@ -19,7 +19,7 @@ from hpctrain.files import read_metrics, read_object, read_result
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
 STATUS_ORDER = ("completed", "running", "pending", "requeued", "preempted", "failed", "interrupted",
-                "terminated", "timeout", "node_fail", "cancelled", "unknown", "not started")
+                "terminated", "stopped", "timeout", "node_fail", "cancelled", "unknown", "not started")
 
 
 class SweepError(Exception):
@@ -180,7 +180,17 @@ def _run_row(run_dir: str) -> dict:
         "steps": res.get("steps") if isinstance(res.get("steps"), int)
         else max((r["step"] for r in train + val if isinstance(r.get("step"), int)), default=None),
         "curve": [(r["step"], r["loss"]) for r in train if isinstance(r.get("step"), (int, float))],
+        "stragglers": _stragglers(res, records or []),
     }
+
+
+def _stragglers(result: dict, records: list) -> list[str]:
+    """The ranks (with their nodes) a run found straggling: its result's, or while it runs, the last sample's."""
+    named = result.get("stragglers")
+    if isinstance(named, dict):
+        return sorted(str(k) for k in named)
+    sampled = [r["stragglers"] for r in records if isinstance(r, dict) and isinstance(r.get("stragglers"), list)]
+    return sorted(map(str, sampled[-1])) if sampled else []
 
 
 def _first(value, fallback):
@@ -230,7 +240,7 @@ def report(sweep_dir: str) -> list[dict]:
         row = rows.get(n) or {"dir": None, "all_overrides": [], "config": None, "result": None,
                               "has_metrics": False, "slurm_job_id": None, "final_loss": None,
                               "final_val_loss": None, "tokens_per_s": None, "wall_time_s": None,
-                              "steps": None, "curve": []}
+                              "steps": None, "curve": [], "stragglers": []}
         row["slurm_job_id"] = row["slurm_job_id"] or submitit.get(n)
         planned = grid[n] if grid and n < len(grid) else []
         out.append(_finish(row, n, keys, planned))
@@ -283,7 +293,7 @@ def _best(rows: list[dict]) -> tuple[dict | None, str]:
 
 def format_table(rows: list[dict]) -> str:
     """Aligned text columns and a one-line summary."""
-    head = ["job", "overrides", "status", "loss", "val_loss", "tokens/s", "wall", "steps"]
+    head = ["job", "overrides", "status", "loss", "val_loss", "tokens/s", "wall", "steps", "stragglers"]
     body = [[
         "-" if r["job"] is None else str(r["job"]),
         " ".join(r["overrides"]) or "-",
@@ -293,6 +303,7 @@ def format_table(rows: list[dict]) -> str:
         "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
         _fmt_time(r["wall_time_s"]),
         "-" if r["steps"] is None else str(r["steps"]),
+        ", ".join(r["stragglers"]) or "-",
     ] for r in rows]
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
     numeric = {0, 3, 4, 5, 6, 7}

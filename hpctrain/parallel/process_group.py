@@ -41,6 +41,13 @@ def local_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
+def node_name() -> str:
+    """This process's node: Slurm's name for it (several slurmd daemons may share one host), else the host's."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def launched_rank() -> int:
     """This process's rank under torchrun/srun (or our own launcher); 0 when started alone."""
     if "RANK" in os.environ:

@@ -32,7 +32,7 @@ def compose_cfg(overrides: list[str]):
     return compose([
         "model=tiny", "data=demo", "optim=adamw", "parallel=single", f"train.global_batch={BATCH}",
         f"train.micro_batch={BATCH}", "train.eval_every=0", "train.ckpt_every=0",
-        "train.tensorboard=false", "train.log_every=1", "train.progress=false", "train.resume=never",
+        "logging.trackers=[]", "train.log_every=1", "train.progress=false", "train.resume=never",
         *overrides])
 
 

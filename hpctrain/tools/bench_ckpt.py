@@ -61,7 +61,7 @@ def _overrides(model: str, data: str, run_dir: str, steps: int, every: int, ckpt
     return [f"run_dir={run_dir}", f"model={model}", f"data.path={data}", "data.prepare_demo=false",
             f"train.seq_len={SEQ_LEN}", "train.global_batch=1", "train.micro_batch=1", f"train.max_steps={steps}",
             "train.log_every=1", "train.eval_every=0", f"train.ckpt_every={every}", "train.ckpt_keep=1",
-            f"train.ckpt_async={str(ckpt_async).lower()}", "train.resume=never", "train.tensorboard=false",
+            f"train.ckpt_async={str(ckpt_async).lower()}", "train.resume=never", "logging.trackers=[]",
             "train.progress=false", "optim.warmup_steps=0", *extra]
 
 

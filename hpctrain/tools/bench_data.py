@@ -61,7 +61,7 @@ def train_rate(steps: int, warmup: int, threads: int) -> dict:
 
     cfg = compose([
         "model=tiny", "data=demo", "parallel=single", "precision=fp32", f"train.max_steps={steps}",
-        "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
+        "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0", "logging.trackers=[]",
         "train.progress=false", "train.resume=never", f"cluster.num_threads={threads}"])
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-data-") as run_dir:
         train(cfg, run_dir)

@@ -48,7 +48,7 @@ def _overrides(a, data: str, run_dir: str, variant: str, micro_batch: int, grad_
             "data.prepare_demo=false", f"train.seq_len={a.seq_len}", f"train.micro_batch={micro_batch}",
             f"train.grad_accum={grad_accum}", "train.global_batch=null", f"train.max_steps={a.steps}",
             "train.log_every=1", "train.eval_every=0", "train.checkpointing=false", "train.resume=never",
-            "train.tensorboard=false", "train.progress=false", "optim.warmup_steps=2", *BASE, *VARIANTS[variant],
+            "logging.trackers=[]", "train.progress=false", "optim.warmup_steps=2", *BASE, *VARIANTS[variant],
             *a.overrides]
 
 

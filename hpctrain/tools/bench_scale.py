@@ -39,7 +39,7 @@ def _overrides(data: str, run_dir: str, extra: list[str]) -> list[str]:
     return [f"run_dir={run_dir}", "model=llama_1b", "parallel=fsdp", "parallel.dp=2", "precision=bf16",
             f"data.path={data}", "data.prepare_demo=false", f"train.seq_len={SEQ_LEN}", "train.global_batch=2",
             "train.micro_batch=1", "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
-            "train.checkpointing=false", "train.resume=never", "train.tensorboard=false", "train.progress=false",
+            "train.checkpointing=false", "train.resume=never", "logging.trackers=[]", "train.progress=false",
             "optim.warmup_steps=0", "cluster.num_threads=1", *extra]
 
 

@@ -58,13 +58,24 @@ class TrainFeed:
         """`dp_mesh`: the ranks the global batch is split over (`Layout.batch_mesh`)."""
         lanes = bind_run(cfg, data_dir, state, shape.dp)
         pin = device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory
-        self.stream = ShardStream(
-            data_dir, "train", shape.micro_batch, cfg.train.seed, start_sample=state.samples,
-            shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers, lanes=lanes,
-            dp_rank=dp_mesh.get_local_rank(), dp_size=shape.dp, global_batch=shape.global_batch, pin_memory=pin,
-            on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
+
+        def stream(start_sample: int) -> ShardStream:
+            return ShardStream(
+                data_dir, "train", shape.micro_batch, cfg.train.seed, start_sample=start_sample,
+                shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers, lanes=lanes,
+                dp_rank=dp_mesh.get_local_rank(), dp_size=shape.dp, global_batch=shape.global_batch,
+                pin_memory=pin, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
+
+        self._make_stream, self.stream = stream, stream(state.samples)
         self.dp_mesh, self.grad_accum = dp_mesh, shape.grad_accum
-        self._it, self._wait = iter(self.stream), 0.0
+        self._it, self._wait, self._corrupt_before = iter(self.stream), 0.0, 0
+
+    def seek(self, samples: int) -> None:
+        """Continue from global sample position `samples` (a rollback skipping a data window)."""
+        self._it.close()  # its loader workers stop
+        self._corrupt_before += self.stream.corrupt_shards
+        self.stream = self._make_stream(samples)
+        self._it = iter(self.stream)
 
     def next_step(self):
         """The step's micro-batches, pulled one at a time as the step consumes them: memory stays one
@@ -89,11 +100,11 @@ class TrainFeed:
 
     @property
     def corrupt_shards(self) -> int:
-        return self.stream.corrupt_shards
+        return self._corrupt_before + self.stream.corrupt_shards
 
     def corrupt_total(self) -> int:
         """Shards skipped as corrupt on all data-parallel ranks (collective over dp)."""
-        n = torch.tensor([self.stream.corrupt_shards], dtype=torch.int64)
+        n = torch.tensor([self.corrupt_shards], dtype=torch.int64)
         if self.dp_mesh.size() > 1:
             torch.distributed.all_reduce(n, group=self.dp_mesh.get_group())
         return int(n.item())

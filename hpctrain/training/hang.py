@@ -24,16 +24,12 @@ import time
 import traceback
 from datetime import timedelta
 
+from hpctrain.parallel.process_group import node_name
+
 log = logging.getLogger("hpctrain")
 HANG_DIR = "hang"
 STALE_BEATS = 3  # a heartbeat older than this many intervals: the rank stopped responding
 _KEY = "hpctrain/heartbeat/{}"
-
-
-def node_name() -> str:
-    import socket
-
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def flight_recorder_env(run_dir: str) -> dict[str, str]:

@@ -78,13 +78,19 @@ class JsonlSink:
     records a crashed attempt wrote after the checkpoint it resumes from are dropped, so each step appears once."""
 
     def __init__(self, run_dir: str, start_step: int):
-        path = os.path.join(run_dir, METRICS_FILE)
-        _truncate_after(path, start_step)
-        self.file = open(path, "a")  # noqa: SIM115 - closed in close()
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        _truncate_after(self.path, start_step)
+        self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+
+    def rewind(self, step: int) -> None:
+        """The run went back to `step` (a loss-spike rollback): the records after it are dropped, as on resume."""
+        self.file.close()
+        _truncate_after(self.path, step)
+        self.file = open(self.path, "a")  # noqa: SIM115
 
     def close(self) -> None:
         self.file.close()
@@ -97,7 +103,14 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step drops events a crashed attempt logged after the checkpoint we resume from.
-        self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1 if start_step else None)
+        self.dir = os.path.join(run_dir, "tb")
+        self.tb = SummaryWriter(self.dir, purge_step=start_step + 1 if start_step else None)
+
+    def rewind(self, step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb.close()
+        self.tb = SummaryWriter(self.dir, purge_step=step + 1)
 
     def write(self, record: dict) -> None:
         for key, value in record.items():
@@ -119,9 +132,9 @@ class ConsoleSink:
         pass
 
 
-def default_sinks(run_dir: str, start_step: int, tensorboard: bool) -> list:
+def default_sinks(run_dir: str, start_step: int, trackers) -> list:
     sinks = [JsonlSink(run_dir, start_step)]
-    if tensorboard:
+    if "tensorboard" in trackers:
         sinks.append(TensorBoardSink(run_dir, start_step))
     return [*sinks, ConsoleSink()]
 
@@ -149,14 +162,16 @@ class Metrics:
         self.log_every, self.last_step, self.first_step = log_every, last_step, start_step + 1
         self.corrupt_total = corrupt_total
         self._window = _Window()
+        self._noted: dict = {}
 
     @classmethod
-    def for_run(cls, run_dir: str, is_main: bool, tcfg, start_step: int, throughput: Throughput,
+    def for_run(cls, run_dir: str, is_main: bool, tcfg, trackers, start_step: int, throughput: Throughput,
                 corrupt_total, extra_sinks=()) -> Metrics:
-        """`extra_sinks`: more sinks of the main rank (the alert rules)."""
+        """`trackers`: logging.trackers; `extra_sinks`: more sinks of the main rank (the alert rules)."""
         sinks, bar = [], None
         if is_main:
-            sinks = [*default_sinks(run_dir, start_step, tcfg.tensorboard), *extra_sinks]
+            sinks = [*default_sinks(run_dir, start_step, [str(getattr(t, "value", t)) for t in trackers]),
+                     *extra_sinks]
             if tcfg.progress if tcfg.progress is not None else sys.stderr.isatty():
                 from tqdm import tqdm
 
@@ -176,12 +191,25 @@ class Metrics:
         if self.due(state.step):
             record = self._window.record(state, result, lr, self.throughput)
             record["data_corrupt_shards"] = self.corrupt_total()
+            record.update(self._noted)
+            self._noted = {}
             self.log(record)
             self._window = _Window()
+
+    def note(self, values: dict) -> None:
+        """Figures measured now and then (a sampled step's): they go into the next logged record."""
+        self._noted.update(values)
 
     def log(self, record: dict) -> None:
         for sink in self.sinks:
             sink.write(record)
+
+    def rewind(self, step: int) -> None:
+        """The run went back to `step` (a rollback): sinks that can drop what they hold after it do."""
+        for sink in self.sinks:
+            if hasattr(sink, "rewind"):
+                sink.rewind(step)
+        self._window = _Window()
 
     def redirect(self):
         """While a progress bar is shown, log lines go through tqdm (they would tear the bar otherwise)."""
@@ -225,6 +253,7 @@ class _Window:
             "loss_scale": result.loss_scale,
             "skipped_nonfinite": state.skipped_nonfinite,
             "skipped_overflow": state.skipped_overflow,
+            "skipped_spike": state.skipped_spike,
         }
 
 

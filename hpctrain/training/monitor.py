@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from hpctrain.config import AlertRule, AlertWhen, ConfigError
+from hpctrain.config import AlertAction, AlertRule, AlertWhen, ConfigError, SpikeAction
 
 log = logging.getLogger("hpctrain")
 ALERTS_FILE = "alerts.jsonl"
@@ -30,6 +30,9 @@ class Context:
 
     device: object
     world: int
+    sample_every: int = 0  # monitor.sample_every: communication and synchronisation are measured that often
+    node_failures: tuple[list[float], int] | None = None  # (failure times, nodes) of a Slurm job (cluster.job)
+    failure_window_s: float = 3600.0  # node_failure_rate is per this much time
 
 
 def _memory_usage(record: dict, ctx: Context) -> float | None:
@@ -42,6 +45,16 @@ def _memory_usage(record: dict, ctx: Context) -> float | None:
     with open("/proc/self/statm") as f:
         resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return 100.0 * resident / (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _node_failure_rate(record: dict, ctx: Context) -> float:
+    """Percent of the job's nodes that failed (a restart the run did not ask for) within the last window."""
+    times, nodes = ctx.node_failures
+    return 100.0 * sum(time.time() - t <= ctx.failure_window_s for t in times) / nodes
+
+
+def _not_on_slurm(ctx: Context) -> str | None:
+    return None if ctx.node_failures is not None else "not a Slurm job (node failures are counted from its restarts)"
 
 
 def _gpu_utilization(record: dict, ctx: Context) -> float | None:
@@ -62,8 +75,10 @@ def _gpu_utilization_missing(ctx: Context) -> str | None:
     return None
 
 
-def _not_measured(ctx: Context) -> str:
-    return "not measured by this version of hpctrain"
+def _sampled_missing(ctx: Context) -> str | None:
+    if ctx.world == 1:
+        return "a single rank has no collectives"
+    return None if ctx.sample_every else "monitor.sample_every=0 measures nothing"
 
 
 # metric -> (value from a logged record, why this run cannot measure it: None when it can)
@@ -74,9 +89,9 @@ METRICS: dict[str, tuple[Callable[[dict, Context], float | None], Callable[[Cont
                    lambda c: None),  # tokens/s per device
     "memory_usage": (_memory_usage, lambda c: None),
     "gpu_utilization": (_gpu_utilization, _gpu_utilization_missing),
-    "communication_overhead": (lambda r, c: None, _not_measured),
-    "synchronization_time": (lambda r, c: None, _not_measured),
-    "node_failure_rate": (lambda r, c: None, _not_measured),
+    "communication_overhead": (lambda r, c: r.get("communication_overhead"), _sampled_missing),
+    "synchronization_time": (lambda r, c: r.get("synchronization_time"), _sampled_missing),
+    "node_failure_rate": (_node_failure_rate, _not_on_slurm),
 }
 
 
@@ -91,15 +106,21 @@ def parse_rules(mcfg) -> dict[str, AlertRule]:
                               "'+monitor.rules.spiky={metric:gradient_norm,threshold:50,when:above,for_s:60}'")
         try:
             rule = AlertRule(**{**raw, "when": AlertWhen(raw.get("when", "above")),
-                                "threshold": float(raw.get("threshold", 0.0)), "for_s": float(raw.get("for_s", 60.0))})
+                                "threshold": float(raw.get("threshold", 0.0)), "for_s": float(raw.get("for_s", 60.0)),
+                                "action": AlertAction(raw.get("action", "warn"))})
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"monitor.rules.{name}: {e} (when: above or below; threshold and for_s numbers)") from None
+            raise ConfigError(f"monitor.rules.{name}: {e} (when: above or below; action: warn, checkpoint or stop; "
+                              "threshold and for_s numbers)") from None
         rules[name] = rule
     return rules
 
 
-def check_monitor(mcfg) -> None:
-    """One-line ConfigErrors for rules and a notify command that cannot work (before anything starts)."""
+def check_monitor(mcfg, checkpointing: bool = True) -> None:
+    """One-line ConfigErrors for rules, a notify command and a spike action that cannot work (before anything
+    starts); `checkpointing`: train.checkpointing."""
+    if SpikeAction(mcfg.loss_spike.action) == SpikeAction.rollback and not checkpointing:
+        raise ConfigError("monitor.loss_spike.action=rollback reloads the last checkpoint, but train.checkpointing="
+                          "false writes none: set train.checkpointing=true or monitor.loss_spike.action=skip_batch")
     for name, rule in parse_rules(mcfg).items():
         if rule.metric not in METRICS:
             raise ConfigError(f"monitor.rules.{name}.metric={rule.metric!r} is not a metric alerts can watch: use "
@@ -121,11 +142,15 @@ class _State:
 class AlertSink:
     """The rules, evaluated at every logged record (a metrics sink: main rank only)."""
 
-    def __init__(self, run_dir: str, mcfg, ctx: Context, clock: Callable[[], float] = time.time):
+    def __init__(self, run_dir: str, mcfg, ctx: Context, clock: Callable[[], float] = time.time, trackers=()):
         self.rules, self.ctx, self.clock = parse_rules(mcfg), ctx, clock
+        self.trackers = tuple(trackers)  # MLflow / W&B sinks: every event goes to them too
         self.notify_cmd = list(mcfg.notify_cmd) if mcfg.notify_cmd else None
         self.path = os.path.join(run_dir, ALERTS_FILE)
         self.state = {name: _State() for name in self.rules}
+        self.straggling: list[str] = []
+        self.actions: list[tuple[str, AlertAction]] = []  # (rule, action) of rules fired since `take_actions`
+        self.straggler_frac = mcfg.straggler_frac
         self.inactive = {}
         for name, rule in self.rules.items():
             reason = METRICS[rule.metric][1](ctx)
@@ -134,6 +159,7 @@ class AlertSink:
                 self._emit({"event": "inactive", "rule": name, "metric": rule.metric, "reason": reason}, None)
 
     def write(self, record: dict) -> None:
+        self._stragglers(record)
         now = self.clock()
         for name, rule in self.rules.items():
             if name in self.inactive:
@@ -148,16 +174,39 @@ class AlertSink:
                 if not st.firing and now - st.since >= rule.for_s:
                     st.firing = True
                     self._emit(self._event("firing", name, rule, value, record, now - st.since), record)
+                    if AlertAction(rule.action) != AlertAction.warn:
+                        self.actions.append((name, AlertAction(rule.action)))
             else:
                 st.since = None
                 if st.firing:
                     st.firing = False
                     self._emit(self._event("cleared", name, rule, value, record, 0.0), record)
 
+    def _stragglers(self, record: dict) -> None:
+        """Stragglers named when they appear or change (a sampled record), and when there are none again."""
+        now = record.get("stragglers")
+        if now is None or now == self.straggling:
+            return
+        kind = "straggler" if now else "straggler_cleared"
+        self.straggling = now
+        if now:
+            log.warning("stragglers at step %s (compute time above %s × the median): %s", record.get("step"),
+                        f"{1 + self.straggler_frac:g}", ", ".join(now))
+        else:
+            log.info("no straggler at step %s any more", record.get("step"))
+        self._emit({"event": kind, "rule": "stragglers", "metric": "stragglers", "ranks": now,
+                    "compute_s_by_rank": record.get("compute_s_by_rank"), "step": record.get("step")}, record)
+
+    def take_actions(self) -> list[tuple[str, AlertAction]]:
+        """The checkpoint and stop actions of the rules fired since the last call."""
+        actions, self.actions = self.actions, []
+        return actions
+
     @staticmethod
     def _event(kind: str, name: str, rule, value: float, record: dict, for_s: float) -> dict:
         return {"event": kind, "rule": name, "metric": rule.metric, "value": value, "threshold": rule.threshold,
-                "when": AlertWhen(rule.when).value, "for_s": round(for_s, 3), "step": record.get("step")}
+                "when": AlertWhen(rule.when).value, "for_s": round(for_s, 3), "action": AlertAction(rule.action).value,
+                "step": record.get("step")}
 
     def _emit(self, event: dict, record: dict | None) -> None:
         event = {"time": round(time.time(), 3), **event}
@@ -169,9 +218,15 @@ class AlertSink:
         elif event["event"] == "cleared":
             log.info("alert %s cleared at step %s: %s %.4g", event["rule"], event["step"], event["metric"],
                      event["value"])
-        else:
+        elif event["event"] == "inactive":
             log.info("alert %s inactive: %s (%s)", event["rule"], event["metric"], event["reason"])
+        for tracker in self.trackers:
+            tracker.alert(event)
         self._notify(event)
+
+    def record(self, event: dict) -> None:
+        """Another component's event (a loss spike, logged by it): alerts.jsonl, notify_cmd and the trackers."""
+        self._emit(event, None)
 
     def _notify(self, event: dict) -> None:
         if not self.notify_cmd:

@@ -22,6 +22,7 @@ from hpctrain.resolve import RunShape, resolve
 from hpctrain.training.feed import val_stream
 from hpctrain.training.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.training.monitor import check_monitor
+from hpctrain.training.trackers import check_trackers
 from hpctrain.training.trainer import Trainer
 
 log = logging.getLogger("hpctrain")
@@ -45,7 +46,8 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     """
     world = world or process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
-    check_monitor(cfg.monitor)
+    check_monitor(cfg.monitor, cfg.train.checkpointing)
+    check_trackers(cfg.logging)
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg.train.resume)
     _check_init_from(cfg)
@@ -182,10 +184,10 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
         except spawn.LaunchError as e:
             raise TrainingError(str(e)) from None
         result = read_json(os.path.join(run_dir, RESULT_FILE))
-        kind = {"preempted": job.PREEMPT, "terminated": job.TERMINATE}.get(result["status"])
+        kind = {"preempted": job.PREEMPT, "terminated": job.TERMINATE, "stopped": job.ALERT}.get(result["status"])
         if kind:
-            raise job.Stopped(kind, result["steps"], "SIGTERM" if kind == job.TERMINATE else
-                              signal_number(cfg.cluster.signal).name)
+            by = {job.TERMINATE: "SIGTERM", job.ALERT: f"alert {result.get('stopped_by')}"}
+            raise job.Stopped(kind, result["steps"], by.get(kind, signal_number(cfg.cluster.signal).name))
         return result
     return _rank_main(cfg, run_dir, prepared)
 

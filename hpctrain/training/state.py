@@ -16,6 +16,9 @@ class RunState:
     skipped_nonfinite: int = 0
     skipped_overflow: int = 0
     consecutive_nonfinite: int = 0
+    skipped_spike: int = 0  # steps not applied as loss spikes (monitor.loss_spike)
+    # Data windows skipped by rollbacks: {spike_step, loss, back_to_step, from_sample, to_sample} (to excluded)
+    skipped_data: list = field(default_factory=list)
     last_loss: float | None = None
     last_val_loss: float | None = None
     wall_time_s: float = 0.0  # up to the last (re)start; `elapsed_s()` adds this start's time

@@ -24,7 +24,9 @@ from hpctrain.training.precision import Precision
 class StepResult:
     loss: float  # mean over every token of the global batch
     grad_norm: float
-    status: str  # "ok" | "overflow" (fp16 scale backed off, step skipped) | "nonfinite" (skipped)
+    # "ok" | "overflow" (fp16 scale backed off, step skipped) | "nonfinite" (skipped) | "spike" (skipped: the loss
+    # check said so)
+    status: str
     loss_scale: float | None = None
 
 
@@ -126,7 +128,8 @@ class TrainStep:
     layout computes the one-process gradients. `loss_parallel`: the model yields vocab-sharded logits (tensor
     parallel). `reduce_every_microbatch`: FSDP reduces (reduce-scatters) the gradients after each micro-batch
     instead of once after the last, so sharded gradients are never held whole. `fused_loss`: the model computes
-    the loss with its output projection (`token_loss_sum`).
+    the loss with its output projection (`token_loss_sum`). `loss_check(loss)`, when set: whether a finite step
+    must not be applied (a loss spike: the loss is the global mean, so every rank answers the same).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
@@ -142,6 +145,7 @@ class TrainStep:
         self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
         # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch, unless asked every time.
         self.grad_sync = None if reduce_every_microbatch else getattr(model, "set_requires_gradient_sync", None)
+        self.loss_check = None
 
     def __call__(self, micro_batches: Iterable[torch.Tensor], n_tokens: int | None = None) -> StepResult:
         """One step over `micro_batches` (an iterator is consumed lazily: one micro-batch in memory at a time);
@@ -162,8 +166,8 @@ class TrainStep:
         loss_value, norm_value = total.item(), norm.item()
         if self.grad_clip > 0 and math.isfinite(norm_value):
             clip_grads(self.params, self.grad_clip, norm_value)
-        if not math.isfinite(loss_value):
-            status = "nonfinite"
+        if not math.isfinite(loss_value) or (self.loss_check is not None and self.loss_check(loss_value)):
+            status = "nonfinite" if not math.isfinite(loss_value) else "spike"
             if scaler:
                 scaler.update()  # closes this iteration's unscale_; backs off if grads overflowed
         elif scaler:

@@ -18,12 +18,13 @@ import torch
 
 from hpctrain import checkpoint
 from hpctrain.cluster import job
-from hpctrain.config import PrecisionName
+from hpctrain.config import PrecisionName, SpikeAction
 from hpctrain.data import DataError
 from hpctrain.errors import TrainingError
 from hpctrain.files import RESULT_FILE, write_json
 from hpctrain.models import spec_of
 from hpctrain.training.checkpointer import Checkpointer
+from hpctrain.training.comm_sample import CommSampler
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, val_share
 from hpctrain.training.hang import HangWatch
@@ -34,14 +35,16 @@ from hpctrain.training.monitor import AlertSink, Context
 from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
 from hpctrain.training.precision import setup_precision
 from hpctrain.training.profiling import MemorySnapshot, StepProfiler
+from hpctrain.training.spikes import LossSpikeGuard, roll_back
 from hpctrain.training.state import RunState
 from hpctrain.training.step import build_train_step
+from hpctrain.training.trackers import tracker_sinks
 
 log = logging.getLogger("hpctrain")
 # The schedule advances on every step, skipped ones included (step s always has lr(s)).
 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
 
-_STATUS = {0: "completed", job.PREEMPT: "preempted", job.TERMINATE: "terminated"}
+_STATUS = {0: "completed", job.PREEMPT: "preempted", job.TERMINATE: "terminated", job.ALERT: "stopped"}
 
 
 class Trainer:
@@ -65,10 +68,14 @@ class Trainer:
         self.step = build_train_step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip, env.device,
                                      self.mesh, shape.layout, sharded_gradients(cfg.parallel), shape.grad_accum,
                                      t.fused_loss)
+        spike = cfg.monitor.loss_spike
+        self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
+        self.step.loss_check = self.spikes.drop_update if self.spikes.enabled else None
         self.state = RunState()
         self.checkpointer = Checkpointer(run_dir, t, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
-                                         {"scaler": self.precision.scaler}, cfg.cluster.pg_timeout_s)
+                                         {"scaler": self.precision.scaler, "loss_spike": self.spikes},
+                                         cfg.cluster.pg_timeout_s)
         self.resumed_from = self.checkpointer.restore(start)
         # Starting weights only for a fresh start: a resumed run continues its own.
         self.init_from = None if self.resumed_from else load_initial_weights(self.model, cfg, spec)
@@ -78,9 +85,15 @@ class Trainer:
         self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
         self.peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
         throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.peak.flops, env.world, env.device)
-        alerts = [AlertSink(run_dir, cfg.monitor, Context(env.device, env.world))] if env.is_main else []
-        self.metrics = Metrics.for_run(run_dir, env.is_main, t, self.state.step, throughput, self.feed.corrupt_total,
-                                       alerts)
+        m = cfg.monitor
+        self.sampler = CommSampler(m.sample_every, m.straggler_frac, env.world, env.device,
+                                   t.profile_steps and tuple(t.profile_steps))
+        ctx = Context(env.device, env.world, self.sampler.every, job.node_failures(run_dir) if env.is_main else None,
+                      m.failure_window_s)
+        trackers = tracker_sinks(cfg, run_dir, self.state.step) if env.is_main else []  # MLflow, W&B
+        self.alerts = AlertSink(run_dir, m, ctx, trackers=trackers) if env.is_main else None
+        self.metrics = Metrics.for_run(run_dir, env.is_main, t, cfg.logging.trackers, self.state.step, throughput,
+                                       self.feed.corrupt_total, [*trackers, *([self.alerts] if self.alerts else [])])
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
         self.evaluator = Evaluator(t.eval_every, t.max_steps,
                                    lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
@@ -89,7 +102,7 @@ class Trainer:
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
         self.snapshot = MemorySnapshot(run_dir, t.memory_snapshot, env.rank, env.device)
-        m = cfg.monitor  # last: its thread is stopped by fit(); a rank lost before its first heartbeat is named so
+        # last: its thread is stopped by fit(); a rank lost before its first heartbeat is named so
         self.hang = HangWatch(run_dir, env.rank, env.world, m.hang_s or 0.9 * cfg.cluster.pg_timeout_s, m.heartbeat_s)
         self.memory.reset()
         self._log_start(prepared.seq_len)
@@ -102,11 +115,13 @@ class Trainer:
             with self.metrics.redirect():
                 while self.state.step < self.cfg.train.max_steps:
                     self.hang.begin(self.state.step + 1)  # the whole iteration: step, checkpoint, evaluation
-                    self._train_step()
+                    if self._train_step():  # rolled back to the last checkpoint: nothing to save or evaluate
+                        self.hang.end()
+                        continue
                     stop = self.signals.agreed()  # every rank stops after the same step
                     self.checkpointer.poll()  # the outcome of a background write, the same on every rank
                     # The step's checkpoint first: an evaluation that fails must not cost finished steps.
-                    saved = self.checkpointer.due(self.state.step, bool(stop))
+                    saved = self.checkpointer.due(self.state.step, bool(stop)) or self.signals.checkpoint_agreed
                     if saved:
                         self.checkpointer.save(self.state.step)
                     if stop:
@@ -130,6 +145,7 @@ class Trainer:
             raise
         finally:
             self.hang.close()
+            self.sampler.close()
             self.profiler.close()
             self.snapshot.close(None)
             result = self._finish(status, error)
@@ -137,22 +153,42 @@ class Trainer:
             self._stopped(stop)
         return result
 
-    def _train_step(self) -> None:
+    def _train_step(self) -> bool:
+        """One step, accounted and logged; whether it spiked and the run rolled back."""
         self.profiler.before_step(self.state.step + 1)
+        self.sampler.before_step(self.state.step + 1)
         t0 = time.perf_counter()
         result = self.step(self.feed.next_step(), self.tokens_per_step)
         self.scheduler.step()
         self.state.advance(self.shape.global_batch, self.tokens_per_step)
         step_time = time.perf_counter() - t0
         self.profiler.after_step(self.state.step)
-        self._account(result)
+        sample = self.sampler.after_step(self.state.step, step_time)
+        if sample:
+            self.metrics.note(sample.metrics())
+        rollback = self._account(result)
         if self.state.step == self.peaks.at_step:
             self.peaks.report(self.memory.peak(), self.env.world)
         self.metrics.after_step(self.state, result, self.scheduler.get_last_lr()[0], step_time, self.feed.take_wait())
+        for rule, action in self.alerts.take_actions() if self.alerts else ():
+            log.warning("alert %s: %s", rule, "a checkpoint at the next step boundary" if action == "checkpoint"
+                        else "the run stops at the next step boundary, after a checkpoint")
+            self.signals.ask(action.value, rule)
+        return rollback and self._rollback()
 
-    def _account(self, result) -> None:
-        """Count a skipped step; too many non-finite ones in a row end the run."""
+    def _account(self, result) -> bool:
+        """Count a skipped step; too many non-finite ones in a row end the run. Whether the run must roll back."""
         s = self.state
+        spike = self.spikes.last
+        if spike and self.alerts:  # logged by the main rank: every rank saw the same spike
+            log.warning("step %d: loss spike, %.4g above %g × %.4g (the median of the last %d steps): %s", s.step,
+                        spike.loss, spike.factor, spike.median, self.spikes.window,
+                        {"warn": "applied", "skip_batch": "step skipped",
+                         "rollback": "rolling back to the last checkpoint"}[spike.action])
+            self.alerts.record(spike.event(s.step))
+        if result.status == "spike":
+            s.skipped_spike += 1
+            return spike.action == SpikeAction.rollback.value
         if result.status == "ok":
             s.consecutive_nonfinite = 0
             s.last_loss = result.loss
@@ -169,6 +205,21 @@ class Trainer:
                 raise TrainingError(f"{s.consecutive_nonfinite} consecutive non-finite steps (last at step {s.step}): "
                                     "lower optim.lr, raise optim.warmup_steps or use precision=bf16; resume from the "
                                     "last checkpoint")
+        return False
+
+    def _rollback(self) -> bool:
+        """After a spike with action=rollback (collective): back to the last checkpoint, past the data since it."""
+        window = roll_back(self.checkpointer, self.state, self.run_dir, self.spikes.last,
+                           self.cfg.monitor.loss_spike.max_rollbacks)
+        if window is None:
+            return False
+        self.feed.seek(window["to_sample"])
+        self.metrics.rewind(self.state.step)
+        if self.alerts:
+            log.warning("rolled back to step %d; samples %d to %d skipped", self.state.step, window["from_sample"],
+                        window["to_sample"] - 1)
+            self.alerts.record({"event": "rollback", "rule": "loss_spike", "step": window["spike_step"], **window})
+        return True
 
     def _export_hf(self) -> None:
         """train.export_hf_at_end: the final checkpoint as a transformers model, by the main rank, file by file."""
@@ -200,7 +251,9 @@ class Trainer:
         s = self.state
         result = {"status": status, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
                   "steps": s.step, "tokens": s.tokens, "samples": s.samples, "skipped_nonfinite": s.skipped_nonfinite,
-                  "skipped_overflow": s.skipped_overflow, "data_corrupt_shards": self.feed.corrupt_shards,
+                  "skipped_overflow": s.skipped_overflow, "skipped_spike": s.skipped_spike,
+                  "skipped_data": s.skipped_data, "stragglers": self.sampler.straggled,
+                  "monitor_overhead_s": round(self.sampler.spent_s, 4), "stopped_by": self.signals.alert, "data_corrupt_shards": self.feed.corrupt_shards,
                   "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
                   "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary()}
         if self.env.is_main:

@@ -1,0 +1,123 @@
+"""Sampled communication and synchronisation (monitor.sample_every) in real two-rank runs: a rank made slow (its
+core shared with a busy process) is named a straggler with its node, in the metrics, alerts.jsonl, result.json and
+the sweep report; the synchronization_time and communication_overhead rules fire and clear."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers import cli_args, records, until
+
+from hpctrain.cluster.sweep import format_table, report
+from hpctrain.parallel.process_group import node_name
+from hpctrain.training.comm_sample import comm_seconds
+
+
+def _alerts(run_dir) -> list[dict]:
+    try:
+        with open(run_dir / "alerts.jsonl") as f:
+            return [json.loads(line) for line in f]
+    except FileNotFoundError:
+        return []
+
+
+def _seen(run_dir, event: str, rule: str) -> bool:
+    return any(e["event"] == event and e["rule"] == rule for e in _alerts(run_dir))
+
+
+def _pin(pid: int, cpu: int) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one rank per core")
+def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tmp_path):
+    run = tmp_path / "sweep" / "0"
+    # Measured on 2 cores (ddp, dp=2): synchronization_time ~0.0001-0.002 s, 0.007-0.012 s with rank 1's core
+    # shared; communication_overhead (the least of the ranks) anywhere in 3-39 %, sample to sample.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", *cli_args(
+            run, demo_data, "parallel=ddp", "parallel.dp=2", "train.max_steps=1000000", "train.ckpt_every=0",
+            "train.micro_batch=4", "monitor.sample_every=5", "train.log_every=5", "monitor.straggler_frac=0.3",
+            "monitor.rules.synchronization_time.threshold=0.005", "monitor.rules.synchronization_time.for_s=0",
+            "monitor.rules.communication_overhead.threshold=15", "monitor.rules.communication_overhead.for_s=0")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    hog = None
+    try:
+        until("the first sampled step", lambda: any("stragglers" in r for r in records(run))
+              if (run / "metrics.jsonl").exists() else proc.poll() is not None, 120, every=0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            ranks = sorted(int(c) for c in f.read().split())  # forked in rank order
+        _pin(ranks[0], 0)
+        _pin(ranks[1], 1)
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        os.sched_setaffinity(hog.pid, {1})  # rank 1 now has half a core
+        until("rank 1 named a straggler", lambda: _seen(run, "straggler", "stragglers")
+              and _seen(run, "firing", "synchronization_time"), 90, every=0.5)
+        hog.kill()
+        until("the straggler and the rules to clear", lambda: _seen(run, "straggler_cleared", "stragglers")
+              and _seen(run, "cleared", "synchronization_time") and _seen(run, "cleared", "communication_overhead"),
+              90, every=0.5)
+    finally:
+        if hog is not None:
+            hog.kill()
+        proc.send_signal(signal.SIGTERM)  # a clean stop: result.json written
+        proc.wait(120)
+    named = f"rank 1 ({node_name()})"
+    (straggled,) = [e for e in _alerts(run) if e["event"] == "straggler"][:1]
+    assert straggled["ranks"] == [named] and straggled["compute_s_by_rank"][1] > 1.3 * straggled["compute_s_by_rank"][0]
+    assert _seen(run, "firing", "communication_overhead")
+    sampled = [r for r in records(run) if "stragglers" in r]
+    assert any(r["stragglers"] == [named] for r in sampled) and sampled[-1]["stragglers"] == []
+    assert all(len(r["compute_s_by_rank"]) == 2 and 0 <= r["communication_overhead"] <= 100 for r in sampled)
+    result = json.loads((run / "result.json").read_text())
+    assert result["status"] == "terminated" and result["stragglers"].get(named, 0) >= 1, result["stragglers"]
+    (row,) = report(str(tmp_path / "sweep"))
+    assert row["stragglers"] == [named] and named in format_table([row])
+
+
+def test_a_single_rank_samples_nothing_and_says_why(make_cfg, tmp_path):
+    from hpctrain.training.run import train
+
+    train(make_cfg("train.max_steps=4", "monitor.sample_every=1", "logging.trackers=[]"), str(tmp_path))
+    assert not any("stragglers" in r for r in records(tmp_path))
+    inactive = {e["rule"]: e["reason"] for e in _alerts(tmp_path) if e["event"] == "inactive"}
+    assert inactive["synchronization_time"] == inactive["communication_overhead"] == "a single rank has no collectives"
+
+
+def test_comm_seconds_counts_overlapping_collectives_once():
+    """The union of the collectives' intervals (microseconds); other operations do not count."""
+    from types import SimpleNamespace
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("gloo:all_gather", 5, 15), event("aten::mm", 0, 100), event("gloo:all_reduce", 0, 10),
+              event("gloo:all_reduce", 20, 30), event("gloo:broadcast", 22, 25)]
+    assert comm_seconds(events, on_gpu=False) == pytest.approx(25e-6)
+    assert comm_seconds([], on_gpu=False) == 0.0
+
+
+@pytest.mark.multiproc
+def test_bench_monitor_runs_both_sides(demo_data, tmp_path, capsys):
+    """`make bench-monitor`, shortened: the "on" side samples (its records carry the sampled figures), the "off"
+    side has every monitor off, and the ratio is printed."""
+    from conftest import SMALL_MODEL
+
+    from hpctrain.tools.bench_monitor import main
+
+    out = main(["--out", str(tmp_path), "--steps", "4", "--repeats", "1", "--data", demo_data, *SMALL_MODEL,
+                "train.micro_batch=4", "train.global_batch=8", "monitor.sample_every=2", "train.log_every=1"])
+    assert len(out["on_s_per_step"]) == len(out["off_s_per_step"]) == 1 and out["overhead_pct"] == out["overhead_pct"]
+    assert any("stragglers" in r for r in records(tmp_path / "on-0"))
+    assert not any("stragglers" in r for r in records(tmp_path / "off-0"))
+    assert "monitoring on / off = " in capsys.readouterr().out
