@@ -33,11 +33,18 @@ class OptimName(str, Enum):
     adamw = "adamw"
     adafactor = "adafactor"
     sgd = "sgd"
+    lamb = "lamb"
 
 
 class OptimImpl(str, Enum):
     foreach = "foreach"  # grouped kernels; one parameter-sized temporary in the step (AdamW, SGD momentum)
     fused = "fused"  # one kernel per group, no temporary (AdamW and SGD)
+
+
+class ReduceDtype(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # half the bytes; 8 bits of mantissa
+    fp16 = "fp16"  # half the bytes; 11 bits of mantissa, a narrower range
 
 
 class LrScaling(str, Enum):
@@ -104,6 +111,8 @@ class ParallelConfig:
     ac_every: int = 1  # selective: checkpoint every N-th block
     compile: bool = False
     cpu_offload: bool = False
+    # The dtype gradients are summed over dp in (FSDP2's reduce dtype, every ZeRO stage); cast back after.
+    grad_reduce_dtype: ReduceDtype = ReduceDtype.fp32
 
 
 @dataclass
@@ -122,6 +131,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     momentum: float = 0.9  # sgd
+    max_trust: float = 10.0  # lamb: the largest trust ratio ‖w‖/‖update‖
     implementation: OptimImpl = OptimImpl.fused  # foreach: grouped kernels and one parameter-sized temporary
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     warmup_steps: int = 100
@@ -362,7 +372,7 @@ _RANGES = {
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
                      "monitor.loss_spike.max_rollbacks", "monitor.sample_every"), _AT_LEAST_0),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "precision.loss_scale_init",
-                     "optim.eps", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb",
+                     "optim.eps", "optim.max_trust", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb",
                      "monitor.hang_s", "monitor.heartbeat_s", "monitor.straggler_frac",
                      "monitor.failure_window_s"), _POSITIVE),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "optim.momentum"), _FRACTION),

@@ -102,8 +102,8 @@ def resolve(cfg, world: int = 1) -> RunShape:
     if p.sequence_parallel and t.seq_len is not None and t.seq_len % layout.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={layout.tp} with "
                           "sequence_parallel: choose a seq_len that is a multiple of tp")
-    if cfg.optim.name == OptimName.adafactor and cfg.optim.implementation == OptimImpl.fused:
-        raise ConfigError("optim.implementation=fused: Adafactor has no fused kernel in PyTorch; use "
+    if cfg.optim.name in (OptimName.adafactor, OptimName.lamb) and cfg.optim.implementation == OptimImpl.fused:
+        raise ConfigError(f"optim.implementation=fused: {cfg.optim.name.value} has no fused kernel; use "
                           "optim.implementation=foreach (or optim=adamw)")
     if t.export_hf_at_end and not t.checkpointing:
         raise ConfigError("train.export_hf_at_end=true exports the final checkpoint, and train.checkpointing=false "

@@ -23,9 +23,12 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hpctrain.config import ActCkpt
+from hpctrain.config import ActCkpt, ReduceDtype
 from hpctrain.models import ModelSpec
 from hpctrain.parallel.layout import Layout
+
+# parallel.grad_reduce_dtype
+REDUCE_DTYPES = {ReduceDtype.fp32: torch.float32, ReduceDtype.bf16: torch.bfloat16, ReduceDtype.fp16: torch.float16}
 
 
 def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -195,17 +198,18 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype | None,
-               cpu_offload: bool) -> None:
+               cpu_offload: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
     """Data parallel over the "dp" mesh dim with FSDP2, as a ZeRO stage.
 
     0: replicated parameters, all-reduced gradients (FSDP2's replicate: unlike DDP it takes TP DTensors);
     2: parameters gathered once per step (no reshard between forward and backward), gradients and
        optimizer state sharded; 3: parameters resharded after each block's forward as well.
-    Gradients are SUMMED over dp (divide factor 1): the step normalises the loss by the global token count.
+    Gradients are SUMMED over dp (divide factor 1): the step normalises the loss by the global token count;
+    in `reduce_dtype` (parallel.grad_reduce_dtype), cast back to the parameters' dtype after.
     """
     if dp_mesh.size() == 1:
         return
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if zero_stage == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -233,7 +237,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg, spec: 
         apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel, spec)
         apply_activation_checkpointing(chunk, pcfg.activation_checkpointing, pcfg.ac_every)
         apply_compile(chunk, pcfg.compile)
-        apply_fsdp(chunk, layout.batch_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload)
+        apply_fsdp(chunk, layout.batch_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload,
+                   REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)])
     if not layout.pipelined:
         return chunks[0]
     stages = stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.pp_virtual_stages)

@@ -212,9 +212,9 @@ def _loss_bytes(args, tokens: int, tp: int, c: int, pipelined: bool, fused: bool
 
 def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int, dtensors: bool) -> tuple[float, float]:
     """(state, the step's temporary): foreach optimizers make one parameter-sized temporary (AdamW: the square
-    root of the second moment); fused ones none (`dtensors`: the layout's parameters are DTensors)."""
+    root of the second moment, LAMB's update made from it in place); fused ones none (`dtensors`: the layout's parameters are DTensors)."""
     name = OptimName(ocfg.name)
-    state = {OptimName.adamw: 8 * P, OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0,
+    state = {OptimName.adamw: 8 * P, OptimName.lamb: 8 * P, OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0,
              OptimName.adafactor: 4 * st.factored / tp}[name]
     plain_sgd = name == OptimName.sgd and ocfg.momentum == 0
     return state, 0 if plain_sgd or implementation(ocfg, dtensors) == OptimImpl.fused else 4 * P

@@ -47,6 +47,10 @@ def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adafactor(groups, lr=lr, eps=(None, ocfg.eps), foreach=True)
     if ocfg.name == OptimName.sgd:
         return torch.optim.SGD(groups, lr=lr, momentum=ocfg.momentum, nesterov=ocfg.momentum > 0, **impl)
+    if ocfg.name == OptimName.lamb:
+        from hpctrain.training.optimizers import Lamb
+
+        return Lamb(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, max_trust=ocfg.max_trust)
     raise ValueError(f"unknown optimizer {ocfg.name}")
 
 

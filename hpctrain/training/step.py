@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout
+from hpctrain.parallel.norms import local, square_sums
 from hpctrain.parallel.vote import any_rank
 from hpctrain.training.precision import Precision
 
@@ -53,46 +53,21 @@ def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
     yield current, True
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _is_shard(placement) -> bool:
-    # FSDP on top of TP shards the same dim twice: dp's piece is a _StridedShard, not a Shard subclass.
-    return placement.is_shard() or isinstance(placement, _StridedShard)
-
-
 def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
-    """Global L2 norm of the gradients, whatever mesh and placement each one has.
-
-    Each rank sums the squares of its local gradient pieces, grouped by the mesh dims the piece is
-    sharded over; each group is then summed over exactly those dims (replicated pieces are counted
-    once). Equals the one-process norm; `clip_grad_norm_` cannot mix meshes or DTensor and Tensor.
-    """
-    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    """Global L2 norm of the gradients, whatever mesh and placement each one has (`norms.square_sums`), summed
+    over pipeline stages, which hold disjoint parameters. Equals the one-process norm; `clip_grad_norm_` cannot
+    mix meshes or DTensor and Tensor."""
+    grads = []
     for p in params:
         if p.grad is None:
             continue
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
             # Sequence-parallel norm weights: their gradient is left as a pending sum over tp.
             p.grad = p.grad.redistribute(placements=p.placements)
-        g, dims = p.grad, ()
-        if isinstance(g, DTensor):
-            names = g.device_mesh.mesh_dim_names
-            dims = tuple(sorted(names[i] for i, pl in enumerate(g.placements) if _is_shard(pl)))
-        groups.setdefault(dims, []).append(_local(g))
-    # One grouped (foreach) kernel per group instead of a Python loop over hundreds of tensors.
-    sums = {dims: torch.stack(torch._foreach_norm(local, dtype=torch.float32)).square().sum()
-            for dims, local in groups.items()}
-    if not sums:
+        grads.append(p.grad)
+    if not grads:
         return torch.zeros(())
-    total = torch.zeros((), device=next(iter(sums.values())).device)
-    for dims, sq in sums.items():
-        for name in dims:
-            if mesh is not None and mesh[name].size() > 1:
-                dist.all_reduce(sq, group=mesh[name].get_group())
-        total = total + sq
-    # Pipeline stages hold disjoint parameters: their sums add up over "pp".
+    total = square_sums(grads).sum()
     if mesh is not None and mesh["pp"].size() > 1:
         dist.all_reduce(total, group=mesh["pp"].get_group())
     return total.sqrt()
@@ -101,8 +76,8 @@ def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
 def all_finite(tensors, group=None) -> bool:
     """Whether these tensors (DTensors: their local shards) are all finite on every rank of `group` (collective
     when distributed). One max-abs per tensor (NaN and inf carry through it): no tensor-sized temporaries."""
-    local = [t for t in map(_local, tensors) if t.numel()]
-    norms = torch._foreach_norm(local, float("inf")) if local else []
+    pieces = [t for t in map(local, tensors) if t.numel()]
+    norms = torch._foreach_norm(pieces, float("inf")) if pieces else []
     ok = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()) if norms else True  # one host sync
     return not any_rank(not ok, group)
 
@@ -115,7 +90,7 @@ def params_finite(model: nn.Module) -> bool:
 def clip_grads(params: list[torch.Tensor], max_norm: float, norm: float) -> None:
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local(p.grad) for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
 
@@ -194,7 +169,7 @@ class TrainStep:
                 with self.precision.autocast():
                     loss = token_loss_sum(self.model, batch, self.fused_loss) / n_tokens
                 (scaler.scale(loss) if scaler else loss).backward()
-            total += _local(loss.detach()).float()
+            total += local(loss.detach()).float()
         return total
 
     def evaluate(self, batches) -> float:
@@ -254,7 +229,7 @@ class PipelineTrainStep(TrainStep):
             run(*args, target=target, losses=losses, return_outputs=False)
         total = torch.zeros((), device=self.device)
         for loss in losses:
-            total += _local(loss.detach()).float()
+            total += local(loss.detach()).float()
         return total
 
     def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int) -> torch.Tensor:
@@ -331,7 +306,7 @@ def token_loss_total(model: nn.Module, batches, precision: Precision, device: to
     for batch in batches:
         batch = batch.to(device, non_blocking=True)
         with loss_parallel_ctx(loss_parallel)(), precision.autocast():
-            total += _local(token_loss_sum(model, batch, fused)).double()
+            total += local(token_loss_sum(model, batch, fused)).double()
         n += batch.shape[0] * (batch.shape[1] - 1)
     model.train(was_training)
     return total, n

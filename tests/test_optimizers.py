@@ -1,0 +1,144 @@
+"""optim=lamb against the paper's algorithm written out plainly, and across layouts (one process, fsdp dp=2, tp2:
+its trust ratio needs each parameter's global norm, not its shard's), through a resume across layouts; and
+parallel.grad_reduce_dtype: bf16/fp16 gradient sums differ from fp32's by no more than their rounding."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import deltas, run_layout
+
+from hpctrain.training.optim import param_groups
+from hpctrain.training.optimizers import Lamb
+
+
+def _reference_lamb(params, grads, state, step, lr, betas, eps, wds, max_trust):
+    """You et al. 2020, Algorithm 2, one parameter at a time, in float64."""
+    for i, (p, g, wd) in enumerate(zip(params, grads, wds)):
+        m, v = state.setdefault(i, (torch.zeros_like(p), torch.zeros_like(p)))
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        state[i] = (m, v)
+        m_hat, v_hat = m / (1 - betas[0] ** step), v / (1 - betas[1] ** step)
+        r = m_hat / (v_hat.sqrt() + eps) + wd * p
+        w_norm, r_norm = p.norm(), r.norm()
+        trust = min(float(w_norm / r_norm), max_trust) if w_norm > 0 and r_norm > 0 else 1.0
+        p -= lr * trust * r
+
+
+def test_lamb_is_the_papers_algorithm():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50))
+    with torch.no_grad():
+        model[1].weight.zero_()  # a zero parameter: its trust ratio is 1
+    ref = [p.detach().double().clone() for p in model.parameters()]
+    wds = [0.01 if p.dim() >= 2 else 0.0 for p in model.parameters()]
+    opt = Lamb(param_groups(model, 0.01), lr=0.05, betas=(0.9, 0.99), eps=1e-6, max_trust=3.0)
+    state = {}
+    for step in range(1, 6):
+        x = torch.randint(0, 50, (4, 7))
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(1, 1).flatten())
+        opt.zero_grad()
+        loss.backward()
+        grads = [p.grad.double() for p in model.parameters()]
+        opt.step()
+        _reference_lamb(ref, grads, state, step, 0.05, (0.9, 0.99), 1e-6, wds, 3.0)
+        for p, r in zip(model.parameters(), ref):
+            torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
+
+
+def test_lamb_refuses_bad_settings():
+    with pytest.raises(ValueError, match="out of range"):
+        Lamb([torch.zeros(2, requires_grad=True)], lr=0.0)
+
+
+def _unequal_halves() -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and its gradient whose row halves differ in scale by 100: a trust ratio from either half's norms
+    is far from the whole tensor's."""
+    w = torch.linspace(-1, 1, 32).reshape(8, 4)
+    w[4:] *= 100
+    g = torch.cos(torch.arange(32.0)).reshape(8, 4)
+    return w, g
+
+
+def _lamb_steps(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    opt = Lamb([{"params": [weight], "weight_decay": 0.01}], lr=0.1, max_trust=1e6)
+    for _ in range(3):
+        weight.grad = grad.clone()
+        opt.step()
+
+
+def _lamb_on_row_shards(out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    w, g = _unequal_halves()
+    weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+    _lamb_steps(weight, distribute_tensor(g, mesh, [Shard(0)]))
+    full = weight.detach().full_tensor()
+    if dist.get_rank() == 0:
+        torch.save(full, os.path.join(out, "sharded.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_lamb_trust_ratio_uses_the_whole_parameter(tmp_path):
+    """Row-sharded over two gloo ranks (as FSDP2 shards), halves 100× apart: the same weights as one process.
+    A trust ratio from each shard's own norms moves the halves by other amounts (checked: the assert fails)."""
+    from hpctrain.cluster.spawn import spawn
+
+    spawn(2, _lamb_on_row_shards, (str(tmp_path),), threads=1)
+    w, g = _unequal_halves()
+    weight = torch.nn.Parameter(w.clone())
+    _lamb_steps(weight, g)
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    assert not torch.equal(weight.detach(), w)
+    torch.testing.assert_close(sharded, weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+LAMB = ("optim=lamb", "optim.lr=1e-2")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [["parallel=fsdp", "parallel.dp=2"], ["parallel=tp2"]], ids=["fsdp", "tp2"])
+def test_lamb_layouts_equal_one_process(make_cfg, tmp_path, layout):
+    """Through the whole trainer (FSDP2 row shards, tp's column/row shards, replicated norms)."""
+    ref = run_layout(make_cfg, tmp_path / "one", *LAMB)
+    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / "got", *LAMB, *layout))
+    assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
+
+
+@pytest.mark.multiproc
+def test_lamb_state_resumes_across_layouts(make_cfg, tmp_path):
+    """Saved under fsdp dp=2 after 3 steps, resumed with tp2 and with one process: steps 4-6 as uninterrupted."""
+    six = (*LAMB, "train.max_steps=6", "train.ckpt_every=3")
+    ref = run_layout(make_cfg, tmp_path / "ref", *six)
+    run_layout(make_cfg, tmp_path / "saved", *LAMB, "parallel=fsdp", "parallel.dp=2", "train.ckpt_every=3")
+    for name, layout in (("tp2", ["parallel=tp2"]), ("single", [])):
+        shutil.copytree(tmp_path / "saved", tmp_path / name, symlinks=True)
+        got = run_layout(make_cfg, tmp_path / name, *six, *layout)
+        for s in (4, 5, 6):
+            assert abs(got[s][0] - ref[s][0]) <= 1e-5, (name, s, got[s], ref[s])
+            assert got[s][1] == pytest.approx(ref[s][1], rel=1e-5), (name, s)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dtype, mantissa", [("bf16", 8), ("fp16", 11)])
+@pytest.mark.parametrize("stage", ["ddp", "fsdp"])
+def test_half_precision_gradient_reduction_is_within_its_rounding(make_cfg, tmp_path, dtype, mantissa, stage):
+    """dp=2: each rank's gradient rounded to `dtype`, summed, rounded again, cast back: every element within about
+    3 units of its last place of fp32 reduction's, so the global grad norm too; and it does differ (the setting
+    is applied)."""
+    base = (f"parallel={stage}", "parallel.dp=2")
+    ref = run_layout(make_cfg, tmp_path / "fp32", *base)
+    got = run_layout(make_cfg, tmp_path / dtype, *base, f"parallel.grad_reduce_dtype={dtype}")
+    dloss, dnorm = deltas(ref, got)
+    ulp = 2.0 ** -mantissa
+    assert 0 < dnorm <= 3 * ulp, (dnorm, 3 * ulp)
+    assert dloss <= 1e-3, dloss
