@@ -29,7 +29,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-comm bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -76,6 +76,10 @@ bench-scale: install
 # What monitoring costs: the same 2-rank run with the monitor defaults and with everything off (target <= 1 %):
 bench-monitor: install
 	$(PY) -m hpctrain.tools.bench_monitor
+
+# Bytes per step per rank and the loss after N steps for each gradient-communication option (dp=2):
+bench-comm: install
+	$(PY) -m hpctrain.tools.bench_comm
 
 # Training stall per checkpoint, sync vs train.ckpt_async=true, against the disk's O_DIRECT write speed:
 # llama_350m (4.2 GB checkpoints), ~11 GiB memory and ~9 GB free disk under outputs/, ~2 min.

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hpctrain.errors import CheckpointError
 from hpctrain.files import free_name, write_json
+from hpctrain.parallel.compression import grad_exchange
 from hpctrain.parallel.parallelize import tied_aliases
 
 STATE_FILE = "trainer_state.json"
@@ -239,15 +240,33 @@ def _renamed(optim_sd: dict, aliases: dict[str, str], back: bool = False) -> dic
     return optim_sd
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def state_of(model, optimizer) -> dict:
-    """What a checkpoint's shards hold: model, optimizer (flattened) and this rank's RNG state."""
+    """What a checkpoint's shards hold: model, optimizer (flattened), this rank's RNG state and, with
+    parallel.grad_compression, this rank's compressor state (its error-feedback residuals)."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     optim_sd = _renamed(optim_sd, tied_aliases(model))
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = _rank()
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"cpu_rank{rank}": torch.get_rng_state()}}
     if torch.cuda.is_available():
         state["rng"][f"cuda_rank{rank}"] = torch.cuda.get_rng_state()
+    exchange = grad_exchange(model)
+    if exchange is not None:
+        state["comm"] = exchange.state_dict(rank)
     return state
+
+
+def _saved_comm_state(model, present: dict) -> dict | None:
+    """Tensors to load the compressor state into, shaped as saved (its residuals are made at the first compressed
+    step, so the live state may have none yet): the shared part and this rank's; None without compression."""
+    if grad_exchange(model) is None:
+        return None
+    prefixes = ("comm.shared.", f"comm.rank{_rank()}.")
+    return {key[len("comm."):]: torch.empty(md.size, dtype=md.properties.dtype) for key, md in present.items()
+            if key.startswith(prefixes)}
 
 
 def begin(run_dir: str, step: int) -> str:
@@ -364,6 +383,10 @@ def load(path: str, model, optimizer) -> dict:
     state = state_of(model, optimizer)
     # RNG streams are per rank: a resume on more ranks than were saved starts the new ones fresh.
     state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in present}
+    comm = _saved_comm_state(model, present)
+    state.pop("comm", None)
+    if comm:
+        state["comm"] = comm
     _dcp_load(state, path, reader)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=_renamed(state["optim"], tied_aliases(model), back=True), options=_OPTIONS)
@@ -372,6 +395,8 @@ def load(path: str, model, optimizer) -> dict:
             torch.set_rng_state(value)
         else:
             torch.cuda.set_rng_state(value)
+    if comm is not None:
+        grad_exchange(model).load_state_dict(comm, _rank())
     return saved
 
 

@@ -34,6 +34,7 @@ class OptimName(str, Enum):
     adafactor = "adafactor"
     sgd = "sgd"
     lamb = "lamb"
+    sophia = "sophia"
 
 
 class OptimImpl(str, Enum):
@@ -45,6 +46,12 @@ class ReduceDtype(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"  # half the bytes; 8 bits of mantissa
     fp16 = "fp16"  # half the bytes; 11 bits of mantissa, a narrower range
+
+
+class GradCompression(str, Enum):
+    none = "none"
+    powersgd = "powersgd"  # a low-rank approximation of each gradient matrix, with error feedback
+    topk = "topk"  # the largest entries only, with error feedback
 
 
 class LrScaling(str, Enum):
@@ -113,6 +120,11 @@ class ParallelConfig:
     cpu_offload: bool = False
     # The dtype gradients are summed over dp in (FSDP2's reduce dtype, every ZeRO stage); cast back after.
     grad_reduce_dtype: ReduceDtype = ReduceDtype.fp32
+    # ZeRO-0 only: the dp gradient sum compressed (hpctrain.parallel.compression), with error feedback.
+    grad_compression: GradCompression = GradCompression.none
+    powersgd_rank: int = 4  # the approximation's rank per gradient matrix
+    topk_fraction: float = 0.01  # the share of each bucket's entries a rank sends
+    compression_start_step: int = 10  # plain all-reduce before this step: early gradients are the sensitive ones
 
 
 @dataclass
@@ -132,6 +144,8 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9  # sgd
     max_trust: float = 10.0  # lamb: the largest trust ratio ‖w‖/‖update‖
+    rho: float = 0.04  # sophia: the curvature's weight in the clipped update
+    update_every: int = 10  # sophia: steps between curvature estimates
     implementation: OptimImpl = OptimImpl.fused  # foreach: grouped kernels and one parameter-sized temporary
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     warmup_steps: int = 100
@@ -238,6 +252,9 @@ class MonitorConfig:
     sample_every: int = 100
     straggler_frac: float = 0.2
     failure_window_s: float = 3600.0  # node_failure_rate counts the node failures of this much time
+    # A Prometheus scrape target on the main rank (hpctrain.training.prometheus): null off, 0 any free port.
+    prometheus_port: int | None = None
+    prometheus_addr: str = "0.0.0.0"
 
 
 class Tracker(str, Enum):
@@ -361,7 +378,8 @@ _AT_LEAST_1, _AT_LEAST_0, _POSITIVE, _FRACTION = (1, True, None, False), (0, Tru
 _RANGES = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                      "model.ffn_hidden", "model.max_seq_len", "parallel.tp", "parallel.pp",
-                     "parallel.pp_virtual_stages", "parallel.ac_every", "precision.loss_scale_growth_interval",
+                     "parallel.pp_virtual_stages", "parallel.ac_every", "parallel.powersgd_rank",
+                     "optim.update_every", "precision.loss_scale_growth_interval",
                      "optim.ref_global_batch", "data.lanes", "data.prefetch", "train.seq_len", "train.max_steps",
                      "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",
                      "train.ckpt_write_threads", "monitor.loss_spike.window",
@@ -370,13 +388,16 @@ _RANGES = {
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
-                     "monitor.loss_spike.max_rollbacks", "monitor.sample_every"), _AT_LEAST_0),
+                     "monitor.loss_spike.max_rollbacks", "monitor.sample_every",
+                     "parallel.compression_start_step"), _AT_LEAST_0),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "precision.loss_scale_init",
-                     "optim.eps", "optim.max_trust", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb",
+                     "optim.eps", "optim.max_trust", "optim.rho", "cluster.pg_timeout_s", "cluster.peak_tflops", "cluster.gpu_mem_gb",
                      "monitor.hang_s", "monitor.heartbeat_s", "monitor.straggler_frac",
                      "monitor.failure_window_s"), _POSITIVE),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "optim.momentum"), _FRACTION),
     "optim.min_lr_ratio": (0, True, 1, True),
+    "monitor.prometheus_port": (0, True, 65535, True),
+    "parallel.topk_fraction": (0, False, 1, True),
     "monitor.loss_spike.factor": (1, False, None, False),
     "optim.lr": (0, False, 1e3, True),  # far above any real LR; near fp32's max Adam's first step crashes
 }

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 from hpctrain.config import (
     ConfigError,
+    GradCompression,
     OptimImpl,
     OptimName,
+    PrecisionName,
     check_keys,
     check_values,
     signal_number,
@@ -90,6 +92,25 @@ def _check_profile_steps(steps, max_steps: int) -> None:
                           "compile and allocator warm-up)")
 
 
+def _check_sophia(cfg, layout: Layout) -> None:
+    """Sophia's curvature pass samples labels from the model's logits, in a forward and backward of its own."""
+    if cfg.optim.name != OptimName.sophia:
+        return
+    why = None
+    if cfg.train.fused_loss:
+        why = "train.fused_loss=true never makes the logits its labels are sampled from: drop train.fused_loss"
+    elif layout.pipelined:
+        why = (f"parallel.pp={layout.pp}: its curvature pass is a forward and backward outside the pipeline schedule; "
+               "use dp/tp, or optim=adamw")
+    elif cfg.precision.name == PrecisionName.fp16:
+        why = "precision=fp16: its curvature pass would need its own loss scaling; use precision=bf16"
+    elif cfg.parallel.grad_compression != GradCompression.none:
+        why = (f"parallel.grad_compression={cfg.parallel.grad_compression.value} would compress the curvature "
+               "pass's gradients into the error feedback: drop one of them")
+    if why:
+        raise ConfigError(f"optim=sophia with {why}")
+
+
 def resolve(cfg, world: int = 1) -> RunShape:
     """Derive and check the numbers a run on `world` ranks needs; raise ConfigError on the first problem."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -102,7 +123,9 @@ def resolve(cfg, world: int = 1) -> RunShape:
     if p.sequence_parallel and t.seq_len is not None and t.seq_len % layout.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={layout.tp} with "
                           "sequence_parallel: choose a seq_len that is a multiple of tp")
-    if cfg.optim.name in (OptimName.adafactor, OptimName.lamb) and cfg.optim.implementation == OptimImpl.fused:
+    _check_sophia(cfg, layout)
+    if cfg.optim.name in (OptimName.adafactor, OptimName.lamb, OptimName.sophia) and \
+            cfg.optim.implementation == OptimImpl.fused:
         raise ConfigError(f"optim.implementation=fused: {cfg.optim.name.value} has no fused kernel; use "
                           "optim.implementation=foreach (or optim=adamw)")
     if t.export_hf_at_end and not t.checkpointing:
@@ -112,6 +135,10 @@ def resolve(cfg, world: int = 1) -> RunShape:
         raise ConfigError(f"train.fused_loss=true needs parallel.tp=1 and parallel.pp=1 (got tp={layout.tp}, "
                           f"pp={layout.pp}: tensor parallelism computes the loss on vocab-sharded logits, a pipeline "
                           "inside its schedule): drop train.fused_loss")
+    if p.grad_compression != GradCompression.none and cfg.precision.name == PrecisionName.fp16:
+        raise ConfigError(f"parallel.grad_compression={p.grad_compression.value} with precision=fp16: the loss "
+                          "scale changes the units of its error-feedback residual from step to step; use "
+                          "precision=bf16 (no loss scale) or grad_compression=none")
     _check_profile_steps(t.profile_steps, t.max_steps)
     gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, layout.dp)
     layout.check_microbatches(ga)

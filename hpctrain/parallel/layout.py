@@ -207,6 +207,25 @@ def _check_sharding(p, layout: Layout) -> None:
                           f"{p.zero_stage}, dp={layout.dp}): set parallel=fsdp or parallel.cpu_offload=false")
     if p.sequence_parallel and layout.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
+    method = getattr(p.grad_compression, "value", p.grad_compression)
+    if method != "none":
+        if p.zero_stage != 0:
+            raise ConfigError(f"parallel.grad_compression={method} compresses ZeRO-0's all-reduce; zero_stage="
+                              f"{p.zero_stage} reduce-scatters gradient shards, which it cannot: set parallel=ddp "
+                              "(zero_stage=0), or grad_compression=none (grad_reduce_dtype=bf16 halves any stage's "
+                              "bytes)")
+        if layout.tp > 1 or layout.pp > 1:
+            raise ConfigError(f"parallel.grad_compression={method} needs tp=1 and pp=1 (got tp={layout.tp}, pp="
+                              f"{layout.pp}): it exchanges whole gradients of a replicated model; use "
+                              "grad_compression=none with this layout")
+        if method == "powersgd" and p.compression_start_step < 2:
+            # torch's PowerSGD: its error feedback and warm start need two plain steps first.
+            raise ConfigError(f"parallel.compression_start_step={p.compression_start_step} with grad_compression="
+                              "powersgd must be >= 2 (PowerSGD starts after two plain all-reduce steps)")
+        reduce_dtype = getattr(p.grad_reduce_dtype, "value", p.grad_reduce_dtype)
+        if reduce_dtype != "fp32":
+            raise ConfigError(f"parallel.grad_compression={method} exchanges its compressed gradients in fp32: drop "
+                              f"parallel.grad_reduce_dtype={reduce_dtype} (or the compression)")
     if p.compile and layout.tp > 1:
         # Measured on torch 2.13 (CPU, gloo): a compiled block hands a plain tensor to DTensor's redistribute in
         # the first backward. Upstream: compiled backward expecting DTensor tangents, pytorch/pytorch#143134.

@@ -23,8 +23,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hpctrain.config import ActCkpt, ReduceDtype
+from hpctrain.config import ActCkpt, GradCompression, ReduceDtype
 from hpctrain.models import ModelSpec
+from hpctrain.parallel.compression import apply_grad_compression
 from hpctrain.parallel.layout import Layout
 
 # parallel.grad_reduce_dtype
@@ -237,8 +238,12 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg, spec: 
         apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel, spec)
         apply_activation_checkpointing(chunk, pcfg.activation_checkpointing, pcfg.ac_every)
         apply_compile(chunk, pcfg.compile)
-        apply_fsdp(chunk, layout.batch_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload,
-                   REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)])
+        if GradCompression(pcfg.grad_compression) == GradCompression.none:
+            apply_fsdp(chunk, layout.batch_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload,
+                       REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)])
+        else:  # ZeRO-0, tp = pp = 1 (checked)
+            apply_grad_compression(chunk, layout.batch_mesh(mesh), pcfg.grad_compression, pcfg.powersgd_rank,
+                                   pcfg.topk_fraction, pcfg.compression_start_step)
     if not layout.pipelined:
         return chunks[0]
     stages = stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.pp_virtual_stages)

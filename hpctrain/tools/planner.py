@@ -6,7 +6,9 @@ norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one m
 
   parameters   4·P / (dp if zero_stage>=2)            fp32 master weights (FSDP2 shards them at ZeRO-2 too)
   gradients    4·P / (dp if zero_stage>=2)            + 4·P with accumulation and sharded_accumulation=false
-  optimizer    AdamW 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms); / (dp if zero>=2);
+                                                      + 4·P: grad_compression's residual (8·P with
+                                                        loss_spike.action=skip_batch: the previous one kept)
+  optimizer    AdamW, LAMB, Sophia 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms); / (dp if zero>=2);
                the step's temporary: 4·P (same share) with optim.implementation=foreach, none fused
   compute copy zero 3: 2 blocks gathered · c; zero 2 and replicate (dp>1): P · c; one replica in bf16/fp16:
                P · 2 (autocast's weight casts, kept for backward)
@@ -17,7 +19,9 @@ norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one m
                logits' gradient; a pipeline's last stage also keeps its output logits (· c). train.fused_loss:
                4·vocab·dim + 4·s·b·dim (the gradients it made in forward) + one chunk's logits (· (4 + c)) or
                the weight gradient's per-chunk temporaries, whichever is larger
-  reducing     dp>1: the last unit backward reduces (root, else a block; replicate: the model) · (2c + 4)
+  reducing     dp>1: the last unit backward reduces (root, else a block; replicate: the model) · (2c + 4);
+               grad_compression: 3 buckets (a bucket: 25 MB of gradients, or the embedding's if larger):
+               its flat buffer, PowerSGD's copy, the new residual
 The peak is the largest of three moments (`total`): backward's start, backward's end under data parallelism,
 the optimizer step. With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 %
 of cluster.gpu_mem_gb. README "Choosing a layout" gives the measured accuracy and how it was measured.
@@ -31,8 +35,17 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.config import ActCkpt, ConfigError, OptimImpl, OptimName, PrecisionName
+from hpctrain.config import (
+    ActCkpt,
+    ConfigError,
+    GradCompression,
+    OptimImpl,
+    OptimName,
+    PrecisionName,
+    SpikeAction,
+)
 from hpctrain.models import ModelSpec, spec_of
+from hpctrain.parallel.compression import BUCKET_BYTES
 from hpctrain.parallel.layout import world_of
 from hpctrain.parallel.process_group import local_device_count
 from hpctrain.resolve import RunShape, resolve
@@ -151,7 +164,12 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     m = plan.grad_accum if layout.pipelined else 1
     b = plan.micro_batch
     sp = tp if p.sequence_parallel else 1
-    kind = act_kind(c, dp)
+    # parallel.grad_compression: fp32 parameters under autocast as one process, plus each rank's residual (4·P,
+    # kept between steps) and, at backward's end, three buckets (below).
+    compressed = dp > 1 and GradCompression(p.grad_compression) != GradCompression.none
+    residuals = 2 if SpikeAction(cfg.monitor.loss_spike.action) == SpikeAction.skip_batch else 1  # + the undo's
+    replicas = 1 if compressed else dp
+    kind = act_kind(c, replicas)
     act_layer = block_act_bytes(args, seq_len * b, kind, tp, sp)
     act_input = seq_len * b * (2 if kind == "lowp" else 4) * args.dim / sp  # a checkpointed block keeps its input
     schedule = layout.pp_schedule if layout.pipelined else "none"
@@ -173,15 +191,18 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         logits = (_loss_bytes(args, seq_len * b, tp, c, layout.pipelined, cfg.train.fused_loss)
                   if i == pp - 1 else 0)
         off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
-        grads = off * 4 * P / z2 + (4 * P if full_grads else 0)
+        grads = off * 4 * P / z2 + (4 * P if full_grads else 0) + (residuals * 4 * P if compressed else 0)
         # train.ckpt_async copies the checkpoint's shard (fp32 parameters, optimizer state) to host memory, kept
         # between saves.
         async_copy = (4 * P + opt) / z2 if cfg.train.ckpt_async and cfg.train.checkpointing else 0
         rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P, "params": off * 4 * P / z2,
                      "grads": grads, "held_grads": grads if plan.grad_accum > 1 else 0,  # only when accumulating
                      "optim": off * opt / z2, "opt_temp": off * opt_temp / z2,
-                     "copies": _copies(p.zero_stage, dp, c, st, P, tp),
-                     "reducing": _reducing(p.zero_stage, dp, c, st, P, tp),
+                     "copies": _copies(p.zero_stage, replicas, c, st, P, tp),
+                     # A bucket: 25 MB of whole gradients, or one larger gradient (the embedding's); PowerSGD
+                     # also holds its copy, and the new residual.
+                     "reducing": (3 * min(max(BUCKET_BYTES, 4 * args.vocab_size * args.dim), 4 * P) if compressed
+                                  else _reducing(p.zero_stage, dp, c, st, P, tp)),
                      "acts": acts, "recompute": recompute, "logits": logits, "flight": flight,
                      "async_copy": async_copy})
     bubble = layout.bubble(m)
@@ -214,7 +235,7 @@ def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int, dtensors: bool) -> 
     """(state, the step's temporary): foreach optimizers make one parameter-sized temporary (AdamW: the square
     root of the second moment, LAMB's update made from it in place); fused ones none (`dtensors`: the layout's parameters are DTensors)."""
     name = OptimName(ocfg.name)
-    state = {OptimName.adamw: 8 * P, OptimName.lamb: 8 * P, OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0,
+    state = {OptimName.adamw: 8 * P, OptimName.lamb: 8 * P, OptimName.sophia: 8 * P, OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0,
              OptimName.adafactor: 4 * st.factored / tp}[name]
     plain_sgd = name == OptimName.sgd and ocfg.momentum == 0
     return state, 0 if plain_sgd or implementation(ocfg, dtensors) == OptimImpl.fused else 4 * P

@@ -6,7 +6,10 @@ the step's time minus it is the rank's compute time. Every rank's pair is gather
 - `communication_overhead`: the smallest share of the step in collectives over the ranks, in percent (the
   slowest rank waits least for the others, so its share is the collectives' own cost, not synchronisation);
 - `synchronization_time`: the slowest rank's compute time minus the fastest's, in seconds;
-- `stragglers`: ranks whose compute time is above (1 + `straggler_frac`) × the median, named with their node.
+- `stragglers`: ranks whose compute time is above (1 + `straggler_frac`) × the median, named with their node;
+- `comm_bytes`: the bytes the step handed to collectives on the busiest rank (each collective's input: what an
+  all-reduce sums, a rank's piece of an all-gather), read from the profiler's recorded shapes and dtypes;
+  `comm_bytes_by_op`: rank 0's, by kind of collective.
 The rest of the time nothing is profiled; a sampled step costs one small all-gather besides the profiler.
 """
 
@@ -44,6 +47,34 @@ def comm_seconds(events, on_gpu: bool) -> float:
     return total / 1e6
 
 
+# The profiler's names of tensor dtypes (c10's), in bytes per element.
+_DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "int": 4, "long int": 8,
+                "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
+
+
+def comm_bytes(prof) -> dict[str, int]:
+    """Bytes handed to each kind of collective (gloo's or NCCL's operations: their input tensors) that a profiler
+    recorded with record_shapes, e.g. {"gloo:all_reduce": 15803392}."""
+    by_op: dict[str, int] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.name().startswith(("gloo:", "nccl:")):
+            n = sum(_DTYPE_BYTES[dtype] * int(torch.Size(shape).numel())
+                    for shape, dtype in zip(e.shapes(), e.dtypes()) if shape and dtype in _DTYPE_BYTES)
+            by_op[e.name()] = by_op.get(e.name(), 0) + n
+    return by_op
+
+
+def _all_threads_config():
+    """Profile every thread: a communication hook's later collectives run in the callbacks of its futures, on
+    the process group's threads. None where this torch has no such option."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
+
+
 @dataclass(frozen=True)
 class Sample:
     """A sampled step, as gathered from every rank."""
@@ -54,6 +85,8 @@ class Sample:
     step_s: list[float]
     nodes: list[str]
     straggler_frac: float
+    bytes: list[int]
+    bytes_by_op: dict[str, int]  # rank 0's
 
     def stragglers(self) -> list[str]:
         median = statistics.median(self.compute_s)
@@ -63,7 +96,8 @@ class Sample:
     def metrics(self) -> dict:
         overhead = min(100.0 * c / s for c, s in zip(self.comm_s, self.step_s) if s > 0)
         return {"communication_overhead": overhead, "synchronization_time": max(self.compute_s) - min(self.compute_s),
-                "compute_s_by_rank": [round(c, 6) for c in self.compute_s], "stragglers": self.stragglers()}
+                "compute_s_by_rank": [round(c, 6) for c in self.compute_s], "stragglers": self.stragglers(),
+                "comm_bytes": max(self.bytes), "comm_bytes_by_op": self.bytes_by_op}
 
 
 class CommSampler:
@@ -100,7 +134,8 @@ class CommSampler:
         # Kineto prints two lines at every profiler start and stop: read at its first use in the process.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         on_gpu = self.device.type == "cuda"
-        self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else []))
+        self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else []),
+                             record_shapes=True, experimental_config=_all_threads_config())
         self._prof.start()
         self.spent_s += time.perf_counter() - t0
 
@@ -117,13 +152,14 @@ class CommSampler:
             torch.cuda.synchronize(self.device)
         self._prof.stop()
         comm = comm_seconds(self._prof.events(), on_gpu)
+        by_op = comm_bytes(self._prof)
         self._prof = None
-        mine = torch.tensor([max(step_s - comm, 0.0), comm, step_s], dtype=torch.float64)
+        mine = torch.tensor([max(step_s - comm, 0.0), comm, step_s, sum(by_op.values())], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in self.nodes]
         dist.all_gather(every, mine)  # a CPU tensor: gloo (the default group has it beside NCCL)
         rows = torch.stack(every).tolist()
         sample = Sample(step, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], self.nodes,
-                        self.straggler_frac)
+                        self.straggler_frac, [int(r[3]) for r in rows], by_op)
         for name in sample.stragglers():
             self.straggled[name] = self.straggled.get(name, 0) + 1
         self.spent_s += time.perf_counter() - t0

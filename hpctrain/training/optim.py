@@ -51,6 +51,11 @@ def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
         from hpctrain.training.optimizers import Lamb
 
         return Lamb(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, max_trust=ocfg.max_trust)
+    if ocfg.name == OptimName.sophia:
+        from hpctrain.training.optimizers import SophiaG
+
+        return SophiaG(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), rho=ocfg.rho, eps=ocfg.eps,
+                       update_every=ocfg.update_every)
     raise ValueError(f"unknown optimizer {ocfg.name}")
 
 

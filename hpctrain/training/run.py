@@ -22,6 +22,7 @@ from hpctrain.resolve import RunShape, resolve
 from hpctrain.training.feed import val_stream
 from hpctrain.training.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.training.monitor import check_monitor
+from hpctrain.training.prometheus import check_prometheus
 from hpctrain.training.trackers import check_trackers
 from hpctrain.training.trainer import Trainer
 
@@ -48,6 +49,7 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     shape = resolve(cfg, world)
     check_monitor(cfg.monitor, cfg.train.checkpointing)
     check_trackers(cfg.logging)
+    check_prometheus(cfg.monitor, local)
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg.train.resume)
     _check_init_from(cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -14,10 +15,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hpctrain.parallel.compression import grad_exchange
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout
 from hpctrain.parallel.norms import local, square_sums
 from hpctrain.parallel.vote import any_rank
 from hpctrain.training.precision import Precision
+
+log = logging.getLogger("hpctrain")
 
 
 @dataclass
@@ -40,6 +44,32 @@ def token_loss_sum(model: nn.Module, batch: torch.Tensor, fused: bool = False) -
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
+def sampled_labels(logits: torch.Tensor, tokens: torch.Tensor, salt: int) -> torch.Tensor:
+    """[B, T] labels drawn from the model's own predictive distribution, softmax(logits [B, T, V]), one row at a
+    time with a generator seeded by `salt` and the row's tokens [B, T+1]: every layout draws the same labels for the
+    same sample (the vocab-sharded logits of tensor parallelism are gathered first)."""
+    logits = logits.detach()
+    full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    # Non-finite logits give non-finite curvature gradients, which the step then discards on every rank; here they
+    # must not stop multinomial on one rank while the others wait in a collective.
+    full = torch.nan_to_num(full.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    weights = (torch.arange(1, tokens.shape[1] + 1, device=tokens.device) * 2654435761) % 2**31
+    seeds = ((tokens.long() * weights).sum(1) + salt * 1_000_003) % 2**62
+    labels = torch.empty(full.shape[:2], dtype=torch.long, device=full.device)
+    for i, seed in enumerate(seeds.tolist()):
+        gen = torch.Generator(device=full.device).manual_seed(seed)
+        labels[i] = torch.multinomial(torch.softmax(full[i], -1), 1, generator=gen).squeeze(-1)
+    return labels
+
+
+def sampled_token_loss_sum(model: nn.Module, batch: torch.Tensor, salt: int) -> torch.Tensor:
+    """Summed cross entropy against labels sampled from the model itself (`sampled_labels`): the loss whose
+    gradient gives Sophia's Gauss-Newton-Bartlett curvature estimate."""
+    logits = model(batch[:, :-1])
+    labels = sampled_labels(logits, batch, salt)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
 def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
     """(item, is_last) pairs, looking one item ahead (FSDP reduces gradients only after the last)."""
     it = iter(items)
@@ -53,18 +83,20 @@ def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
     yield current, True
 
 
+def settle_pending_sums(params: list[torch.Tensor]) -> None:
+    """Gradients left as a pending sum over tp (sequence-parallel norm weights) completed, placed as their
+    parameter: what the norm and the optimizers read."""
+    for p in params:
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            p.grad = p.grad.redistribute(placements=p.placements)
+
+
 def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
     """Global L2 norm of the gradients, whatever mesh and placement each one has (`norms.square_sums`), summed
     over pipeline stages, which hold disjoint parameters. Equals the one-process norm; `clip_grad_norm_` cannot
     mix meshes or DTensor and Tensor."""
-    grads = []
-    for p in params:
-        if p.grad is None:
-            continue
-        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
-            # Sequence-parallel norm weights: their gradient is left as a pending sum over tp.
-            p.grad = p.grad.redistribute(placements=p.placements)
-        grads.append(p.grad)
+    settle_pending_sums(params)
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     total = square_sums(grads).sum()
@@ -121,6 +153,14 @@ class TrainStep:
         # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch, unless asked every time.
         self.grad_sync = None if reduce_every_microbatch else getattr(model, "set_requires_gradient_sync", None)
         self.loss_check = None
+        self.exchange = grad_exchange(model)  # parallel.grad_compression
+
+    def check_losses(self, check, undo: bool = False) -> None:
+        """`check(loss)`: whether a finite step must not be applied (a loss spike); `undo`: such a dropped step's
+        effect on a compressed gradient exchange is taken back (skip_batch; a rollback reloads it instead)."""
+        self.loss_check = check
+        if self.exchange is not None:
+            self.exchange.undoable = undo and check is not None
 
     def __call__(self, micro_batches: Iterable[torch.Tensor], n_tokens: int | None = None) -> StepResult:
         """One step over `micro_batches` (an iterator is consumed lazily: one micro-batch in memory at a time);
@@ -132,6 +172,17 @@ class TrainStep:
             micro_batches = list(micro_batches)
             n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches) * self.dp
         self.optimizer.zero_grad(set_to_none=True)
+        wants_curvature = getattr(self.optimizer, "wants_curvature", None)
+        if wants_curvature is not None and wants_curvature():  # Sophia, every update_every steps
+            micro_batches = list(micro_batches)
+            salt = self.optimizer.steps_taken()
+            self._forward_backward(micro_batches, n_tokens, lambda b: sampled_token_loss_sum(self.model, b, salt))
+            settle_pending_sums(self.params)
+            if all_finite([p.grad for p in self.params if p.grad is not None]):  # every rank takes the same way
+                self.optimizer.update_curvature(n_tokens)
+            else:
+                log.warning("the curvature estimate of step %d is not finite: Sophia keeps its previous one", salt + 1)
+            self.optimizer.zero_grad(set_to_none=True)
         total = self._forward_backward(micro_batches, n_tokens)
         if self.dp > 1:  # tensor-parallel ranks hold the same (replicated) loss already
             dist.all_reduce(total, group=self.batch_mesh.get_group())
@@ -143,6 +194,8 @@ class TrainStep:
             clip_grads(self.params, self.grad_clip, norm_value)
         if not math.isfinite(loss_value) or (self.loss_check is not None and self.loss_check(loss_value)):
             status = "nonfinite" if not math.isfinite(loss_value) else "spike"
+            if self.exchange is not None:
+                self.exchange.undo()  # the compressor forgets the dropped batch
             if scaler:
                 scaler.update()  # closes this iteration's unscale_; backs off if grads overflowed
         elif scaler:
@@ -157,9 +210,11 @@ class TrainStep:
             status = "ok"
         return StepResult(loss_value, norm_value, status, scaler.get_scale() if scaler else None)
 
-    def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int) -> torch.Tensor:
-        """Accumulate the gradients of all micro-batches; return this rank's share of the loss."""
+    def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int, loss_sum=None) -> torch.Tensor:
+        """Accumulate the gradients of all micro-batches; return this rank's share of the loss. `loss_sum(batch)`:
+        another summed loss than the next-token cross entropy."""
         scaler = self.precision.scaler
+        loss_sum = loss_sum or (lambda b: token_loss_sum(self.model, b, self.fused_loss))
         total = torch.zeros((), device=self.device)
         for batch, last in _with_last(micro_batches):
             if self.grad_sync is not None:
@@ -167,7 +222,7 @@ class TrainStep:
             batch = batch.to(self.device, non_blocking=True)
             with self.loss_ctx():
                 with self.precision.autocast():
-                    loss = token_loss_sum(self.model, batch, self.fused_loss) / n_tokens
+                    loss = loss_sum(batch) / n_tokens
                 (scaler.scale(loss) if scaler else loss).backward()
             total += local(loss.detach()).float()
         return total

@@ -35,6 +35,7 @@ from hpctrain.training.monitor import AlertSink, Context
 from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
 from hpctrain.training.precision import setup_precision
 from hpctrain.training.profiling import MemorySnapshot, StepProfiler
+from hpctrain.training.prometheus import prometheus_sinks
 from hpctrain.training.spikes import LossSpikeGuard, roll_back
 from hpctrain.training.state import RunState
 from hpctrain.training.step import build_train_step
@@ -70,7 +71,8 @@ class Trainer:
                                      t.fused_loss)
         spike = cfg.monitor.loss_spike
         self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
-        self.step.loss_check = self.spikes.drop_update if self.spikes.enabled else None
+        self.step.check_losses(self.spikes.drop_update if self.spikes.enabled else None,
+                               undo=SpikeAction(spike.action) == SpikeAction.skip_batch)
         self.state = RunState()
         self.checkpointer = Checkpointer(run_dir, t, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
@@ -90,7 +92,8 @@ class Trainer:
                                    t.profile_steps and tuple(t.profile_steps))
         ctx = Context(env.device, env.world, self.sampler.every, job.node_failures(run_dir) if env.is_main else None,
                       m.failure_window_s)
-        trackers = tracker_sinks(cfg, run_dir, self.state.step) if env.is_main else []  # MLflow, W&B
+        # MLflow, W&B, a Prometheus endpoint
+        trackers = [*tracker_sinks(cfg, run_dir, self.state.step), *prometheus_sinks(m, run_dir)] if env.is_main else []
         self.alerts = AlertSink(run_dir, m, ctx, trackers=trackers) if env.is_main else None
         self.metrics = Metrics.for_run(run_dir, env.is_main, t, cfg.logging.trackers, self.state.step, throughput,
                                        self.feed.corrupt_total, [*trackers, *([self.alerts] if self.alerts else [])])

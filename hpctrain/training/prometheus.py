@@ -1,0 +1,88 @@
+"""monitor.prometheus_port: the live metrics of rank 0 as a Prometheus scrape target (prometheus_client's server).
+
+Every numeric value of the logged records becomes a gauge `hpctrain_<key>` (loss, grad_norm, lr, tokens_per_s,
+mfu, mem_gb, val_loss, communication_overhead, comm_bytes, ...) labelled with the run's name and Slurm job, holding
+its latest value; `hpctrain_alert_firing{rule}` is 1 while an alert rule fires. The server runs in a thread of
+the main rank from the first step to the end of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+
+from hpctrain.config import ConfigError
+
+log = logging.getLogger("hpctrain")
+
+INSTALL = "pip install prometheus_client (or 'hpctrain[track]')"
+
+
+def check_prometheus(mcfg, local: bool) -> None:
+    """One-line ConfigErrors before anything starts: the library, and (a run on this machine) a port in use."""
+    port = mcfg.prometheus_port
+    if port is None:
+        return
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"monitor.prometheus_port={port} needs the prometheus_client package: {INSTALL}, or "
+                          "drop monitor.prometheus_port") from None
+    if local and port:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((mcfg.prometheus_addr, port))
+            except OSError as e:
+                raise ConfigError(f"monitor.prometheus_port={port} cannot be served on {mcfg.prometheus_addr!r} "
+                                  f"({e.strerror}): choose another port (0 picks a free one)") from None
+
+
+def _gauge_name(key: str) -> str | None:
+    name = "hpctrain_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    return name if re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name) else None
+
+
+class PrometheusSink:
+    """A metrics sink (and alert listener) serving the latest values over HTTP."""
+
+    def __init__(self, mcfg, run_dir: str):
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self._registry = CollectorRegistry()  # this run's alone: a later run in the process starts clean
+        self._gauge_cls = Gauge
+        self._labels = {"run": os.path.basename(os.path.normpath(run_dir)), "job": os.environ.get("SLURM_JOB_ID", "")}
+        self._gauges: dict[str, object] = {}
+        self._alerts = Gauge("hpctrain_alert_firing", "1 while the alert rule fires", [*self._labels, "rule"],
+                             registry=self._registry)
+        self._server, self._thread = start_http_server(mcfg.prometheus_port, mcfg.prometheus_addr,
+                                                       registry=self._registry)
+        self.port = self._server.server_port
+        log.info("Prometheus metrics at http://%s:%d/metrics", socket.gethostname(), self.port)
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            gauge = self._gauges.get(key)
+            if gauge is None:
+                name = _gauge_name(key)
+                if name is None:
+                    continue
+                gauge = self._gauges[key] = self._gauge_cls(name, f"hpctrain metric {key}, latest value",
+                                                            list(self._labels), registry=self._registry)
+            gauge.labels(**self._labels).set(value)
+
+    def alert(self, event: dict) -> None:
+        if event.get("event") in ("firing", "cleared"):
+            self._alerts.labels(**self._labels, rule=event["rule"]).set(1.0 if event["event"] == "firing" else 0.0)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def prometheus_sinks(mcfg, run_dir: str) -> list[PrometheusSink]:
+    return [PrometheusSink(mcfg, run_dir)] if mcfg.prometheus_port is not None else []
