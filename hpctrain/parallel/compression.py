@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from hpctrain.config import GradCompression
-from hpctrain.parallel.vote import any_rank
+from hpctrain.parallel.norms import all_finite
 
 log = logging.getLogger("hpctrain")
 
@@ -127,7 +127,7 @@ class GradExchange:
         else:
             self.state = TopKState(group, fraction, start_step)
             self.hook = topk_hook
-        self.sync, self._queued, self._params, self._undo = True, False, None, None
+        self.sync, self._queued, self._params, self._plan, self._undo = True, False, None, None, None
         # Bound at the first forward: parallelize runs on the meta device, whose parameters are replaced later.
         model.register_forward_pre_hook(self._bind)
 
@@ -139,7 +139,7 @@ class GradExchange:
         if self._params is not None and len(params) == len(self._params) and all(
                 a is b for a, b in zip(params, self._params)):
             return
-        self._params = params
+        self._params, self._plan = params, _buckets(params)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -155,17 +155,15 @@ class GradExchange:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
-        if any_rank(not finite, self.group):
+        if not all_finite(grads, self.group):
             # An overflow or NaN: summed plainly (the step skips it), the compressor's state left as it was.
             for g in grads:
                 dist.all_reduce(g, group=self.group)
             self._undo = None
             return
         self._snapshot()
-        plan = _buckets(params)
-        for i, bucket_params in enumerate(plan):  # one bucket's flat buffer at a time
-            bucket = Bucket(i, bucket_params, i == len(plan) - 1)
+        for i, bucket_params in enumerate(self._plan):  # one bucket's flat buffer at a time
+            bucket = Bucket(i, bucket_params, i == len(self._plan) - 1)
             self.hook(self.state, bucket).wait().mul_(self.world)  # the hooks average; hpctrain sums over dp
             for p, g in zip(bucket.parameters(), bucket.gradients()):
                 p.grad.copy_(g)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpctrain.config import ConfigError
+from hpctrain.config import ConfigError, GradCompression, ReduceDtype
 
 # Mesh order, outermost first: pipeline stages span nodes, tensor parallel stays inside one (fastest links).
 DIMS = ("pp", "dp", "tp")
@@ -207,7 +207,7 @@ def _check_sharding(p, layout: Layout) -> None:
                           f"{p.zero_stage}, dp={layout.dp}): set parallel=fsdp or parallel.cpu_offload=false")
     if p.sequence_parallel and layout.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
-    method = getattr(p.grad_compression, "value", p.grad_compression)
+    method = GradCompression(p.grad_compression).value
     if method != "none":
         if p.zero_stage != 0:
             raise ConfigError(f"parallel.grad_compression={method} compresses ZeRO-0's all-reduce; zero_stage="
@@ -222,7 +222,7 @@ def _check_sharding(p, layout: Layout) -> None:
             # torch's PowerSGD: its error feedback and warm start need two plain steps first.
             raise ConfigError(f"parallel.compression_start_step={p.compression_start_step} with grad_compression="
                               "powersgd must be >= 2 (PowerSGD starts after two plain all-reduce steps)")
-        reduce_dtype = getattr(p.grad_reduce_dtype, "value", p.grad_reduce_dtype)
+        reduce_dtype = ReduceDtype(p.grad_reduce_dtype).value
         if reduce_dtype != "fp32":
             raise ConfigError(f"parallel.grad_compression={method} exchanges its compressed gradients in fp32: drop "
                               f"parallel.grad_reduce_dtype={reduce_dtype} (or the compression)")

@@ -1,6 +1,7 @@
 """Norms of tensors that may be sharded (DTensor), equal to one process's: each rank sums the squares of its local
 pieces, grouped by the mesh dims a piece is sharded over, and each group's sums are completed over exactly those
-dims (a replicated piece is counted once). One collective per group and dim, whatever the number of tensors."""
+dims (a replicated piece is counted once). One collective per group and dim, whatever the number of tensors.
+`all_finite` asks the same of their values: finite on every rank."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from hpctrain.parallel.vote import any_rank
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -49,3 +52,12 @@ def square_sums(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = N
                 dist.all_reduce(sums, group=mesh.get_group(d))
         out[idx] = sums
     return out
+
+
+def all_finite(tensors, group=None) -> bool:
+    """Whether these tensors (DTensors: their local shards) are all finite on every rank of `group` (collective
+    when distributed). One max-abs per tensor (NaN and inf carry through it): no tensor-sized temporaries."""
+    pieces = [t for t in map(local, tensors) if t.numel()]
+    norms = torch._foreach_norm(pieces, float("inf")) if pieces else []
+    ok = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()) if norms else True  # one host sync
+    return not any_rank(not ok, group)

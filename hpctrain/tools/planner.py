@@ -8,7 +8,8 @@ norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one m
   gradients    4·P / (dp if zero_stage>=2)            + 4·P with accumulation and sharded_accumulation=false
                                                       + 4·P: grad_compression's residual (8·P with
                                                         loss_spike.action=skip_batch: the previous one kept)
-  optimizer    AdamW, LAMB, Sophia 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms); / (dp if zero>=2);
+  optimizer    AdamW, LAMB, Sophia 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms);
+               / (dp if zero>=2);
                the step's temporary: 4·P (same share) with optim.implementation=foreach, none fused
   compute copy zero 3: 2 blocks gathered · c; zero 2 and replicate (dp>1): P · c; one replica in bf16/fp16:
                P · 2 (autocast's weight casts, kept for backward)
@@ -233,10 +234,11 @@ def _loss_bytes(args, tokens: int, tp: int, c: int, pipelined: bool, fused: bool
 
 def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int, dtensors: bool) -> tuple[float, float]:
     """(state, the step's temporary): foreach optimizers make one parameter-sized temporary (AdamW: the square
-    root of the second moment, LAMB's update made from it in place); fused ones none (`dtensors`: the layout's parameters are DTensors)."""
+    root of the second moment, LAMB's update made from it in place); fused ones none (`dtensors`: the layout's
+    parameters are DTensors)."""
     name = OptimName(ocfg.name)
-    state = {OptimName.adamw: 8 * P, OptimName.lamb: 8 * P, OptimName.sophia: 8 * P, OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0,
-             OptimName.adafactor: 4 * st.factored / tp}[name]
+    state = {OptimName.adamw: 8 * P, OptimName.lamb: 8 * P, OptimName.sophia: 8 * P,
+             OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0, OptimName.adafactor: 4 * st.factored / tp}[name]
     plain_sgd = name == OptimName.sgd and ocfg.momentum == 0
     return state, 0 if plain_sgd or implementation(ocfg, dtensors) == OptimImpl.fused else 4 * P
 

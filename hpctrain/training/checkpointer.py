@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from hpctrain import checkpoint
 from hpctrain.errors import TrainingError
+from hpctrain.parallel.norms import all_finite
 from hpctrain.parallel.vote import OverlappedVote, any_rank
-from hpctrain.training.step import all_finite, params_finite
+from hpctrain.training.step import params_finite
 
 log = logging.getLogger("hpctrain")
 

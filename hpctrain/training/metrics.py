@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from hpctrain.files import METRICS_FILE, atomic_write, step_of
+from hpctrain.training.trackers import chosen
 
 log = logging.getLogger("hpctrain")
 
@@ -170,8 +171,7 @@ class Metrics:
         """`trackers`: logging.trackers; `extra_sinks`: more sinks of the main rank (the alert rules)."""
         sinks, bar = [], None
         if is_main:
-            sinks = [*default_sinks(run_dir, start_step, [str(getattr(t, "value", t)) for t in trackers]),
-                     *extra_sinks]
+            sinks = [*default_sinks(run_dir, start_step, chosen(trackers)), *extra_sinks]
             if tcfg.progress if tcfg.progress is not None else sys.stderr.isatty():
                 from tqdm import tqdm
 

@@ -17,8 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.parallel.compression import grad_exchange
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout
-from hpctrain.parallel.norms import local, square_sums
-from hpctrain.parallel.vote import any_rank
+from hpctrain.parallel.norms import all_finite, local, square_sums
 from hpctrain.training.precision import Precision
 
 log = logging.getLogger("hpctrain")
@@ -103,15 +102,6 @@ def grad_norm(params: list[torch.Tensor], mesh=None) -> torch.Tensor:
     if mesh is not None and mesh["pp"].size() > 1:
         dist.all_reduce(total, group=mesh["pp"].get_group())
     return total.sqrt()
-
-
-def all_finite(tensors, group=None) -> bool:
-    """Whether these tensors (DTensors: their local shards) are all finite on every rank of `group` (collective
-    when distributed). One max-abs per tensor (NaN and inf carry through it): no tensor-sized temporaries."""
-    pieces = [t for t in map(local, tensors) if t.numel()]
-    norms = torch._foreach_norm(pieces, float("inf")) if pieces else []
-    ok = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()) if norms else True  # one host sync
-    return not any_rank(not ok, group)
 
 
 def params_finite(model: nn.Module) -> bool:

@@ -256,7 +256,8 @@ class Trainer:
                   "steps": s.step, "tokens": s.tokens, "samples": s.samples, "skipped_nonfinite": s.skipped_nonfinite,
                   "skipped_overflow": s.skipped_overflow, "skipped_spike": s.skipped_spike,
                   "skipped_data": s.skipped_data, "stragglers": self.sampler.straggled,
-                  "monitor_overhead_s": round(self.sampler.spent_s, 4), "stopped_by": self.signals.alert, "data_corrupt_shards": self.feed.corrupt_shards,
+                  "monitor_overhead_s": round(self.sampler.spent_s, 4), "stopped_by": self.signals.alert,
+                  "data_corrupt_shards": self.feed.corrupt_shards,
                   "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
                   "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary()}
         if self.env.is_main:
