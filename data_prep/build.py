@@ -34,6 +34,7 @@ from data_prep import lustre
 from data_prep.packing import DEFAULT_BATCH_CHARS, split_names, write_unit
 from data_prep.shard_format import (
     MANIFEST_NAME,
+    MAX_BLOCK_LEN,
     SPLITS,
     TOKENIZER_DIR,
     DataError,
@@ -47,10 +48,17 @@ from data_prep.shard_format import (
     write_manifest,
 )
 from data_prep.sources import BAD_LINES, Piece, ReadStats, iter_segments, plan_pieces
-from data_prep.tokenizer import TOKENIZER_JSON, load_tokenizer, sample_documents, train_tokenizer_from_docs
-from hpctrain.files import fsync_dir, write_json
+from data_prep.tokenizer import (
+    TOKENIZER_JSON,
+    check_vocab,
+    load_tokenizer,
+    sample_documents,
+    train_tokenizer_from_docs,
+)
+from hpctrain.files import fsync_dir, read_json, write_json
 
 BUILD_DIR = ".build"
+DEMO_MARKER = ".hpctrain-demo"  # written first into a directory the demo build owns (data_prep.demo)
 PLAN_NAME = "plan.json"
 UNITS_DIR = "units"
 PLAN_VERSION = 1
@@ -76,8 +84,9 @@ class BuildConfig:
     tokenizer_sample_mb: float = DEFAULT_TOKENIZER_SAMPLE_MB
 
     def check(self) -> None:
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise DataError(f"seq_len={self.seq_len} must be an integer >= 1: pass e.g. --seq-len 2048")
+        if not isinstance(self.seq_len, int) or not 1 <= self.seq_len < MAX_BLOCK_LEN:
+            raise DataError(f"seq_len={self.seq_len} must be an integer within [1, {MAX_BLOCK_LEN - 1}]: pass e.g. "
+                            "--seq-len 2048")
         if not self.shard_mb > 0:
             raise DataError(f"shard_mb={self.shard_mb} must be > 0: pass e.g. --shard-mb 64")
         if self.unit_mb is not None and not self.unit_mb > 0:
@@ -124,6 +133,26 @@ def make_out_dir(out_dir: str) -> None:
                         "another --out")
 
 
+def check_out_dir(out_dir: str, overwrite: bool, resumable: bool = False) -> None:
+    """What a build may write into: a new or empty directory, or one of hpctrain's own builds (its journal
+    `.build/`, a manifest, or the demo's mark). An unfinished build of other inputs or settings is replaced only
+    with `overwrite`, unless `resumable` (it is the same build: its finished units are kept). Everything else is a
+    one-line DataError: nothing of a directory hpctrain cannot prove it made is ever deleted or overwritten."""
+    try:
+        names = set(os.listdir(out_dir))
+    except (FileNotFoundError, NotADirectoryError):  # new, or not a directory: make_out_dir says which
+        return
+    if names and not names & {BUILD_DIR, MANIFEST_NAME, DEMO_MARKER}:
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise DataError(f"{out_dir} is not empty ({shown}) and holds no shard build of hpctrain's (no "
+                        f"{BUILD_DIR}/ or {MANIFEST_NAME}): choose a new or empty --out; nothing in it is touched")
+    unfinished = BUILD_DIR in names and MANIFEST_NAME not in names
+    if unfinished and not (resumable or overwrite):
+        raise DataError(f"{out_dir} holds an unfinished build ({BUILD_DIR}/, no {MANIFEST_NAME}) of other inputs or "
+                        "settings: rerun it with the same ones to finish it (finished units are kept), pass "
+                        "--overwrite to discard it, or choose another --out")
+
+
 def _file_in_path(path: str) -> str | None:
     """`path` itself or the parent of it that is an existing non-directory, if any."""
     path = os.path.abspath(path)
@@ -137,9 +166,9 @@ def _file_in_path(path: str) -> str | None:
 
 
 def _read_json(path: str) -> Any | None:
+    """A journal file, or None when missing or unreadable (a unit then counts as not done; a plan as absent)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return read_json(path)
     except (OSError, ValueError):
         return None
 
@@ -322,6 +351,8 @@ def build(
                         "make tokenizer) and pass --tokenizer DIR")
     if tokenizer is None and vocab_size is None:
         raise DataError("pass --tokenizer DIR (a tokenizer.json or local HF tokenizer dir) or --vocab-size N")
+    if tokenizer is None:
+        check_vocab(vocab_size)  # before anything is read or written
 
     inputs = _input_stats(files)
     tok = None
@@ -346,6 +377,8 @@ def build(
 
     old = _read_json(_build_path(out_dir, PLAN_NAME))
     same = isinstance(old, dict) and old.get("fingerprint") == fingerprint
+    check_out_dir(out_dir, overwrite, resumable=same)
+    pieces = plan_pieces(files, settings["unit_bytes"], root)  # (a damaged input stops it before anything is made)
     if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
         if same:
             log(f"{out_dir} is up to date (same inputs and settings): nothing to do")
@@ -355,11 +388,11 @@ def build(
                             "settings: choose another output directory or pass --overwrite")
         _remove_manifest(out_dir)  # first: from here on a crash leaves no manifest over changing shards
     make_out_dir(out_dir)
+    os.makedirs(_build_path(out_dir), exist_ok=True)  # the mark of an hpctrain build, before anything else
     lustre.set_striping(out_dir, stripe_count, stripe_size)
     if old is not None and not same and num_tasks == 1:
         _wipe_stale(out_dir)
 
-    pieces = plan_pieces(files, settings["unit_bytes"], root)
     units = group_units(pieces, config.val_fraction, settings["unit_bytes"])
     tok_dir = os.path.join(out_dir, TOKENIZER_DIR)
     tok_json = os.path.join(tok_dir, TOKENIZER_JSON)

@@ -14,6 +14,8 @@ import time
 
 import tokenizers
 
+from data_prep import command
+from data_prep.build import DEMO_MARKER
 from data_prep.shard_format import DataError, Manifest, read_manifest, sha256_file
 from data_prep.shards import build_from_files, read_text
 
@@ -48,7 +50,7 @@ def stdlib_files(max_bytes: int, root: str | None = None) -> tuple[str, list[str
     return root, files, total
 
 
-MARKER = ".hpctrain-demo"  # written first into a directory the demo build owns
+MARKER = DEMO_MARKER  # written first into a directory the demo build owns
 
 
 def _check_owned(out_dir: str) -> None:
@@ -125,12 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-fraction", type=float, default=0.02)
     p.add_argument("--shard-mb", type=float, default=4)
     a = p.parse_args(argv)
-    try:
-        build_demo(a.out, a.max_bytes, a.vocab_size, a.seq_len, a.val_fraction, a.shard_mb)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return command.run(lambda: build_demo(a.out, a.max_bytes, a.vocab_size, a.seq_len, a.val_fraction, a.shard_mb),
+                       "fix it, then rerun", "rerun to build the demo data (no manifest was written)")
 
 
 if __name__ == "__main__":

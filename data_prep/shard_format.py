@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.files import atomic_write
+from hpctrain.files import MAX_MANIFEST_BYTES, atomic_write, open_checked, read_json
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -113,7 +113,7 @@ def tar_member_bytes(size: int) -> int:
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_checked(path, 2**62) as f:  # a regular file: a device would be hashed forever
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -185,9 +185,8 @@ def read_manifest(data_dir: str) -> Manifest:
     if not os.path.isfile(path):
         raise DataError(f"no {MANIFEST_NAME} in {data_dir} (missing or interrupted build): {hint}")
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
+        raw = read_json(path, MAX_MANIFEST_BYTES)
+    except (OSError, ValueError) as e:  # FileCheckError included
         raise DataError(f"cannot read {path} ({e}): {hint}") from None
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if version != FORMAT_VERSION:
@@ -199,9 +198,46 @@ def read_manifest(data_dir: str) -> Manifest:
         manifest = Manifest.from_dict(raw)
     except (TypeError, KeyError, AttributeError) as e:
         raise DataError(f"invalid {path} ({type(e).__name__}: {e}): {hint}") from None
-    if manifest.block_len < 2 or manifest.dtype not in ("uint16", "uint32"):
-        raise DataError(f"invalid {path} (block_len={manifest.block_len}, dtype={manifest.dtype}): {hint}")
+    problem = _invalid(manifest)
+    if problem:
+        raise DataError(f"invalid {path} ({problem}): {hint}")
     return manifest
+
+
+MAX_BLOCK_LEN = 2**24 + 1  # 16M-token sequences: beyond any context length trained today
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _inside(rel) -> bool:
+    """A path relative to the data directory that stays inside it."""
+    return isinstance(rel, str) and bool(rel) and not os.path.isabs(rel) and \
+        os.path.normpath(rel).split(os.sep)[0] not in ("..", "")
+
+
+def _count(value, low: int = 0, high: int = 2**62) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _invalid(m: Manifest) -> str | None:
+    """What makes a manifest's values unusable (each is read like a config value), or None."""
+    if m.dtype not in ("uint16", "uint32"):
+        return f"dtype={m.dtype!r}"
+    if not _count(m.block_len, 2, MAX_BLOCK_LEN):
+        return f"block_len={m.block_len!r} (2 to {MAX_BLOCK_LEN})"
+    if not _count(m.vocab_size, 1, np.iinfo(m.dtype).max + 1):
+        return f"vocab_size={m.vocab_size!r} for {m.dtype} token ids"
+    if not _count(m.eos_id, 0, m.vocab_size - 1):
+        return f"eos_id={m.eos_id!r} outside the vocabulary of {m.vocab_size}"
+    if not (_inside(m.tokenizer.path) and isinstance(m.tokenizer.sha256, str) and _SHA256.match(m.tokenizer.sha256)):
+        return f"tokenizer {m.tokenizer.path!r}, sha256 {m.tokenizer.sha256!r}"
+    if set(m.splits) - set(SPLITS):
+        return f"splits {sorted(m.splits)} (only {list(SPLITS)})"
+    for split, shards in m.splits.items():
+        for s in shards:
+            if not (_inside(s.name) and _count(s.samples) and _count(s.tokens) and _count(s.bytes)
+                    and isinstance(s.sha256, str) and _SHA256.match(s.sha256)):
+                return f"{split} shard {s.name!r}: samples {s.samples!r}, tokens {s.tokens!r}, bytes {s.bytes!r}"
+    return None
 
 
 def write_manifest(data_dir: str, manifest: Manifest) -> str:

@@ -20,8 +20,16 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from data_prep import lustre
-from data_prep.build import BUILD_DIR, DEFAULT_SHARD_MB, BuildConfig, build, make_out_dir, merge
+from data_prep import command, lustre
+from data_prep.build import (
+    BUILD_DIR,
+    DEFAULT_SHARD_MB,
+    BuildConfig,
+    build,
+    check_out_dir,
+    make_out_dir,
+    merge,
+)
 from data_prep.packing import DEFAULT_BATCH_CHARS, pack_tokens, split_names, write_unit
 from data_prep.shard_format import (
     MANIFEST_NAME,
@@ -61,6 +69,8 @@ def prepare_out_dir(out_dir: str, overwrite: bool = False) -> None:
     if os.path.exists(manifest) and not overwrite:
         raise DataError(f"{out_dir} already holds a shard set ({MANIFEST_NAME}): "
                         "choose another output directory or pass overwrite=True / --overwrite")
+    # An interrupted write of this function (its mark, no journal) is rerun; a journaled build needs `overwrite`.
+    check_out_dir(out_dir, overwrite, resumable=not os.path.exists(os.path.join(out_dir, BUILD_DIR, "plan.json")))
     make_out_dir(out_dir)
     if os.path.exists(manifest):
         os.remove(manifest)
@@ -68,7 +78,11 @@ def prepare_out_dir(out_dir: str, overwrite: bool = False) -> None:
     for name in sorted(os.listdir(out_dir)):
         if name.removesuffix(".tmp") == MANIFEST_NAME or is_shard_file(name):
             os.remove(os.path.join(out_dir, name))
-    shutil.rmtree(os.path.join(out_dir, BUILD_DIR), ignore_errors=True)
+    journal = os.path.join(out_dir, BUILD_DIR)
+    os.makedirs(journal, exist_ok=True)  # the mark of an hpctrain build (a rerun may replace it), kept throughout
+    for name in os.listdir(journal):
+        shutil.rmtree(os.path.join(journal, name), ignore_errors=True) if os.path.isdir(
+            os.path.join(journal, name)) else os.remove(os.path.join(journal, name))
 
 
 def write_shards(
@@ -188,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     merging = bool(argv) and argv[0] == "merge"
     a = _parser().parse_args(argv[1:] if merging else argv)
     t0 = time.perf_counter()
-    try:
+
+    def work() -> None:
         if merging:
             merge(a.out)
         else:
@@ -202,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                   vocab_size=None if a.tokenizer else a.vocab_size, workers=a.workers, task_index=a.task_index,
                   num_tasks=a.num_tasks, corpus=a.corpus, created_by={"tool": "data_prep.shards", "settings": settings},
                   overwrite=a.overwrite, stripe_count=a.stripe_count, stripe_size=a.stripe_size)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"done in {time.perf_counter() - t0:.1f}s")
-    return 0
+        print(f"done in {time.perf_counter() - t0:.1f}s")
+
+    # A full disk or Ctrl-C leaves an unfinished build (no manifest), which the same command goes on with.
+    return command.run(work, "fix it, then rerun the same command (finished units are kept)",
+                       "rerun the same command to go on (finished units are kept; no manifest was written)")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ Input kinds, by file name:
 - anything else: a UTF-8 text file that is one document. Files above `TEXT_CHUNK_CHARS` are read in chunks
   cut after a newline, so memory stays bounded (tokens may then differ at a cut from a whole-file encode).
 
-Nothing here reads a whole large file: memory is bounded by one line / one parquet batch / one text chunk.
-A bad jsonl line (not JSON, not an object, no string `text_field`) or undecodable text is an error naming
-``file:line`` by default; with ``bad_lines="skip"`` it is skipped and counted.
+Nothing here reads a whole large file: memory is bounded by one line (at most `MAX_LINE_BYTES`) / one parquet
+batch / one text chunk, and the tokenizer gets any document in segments of at most `SEGMENT_CHARS`, cut after a
+newline where there is one (it holds ~100 bytes per character of what it is given: a 25 MB document whole took
+over a GB; tokens at a cut may differ from a whole-document encode).
+A bad jsonl line (not JSON, not an object, no string `text_field`, longer than `MAX_LINE_BYTES`) or undecodable
+text is an error naming ``file:line`` by default; with ``bad_lines="skip"`` it is skipped and counted. A
+compressed file that is truncated or corrupt is always an error: its missing part is not a bad line.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from data_prep.shard_format import DataError
 
 TEXT_CHUNK_CHARS = 8_000_000
+SEGMENT_CHARS = 1_000_000  # what the tokenizer gets at once: it holds ~100 bytes a character while encoding
+MAX_LINE_BYTES = 64 * 2**20  # one jsonl line: a 64 MB document is beyond any real corpus's (books: ~1 MB)
 PARQUET_BATCH_ROWS = 1024
 BAD_LINES = ("error", "skip")
 
@@ -92,6 +98,9 @@ def plan_pieces(files: list[str], piece_bytes: int, root: str | None = None) -> 
         elif kind == "parquet":
             pieces += _parquet_pieces(path, name, piece_bytes)
         else:
+            if kind == "jsonl.zst":  # checked when planned: a bad file stops the build before it writes anything
+                with _open_binary(path) as f:
+                    check_zstd(path, f)
             pieces.append(Piece(path, name, kind, 0, -1, size))
     return pieces
 
@@ -199,14 +208,27 @@ Segment = tuple[str, bool]  # (text, ends_document)
 
 def iter_segments(piece: Piece, text_field: str = "text", bad_lines: str = "error",
                   stats: ReadStats | None = None) -> Iterator[Segment]:
-    """The piece's documents as (text, ends_document) segments, in file order."""
+    """The piece's documents as (text, ends_document) segments of at most SEGMENT_CHARS, in file order."""
     reader = _Reader(text_field, bad_lines, stats if stats is not None else ReadStats())
     if piece.kind == "text":
-        yield from _text_segments(piece, reader)
-    elif piece.kind == "parquet":
-        yield from ((t, True) for t in _parquet_docs(piece, reader))
+        segments = _text_segments(piece, reader)
     else:
-        yield from ((t, True) for t in _jsonl_docs(piece, reader))
+        docs = _parquet_docs(piece, reader) if piece.kind == "parquet" else _jsonl_docs(piece, reader)
+        segments = ((doc, True) for doc in docs)
+    for text, ends in segments:
+        yield from _split_long(text, ends)
+
+
+def _split_long(text: str, ends: bool, n: int = SEGMENT_CHARS) -> Iterator[Segment]:
+    """A segment as pieces of at most `n` characters, each cut after the last newline (else whitespace) of its
+    window where there is one; the last one ends the document if the segment did."""
+    start = 0
+    while len(text) - start > n:
+        window = text[start:start + n]
+        cut = window.rfind("\n") + 1 or max(window.rfind(" "), window.rfind("\t")) + 1 or n
+        yield window[:cut], False
+        start += cut
+    yield text[start:], ends
 
 
 def iter_documents(piece: Piece, text_field: str = "text", bad_lines: str = "error",
@@ -257,6 +279,7 @@ def _jsonl_docs(piece: Piece, reader: _Reader) -> Iterator[str]:
             except ImportError:
                 raise DataError(f"{piece.path} is zstd-compressed but zstandard is not installed: "
                                 "pip install zstandard") from None
+            check_zstd(piece.path, raw)
             f = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
         else:
             f = raw
@@ -265,20 +288,98 @@ def _jsonl_docs(piece: Piece, reader: _Reader) -> Iterator[str]:
         end = piece.end if piece.end >= 0 else float("inf")
         while pos < end:
             try:
-                line = f.readline()
+                line, size = _read_line(f)
             except Exception as e:  # gzip: BadGzipFile/EOFError, zstandard: ZstdError
                 raise DataError(f"cannot decompress {piece.path} after line {line_no} ({type(e).__name__}: "
                                 f"{e}): the file is corrupt or truncated, re-create or remove it") from None
-            if not line:
+            if not size:
                 break
             line_no += 1
-            here, pos = pos, pos + len(line)
+            here, pos = pos, pos + size
+            where = f"{piece.path}:{line_no}" if piece.start == 0 else f"{piece.path} (line at byte {here})"
+            if line is None:
+                reader.bad(where, f"a line of {size:,} bytes, more than {MAX_LINE_BYTES // 2**20} MB",
+                           "split that document into several lines")
+                continue
             if not line.strip():
                 continue
-            where = f"{piece.path}:{line_no}" if piece.start == 0 else f"{piece.path} (line at byte {here})"
             text = reader.record(line, where)
             if text is not None:
                 yield text
+
+
+def _read_line(f) -> tuple[bytes | None, int]:
+    """(the next line, its size in bytes); (None, size) for a line longer than MAX_LINE_BYTES, which is read past
+    a chunk at a time and never held; (b"", 0) at the end."""
+    line = f.readline(MAX_LINE_BYTES + 1)
+    if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+        return line, len(line)
+    size = len(line)
+    while chunk := f.readline(2**20):
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return None, size
+
+
+_ZSTD_MAGIC, _SKIPPABLE = 0xFD2FB528, 0x184D2A50
+
+
+def check_zstd(path: str, f) -> None:
+    """zstandard's stream reader ends a truncated file quietly, as if it were whole: its frames are walked first."""
+    problem = zstd_damage(f)
+    if problem:
+        raise DataError(f"cannot decompress {path}: the file is corrupt or truncated ({problem}): re-create or remove "
+                        "it (a missing part of a file is not a bad line: --bad-lines skip does not skip it)")
+
+
+def zstd_damage(f) -> str | None:
+    """What is wrong with the frames of a zstd file (read from its start, headers only: the blocks are skipped
+    over, not decompressed), or None when every frame ends with its last block. Leaves `f` at its start."""
+    import struct
+
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    f.seek(0)
+    pos, frames = 0, 0
+    try:
+        while pos < size:
+            f.seek(pos)
+            magic_bytes = f.read(4)
+            if len(magic_bytes) < 4:
+                return f"{size - pos} stray bytes after frame {frames}"
+            magic = struct.unpack("<I", magic_bytes)[0]
+            if magic & 0xFFFFFFF0 == _SKIPPABLE:
+                pos += 8 + struct.unpack("<I", f.read(4).ljust(4, b"\0"))[0]
+                frames += 1
+                continue
+            if magic != _ZSTD_MAGIC:
+                return f"no zstd frame at byte {pos}"
+            descriptor = f.read(1)[0]
+            single = descriptor >> 5 & 1
+            fcs = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
+            pos += 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3] + fcs
+            while True:
+                f.seek(pos)
+                header = f.read(3)
+                if len(header) < 3:
+                    return f"frame {frames} ends before its last block (at byte {size})"
+                value = int.from_bytes(header, "little")
+                block_type, block_size = value >> 1 & 3, value >> 3
+                if block_type == 3:
+                    return f"a reserved block type at byte {pos}"
+                pos += 3 + (1 if block_type == 1 else block_size)
+                if pos > size:
+                    return f"frame {frames} ends inside a block (at byte {size} of {pos})"
+                if value & 1:
+                    break
+            pos += 4 if descriptor >> 2 & 1 else 0  # the content checksum
+            if pos > size:
+                return f"frame {frames} ends inside its checksum"
+            frames += 1
+    finally:
+        f.seek(0)
+    return None if frames else "no frame at all"
 
 
 def _parquet_docs(piece: Piece, reader: _Reader) -> Iterator[str]:

@@ -14,11 +14,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_prep.shard_format import EOS_TOKEN, DataError
-from data_prep.sources import Piece, iter_documents
-from hpctrain.files import atomic_write
+from data_prep.sources import Piece, iter_segments
+from hpctrain.files import FileCheckError, MiB, atomic_write, check_file, read_json
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+MAX_TOKENIZER_BYTES = 512 * MiB  # the largest published tokenizer.json files are tens of MB
+MAX_VOCAB = 2**20  # a trained vocabulary: far beyond any published one; the BPE trainer's memory grows with it
 # Tried in order when a tokenizer does not name its EOS token.
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 
@@ -80,9 +82,14 @@ def _write_atomic(path: str, text: str) -> None:
     atomic_write(path, data)
 
 
+def check_vocab(vocab_size: int) -> None:
+    if not 257 <= vocab_size <= MAX_VOCAB:
+        raise DataError(f"tokenizer vocab_size={vocab_size} must be within [257, {MAX_VOCAB}] (256 bytes + EOS at "
+                        "least; published vocabularies are 32k-256k): pass e.g. --vocab-size 32000")
+
+
 def _bpe(vocab_size: int) -> tuple[Tokenizer, trainers.BpeTrainer]:
-    if vocab_size < 257:
-        raise DataError(f"tokenizer vocab_size={vocab_size} is below 257 (256 bytes + EOS): use a larger one")
+    check_vocab(vocab_size)
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
@@ -127,14 +134,15 @@ def train_tokenizer_from_docs(docs: Iterable[str], vocab_size: int, out_dir: str
 def sample_documents(pieces: Sequence[Piece], max_bytes: int, text_field: str = "text",
                      bad_lines: str = "error") -> Iterator[str]:
     """A deterministic, bounded sample for tokenizer training: every piece contributes its first documents
-    up to its share (by size) of `max_bytes`, so the sample spans the whole corpus without reading it."""
+    up to its share (by size) of `max_bytes`, so the sample spans the whole corpus without reading it. A long
+    document comes as its segments (`iter_segments`): the trainer holds every word of what it is given at once."""
     total = sum(max(p.bytes, 1) for p in pieces)
     for piece in pieces:
         budget = max_bytes * max(piece.bytes, 1) / total
         taken = 0
-        for doc in iter_documents(piece, text_field, bad_lines, max_chars=max(int(budget), 1)):
-            yield doc
-            taken += len(doc)
+        for text, _ in iter_segments(piece, text_field, bad_lines):
+            yield text[:max(int(budget), 1)]
+            taken += len(text)
             if taken >= budget:
                 break
 
@@ -155,7 +163,10 @@ def load_tokenizer(path: str, eos_token: str | None = None) -> TextTokenizer:
     if not os.path.isfile(path):
         raise DataError(f"tokenizer {path} does not exist: pass a tokenizer.json file or a tokenizer directory")
     try:
+        check_file(path, MAX_TOKENIZER_BYTES)
         core = Tokenizer.from_file(path)
+    except FileCheckError as e:
+        raise DataError(f"tokenizer {e}") from None
     except Exception as e:
         raise DataError(f"cannot load tokenizer {path} ({e}): pass a HF tokenizers tokenizer.json") from None
     return TextTokenizer(core, _eos_id(core, eos_token, None, path))
@@ -167,8 +178,7 @@ def _generic_config(path: str) -> dict | None:
     if not os.path.isfile(path):
         return {}
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_json(path)
     except (OSError, ValueError):
         return None
     if isinstance(config, dict) and config.get("tokenizer_class") == "PreTrainedTokenizerFast":
@@ -176,11 +186,27 @@ def _generic_config(path: str) -> dict | None:
     return None
 
 
+def _refuse_code(path: str) -> None:
+    """A directory whose configs map classes to its own Python files (`auto_map`) would have transformers offer to
+    run them: data directories never run code here (one DataError line, before transformers is asked)."""
+    for name in (TOKENIZER_CONFIG, "config.json"):
+        file = os.path.join(path, name)
+        try:
+            doc = read_json(file) if os.path.isfile(file) else {}
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot read {file} ({e}): fix or remove it") from None
+        if isinstance(doc, dict) and doc.get("auto_map"):
+            raise DataError(f"tokenizer directory {path} asks to run its own Python code ({name} has an auto_map): "
+                            "hpctrain never runs code from a data directory; pass its tokenizer.json alone, or a "
+                            "tokenizer directory without custom code")
+
+
 def _load_hf_dir(path: str, eos_token: str | None) -> TextTokenizer:
     from transformers import AutoTokenizer  # slow import: only for HF tokenizer directories
 
+    _refuse_code(path)
     try:
-        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:
         raise DataError(f"cannot load tokenizer directory {path} ({type(e).__name__}): "
                         "pass a tokenizer.json file or a local HF tokenizer directory") from None
@@ -203,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import time
 
+    from data_prep import command
     from data_prep.sources import expand_corpus, plan_pieces
 
     p = argparse.ArgumentParser(prog="python -m data_prep.tokenizer",
@@ -217,15 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bad-lines", choices=("error", "skip"), default="error")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    try:
+
+    def work() -> None:
+        taken = [n for n in (TOKENIZER_JSON, TOKENIZER_CONFIG) if os.path.lexists(os.path.join(a.out, n))]
+        if taken:
+            raise DataError(f"{a.out} already holds {taken[0]}: choose a new --out (a tokenizer is never overwritten)")
+        check_vocab(a.vocab)  # before the corpus is read
         pieces = plan_pieces(expand_corpus(a.corpus), piece_bytes=256_000_000)
         docs = sample_documents(pieces, int(a.sample_mb * 1e6), a.text_field, a.bad_lines)
         path = train_tokenizer_from_docs(docs, a.vocab, a.out)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"tokenizer: {path} (vocab {a.vocab}, {time.perf_counter() - t0:.1f}s)")
-    return 0
+        print(f"tokenizer: {path} (vocab {a.vocab}, {time.perf_counter() - t0:.1f}s)")
+
+    return command.run(work, "choose an --out you can write to", "nothing was written")
 
 
 if __name__ == "__main__":

@@ -9,15 +9,14 @@ rename, so a crash at any point leaves the previous checkpoint as the one resume
 from __future__ import annotations
 
 import enum
-import functools
 import importlib
 import io
-import json
 import logging
 import os
 import pickle
 import re
 import shutil
+import types
 
 import torch
 import torch.distributed as dist
@@ -33,8 +32,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from hpctrain.errors import CheckpointError
-from hpctrain.files import free_name, write_json
+from hpctrain.errors import CheckpointError, TrainingError
+from hpctrain.files import (
+    FileCheckError,
+    MiB,
+    causes,
+    check_file,
+    free_name,
+    no_space,
+    open_checked,
+    read_json,
+    write_json,
+)
 from hpctrain.parallel.compression import grad_exchange
 from hpctrain.parallel.parallelize import tied_aliases
 
@@ -52,7 +61,7 @@ def cannot_load(path: str, reason: str) -> CheckpointError:
 def _describe(e: BaseException) -> str:
     """An exception as a short line: DCP and torch.load messages run to paragraphs, a truncated file's to none."""
     if isinstance(e, EOFError):
-        return "EOFError: a file ends early (truncated)"
+        return "EOFError: a file ends early (truncated)" + (f": {e}" if str(e) else "")
     if isinstance(e, OSError) and e.filename:
         return f"{e.strerror or type(e).__name__}: {e.filename}"
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -89,8 +98,25 @@ _DTYPES = frozenset(name for name in (
 ) if isinstance(getattr(torch, name, None), torch.dtype))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata file is a pickle: it may name only the classes DCP metadata is made of."""
+_SHARED_KINDS = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, enum.Enum, torch.dtype,
+                 torch.layout)
+
+
+def _refuse_shared_build(unpickler) -> None:
+    """BUILD sets attributes on the object below it: allowed on an instance this load made, never on a class,
+    function, module or process-wide singleton (an Enum member, a dtype): that would patch it for every later load
+    in the process (`__qualname__`, `__eq__`, a function's cache), whatever `vars()` shows."""
+    target = unpickler.stack[-2] if len(unpickler.stack) >= 2 else None
+    if isinstance(target, _SHARED_KINDS):
+        raise pickle.UnpicklingError(f"it modifies {getattr(target, '__qualname__', type(target).__name__)}")
+    pickle._Unpickler.load_build(unpickler)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """DCP's .metadata file is a pickle: it may name only the classes DCP metadata is made of, and change none of
+    them. The Python unpickler, not the C one: its opcode table is the one place BUILD can be checked."""
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: _refuse_shared_build}
 
     def find_class(self, module, name):
         if (module, name) not in _METADATA_GLOBALS and not (module == "torch" and name in _DTYPES):
@@ -98,49 +124,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         return getattr(importlib.import_module(module), name)
 
 
-@functools.cache
-def _allowed_objects() -> list:
-    """The allowed classes and functions that exist here, plus the Enum's members (all process-wide objects)."""
-    found = []
-    for module, name in sorted(_METADATA_GLOBALS):
-        try:
-            obj = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        found += [obj, *(obj if isinstance(obj, type) and issubclass(obj, enum.Enum) else ())]
-    return [obj for obj in found if hasattr(obj, "__dict__")]
-
-
-_UNSET = object()
-
-
-def _undo_changes(saved: list[tuple[object, dict]]) -> bool:
-    """Put back what a pickle changed on the allowed objects (its BUILD opcode sets attributes on any object it
-    holds, a class or function included: a later load would see them); True when it changed any."""
-    changed = False
-    for obj, before in saved:
-        now = dict(vars(obj))
-        for key in before.keys() | now.keys():
-            if now.get(key, _UNSET) is not before.get(key, _UNSET):
-                changed = True
-                setattr(obj, key, before[key]) if key in before else delattr(obj, key)
-    return changed
+MAX_METADATA_BYTES = 1024 * MiB
 
 
 def _read_metadata(path: str, file: str) -> Metadata:
     """Unpickle DCP's .metadata through the allow-list; whatever is wrong with it is one CheckpointError."""
-    saved = [(obj, dict(vars(obj))) for obj in _allowed_objects()]
     try:
-        with open(file, "rb") as f:
+        with open_checked(file, MAX_METADATA_BYTES) as f:
             metadata = _MetadataUnpickler(f).load()
     except OSError as e:
         raise cannot_load(path, _describe(e)) from None
+    except FileCheckError as e:
+        raise cannot_load(path, f"bad .metadata: {e}") from None
     except Exception as e:  # noqa: BLE001 - a damaged or hostile pickle raises anything at all
         raise cannot_load(path, f"bad .metadata: {_describe(e)}") from None
-    finally:
-        tampered = _undo_changes(saved)
-    if tampered:
-        raise cannot_load(path, "bad .metadata: it modifies the classes it names")
     return _checked(metadata, path)
 
 
@@ -153,10 +150,19 @@ def _checked(metadata, path: str) -> Metadata:
             and isinstance(metadata.storage_meta, StorageMeta | None)
             and all(isinstance(info, _StorageInfo) for info in metadata.storage_data.values())):
         raise cannot_load(path, "bad .metadata: not DCP checkpoint metadata")
+    checked = set()
     for info in metadata.storage_data.values():  # data files are read from path/relative_path
         rel = info.relative_path
         if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] == "..":
             raise cannot_load(path, f"bad .metadata: data file {rel!r} is outside the checkpoint")
+        if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0):
+            raise cannot_load(path, f"bad .metadata: an entry of {rel} at bytes {info.offset!r}+{info.length!r}")
+        if rel not in checked and os.path.lexists(os.path.join(path, rel)):  # (a missing one: DCP's own line)
+            try:
+                check_file(os.path.join(path, rel), 2**62)  # a regular file: never a device read without end
+            except FileCheckError as e:
+                raise cannot_load(path, f"data file {e}") from None
+            checked.add(rel)
     return metadata
 
 
@@ -167,6 +173,20 @@ class _SafeReader(FileSystemReader):
     def __init__(self, path: str):
         super().__init__(path)
         self.metadata = _read_metadata(path, str(self._get_metadata_path()))
+
+    def read_data(self, plan, planner):
+        """The entries of `plan` read once each lies inside its file (a truncated file is one line, checked before
+        a read that would return short)."""
+        sizes: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            rel = info.relative_path
+            if rel not in sizes:
+                sizes[rel] = os.path.getsize(os.path.join(self.path, rel))
+            if info.offset + info.length > sizes[rel]:
+                raise EOFError(f"{rel} is {sizes[rel]} bytes, its entry {item.storage_index.fqn} ends at byte "
+                               f"{info.offset + info.length}")
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self.metadata.storage_meta is None:
@@ -208,6 +228,30 @@ def complete_checkpoints(run_dir: str) -> list[str]:
         return []
     steps = sorted((int(m.group(1)), name) for name in os.listdir(r) if (m := _STEP_DIR.match(name)))
     return [os.path.join(r, name) for _, name in steps if os.path.isfile(os.path.join(r, name, STATE_FILE))]
+
+
+def strays(run_dir: str) -> list[str]:
+    """Entries of <run_dir>/checkpoints named like a checkpoint (`step-N`) that are not complete ones: never
+    written by hpctrain (its checkpoints appear complete, by a rename), so never to be replaced or removed."""
+    r = root(run_dir)
+    if not os.path.isdir(r):
+        return []
+    return [os.path.join(r, name) for name in sorted(os.listdir(r))
+            if _STEP_DIR.match(name) and not os.path.isfile(os.path.join(r, name, STATE_FILE))]
+
+
+def check_no_strays(run_dir: str) -> None:
+    """A run continuing in `run_dir` would reach the steps of its strays: refuse it (one CheckpointError line)."""
+    found = strays(run_dir)
+    if found:
+        raise CheckpointError(f"{found[0]} is not a complete checkpoint (no {STATE_FILE}: an interrupted copy, or "
+                              "one made by hand?), and this run would write its step there: move it out of "
+                              f"{root(run_dir)}, or start over with train.resume=never (the old run, this "
+                              "directory included, is moved aside)")
+
+
+def is_step_dir(name: str) -> bool:
+    return bool(_STEP_DIR.match(name))
 
 
 def step_of(path: str) -> int:
@@ -269,13 +313,19 @@ def _saved_comm_state(model, present: dict) -> dict | None:
             if key.startswith(prefixes)}
 
 
+def tmp_dir(run_dir: str, step: int) -> str:
+    return os.path.join(root(run_dir), f".tmp-step-{step:07d}")
+
+
 def begin(run_dir: str, step: int) -> str:
     """The hidden directory checkpoint `step` is written into, empty (collective); `publish` makes it complete."""
-    tmp = os.path.join(root(run_dir), f".tmp-step-{step:07d}")
-    if _is_main():
-        shutil.rmtree(tmp, ignore_errors=True)  # ours, left over from a crash mid-save
-        os.makedirs(tmp)
-    _barrier()
+    tmp = tmp_dir(run_dir, step)
+
+    def fresh():
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)  # ours, left over from a crash mid-save
+            os.makedirs(tmp)
+    _all_or_none(run_dir, step, fresh)
     return tmp
 
 
@@ -285,12 +335,48 @@ def write(state: dict, tmp: str, threads: int = 1, group=None) -> None:
 
 
 def save(run_dir: str, step: int, model, optimizer, trainer_state: dict, keep: int, threads: int = 1) -> str:
-    """Write checkpoint `step` atomically (collective: every rank calls it); return its path."""
+    """Write checkpoint `step` atomically (collective: every rank calls it); return its path. A failure on any
+    rank (a full disk) removes the partial checkpoint and raises the same TrainingError line on every rank."""
     tmp = begin(run_dir, step)
-    write(state_of(model, optimizer), tmp, threads)
-    final = publish(run_dir, step, trainer_state, keep) if _is_main() else None
-    _barrier()
-    return final or os.path.join(root(run_dir), f"step-{step:07d}")
+
+    def write_and_publish():
+        write(state_of(model, optimizer), tmp, threads)
+        if _is_main():
+            publish(run_dir, step, trainer_state, keep)
+    _all_or_none(run_dir, step, write_and_publish)
+    return os.path.join(root(run_dir), f"step-{step:07d}")
+
+
+def _all_or_none(run_dir: str, step: int, work) -> None:
+    """work() on every rank, then a vote: a failure anywhere discards checkpoint `step`'s partial directory (rank 0)
+    and raises `discard`'s line on every rank (KeyboardInterrupt where Ctrl-C stopped it), so none waits in a
+    collective for the others."""
+    from hpctrain.parallel.vote import any_rank
+
+    error = None
+    try:
+        work()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - an OSError, DCP's CheckpointException (a BaseException): alike
+        error = e
+    if any_rank(error is not None):
+        failure = discard(run_dir, step, error)
+        if any(isinstance(e, KeyboardInterrupt) for e in causes(error)):  # (DCP wraps it in its own exception)
+            raise KeyboardInterrupt from None
+        raise failure
+
+
+def discard(run_dir: str, step: int, error: BaseException | None) -> TrainingError:
+    """Rank 0 removes the partial directory of checkpoint `step` (hidden, its own: never a complete checkpoint,
+    never `latest`); the one-line error saying why it failed, for every rank to raise."""
+    tmp = tmp_dir(run_dir, step)
+    why = no_space(error, root(run_dir)) or (dcp_failure(error) if error is not None else "it failed on another rank")
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TrainingError(f"checkpoint step {step} could not be written ({why}); its partial directory was removed, "
+                         f"the last complete checkpoint is {latest(run_dir) or 'none'}: free space in or fix "
+                         f"{root(run_dir)}, then resume (train.resume=auto)")
 
 
 def dcp_failure(e: BaseException) -> str:
@@ -308,8 +394,10 @@ def publish(run_dir: str, step: int, trainer_state: dict, keep: int) -> str:
     final = os.path.join(root(run_dir), f"step-{step:07d}")
     tmp = os.path.join(root(run_dir), f".tmp-step-{step:07d}")
     write_json(os.path.join(tmp, STATE_FILE), trainer_state)
-    if os.path.exists(final):
-        shutil.rmtree(final)
+    if os.path.lexists(final):  # reached again after falling back from it: kept, renamed out of the rotation
+        aside = free_name(final + ".replaced")
+        os.rename(final, aside)
+        log.warning("%s existed already: moved to %s", final, aside)
     os.rename(tmp, final)
     link_tmp = os.path.join(root(run_dir), ".latest.tmp")
     if os.path.lexists(link_tmp):
@@ -331,7 +419,7 @@ def _agreed(check):
     try:
         result = check()
     except CheckpointError as e:
-        failure = (str(e), e.reason)
+        failure = (str(e), e.reason, e.fix)
     if dist.is_initialized():
         failures = [None] * dist.get_world_size()
         dist.all_gather_object(failures, failure)
@@ -352,10 +440,11 @@ def _same_on_every_rank(value):
 
 def _read_trainer_state(path: str) -> dict:
     try:
-        with open(os.path.join(path, STATE_FILE)) as f:
-            state = json.load(f)
+        state = read_json(os.path.join(path, STATE_FILE))
     except FileNotFoundError:
         raise cannot_load(path, f"not a complete checkpoint: no {STATE_FILE}") from None
+    except FileCheckError as e:
+        raise cannot_load(path, f"bad {STATE_FILE}: {e}") from None
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise cannot_load(path, f"bad {STATE_FILE}: {_describe(e)}") from None
     if not isinstance(state, dict):
@@ -375,10 +464,57 @@ def _dcp_load(state: dict, path: str, reader: _SafeReader | None = None, **kwarg
         raise cannot_load(path, dcp_failure(e)) from None
 
 
-def load(path: str, model, optimizer) -> dict:
+Shapes = dict  # state_dict key -> (shape as a tuple, dtype): every weight of the whole model (ModelSpec.weights)
+
+
+def check_weights(path: str, present: dict, expected: Shapes) -> None:
+    """Strict: the checkpoint's model entries are exactly `expected` (every weight there, nothing more, shapes
+    and dtypes equal); one CheckpointError naming the first difference. A smaller model would otherwise load part
+    of a bigger one's weights without a word."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {key[len("model."):]: md for key, md in present.items() if key.startswith("model.")}
+    reason = None
+    for key, (shape, dtype) in expected.items():
+        md = saved.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            reason = f"it has no weight {key}"
+        elif tuple(md.size) != tuple(shape):
+            reason = f"its {key} is {list(md.size)}, this model's {list(shape)}"
+        elif md.properties.dtype != dtype:
+            reason = f"its {key} is {md.properties.dtype}, this model's {dtype}"
+        if reason:
+            break
+    extra = sorted(set(saved) - set(expected))
+    if reason is None and extra:
+        reason = f"it holds {extra[0]}{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which this model has not"
+    if reason:
+        reason = f"written for another model: {reason}"
+        fix = "set model.* as the run that wrote it had them (its .hydra/config.yaml), or use another checkpoint"
+        raise CheckpointError(f"cannot load checkpoint {path} ({reason}): {fix}", reason, fix)
+
+
+def check_model(path: str, expected: Shapes) -> None:
+    """`check_weights` of a checkpoint directory, in this process alone (no process group)."""
+    check_weights(path, _SafeReader(path).metadata.state_dict_metadata, expected)
+
+
+def _opened(path: str, expected: Shapes | None) -> tuple[dict, _SafeReader]:
+    """(trainer state, reader) once the checkpoint is complete, its metadata safe and, with `expected`, its model
+    entries exactly those: agreed by every rank."""
+    def check():
+        saved, reader = _read_trainer_state(path), _SafeReader(path)
+        if expected is not None:
+            check_weights(path, reader.metadata.state_dict_metadata, expected)
+        return saved, reader
+    return _agreed(check)
+
+
+def load(path: str, model, optimizer, expected: Shapes | None = None) -> dict:
     """Load model and optimizer state in place (resharded to the current layout); return trainer_state.
-    Collective when distributed: a damaged checkpoint raises the same CheckpointError on every rank."""
-    saved, reader = _agreed(lambda: (_read_trainer_state(path), _SafeReader(path)))
+    `expected`: the whole model's weights, checked strictly first. Collective when distributed: a damaged
+    checkpoint raises the same CheckpointError on every rank."""
+    saved, reader = _opened(path, expected)
     present = reader.metadata.state_dict_metadata
     state = state_of(model, optimizer)
     # RNG streams are per rank: a resume on more ranks than were saved starts the new ones fresh.
@@ -400,20 +536,21 @@ def load(path: str, model, optimizer) -> dict:
     return saved
 
 
-def load_weights(path: str, model) -> None:
+def load_weights(path: str, model, expected: Shapes | None = None) -> None:
     """Load only the model weights of a checkpoint, in place and resharded to the current layout (fine-tuning
     from it: the optimizer, schedule and data position start fresh). Collective like `load`."""
-    _, reader = _agreed(lambda: (_read_trainer_state(path), _SafeReader(path)))
+    _, reader = _opened(path, expected)
     state = {"model": get_model_state_dict(model, options=_OPTIONS)}
     _dcp_load(state, path, reader, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"], options=_OPTIONS)
 
 
-def check_loadable(path: str) -> None:
+def check_loadable(path: str) -> dict:
     """The checks that need no model, in this process alone: the trainer state is JSON and the metadata passes
-    the allow-list (before a run spawns or writes anything)."""
-    _read_trainer_state(path)
+    the allow-list (before a run spawns or writes anything); returns the trainer state."""
+    saved = _read_trainer_state(path)
     _SafeReader(path)
+    return saved
 
 
 def _newest_first(run_dir: str) -> list[str]:
@@ -424,15 +561,17 @@ def _newest_first(run_dir: str) -> list[str]:
     return [newest, *(p for p in reversed(complete_checkpoints(run_dir)) if step_of(p) < step_of(newest))]
 
 
-def load_newest(run_dir: str, model, optimizer) -> tuple[str, dict] | None:
+def load_newest(run_dir: str, model, optimizer, expected: Shapes | None = None) -> tuple[str, dict] | None:
     """Resume from the newest complete checkpoint of run_dir that loads, falling back to older ones (one warning
     each); return (its path, its trainer_state), or None when run_dir has none. Collective like `load`."""
     candidates = _same_on_every_rank(_newest_first(run_dir))
     first = None
     for path, older in zip(candidates, [*candidates[1:], None]):
         try:
-            return path, load(path, model, optimizer)
+            return path, load(path, model, optimizer, expected)
         except CheckpointError as e:
+            if e.fix:  # not damage but another model's checkpoint: the older ones are that model's too
+                raise
             first = first or e
             if older and _is_main():
                 log.warning("checkpoint %s cannot be loaded (%s): falling back to %s", path, e.reason, older)
@@ -453,7 +592,9 @@ def read_weights(path: str, tensors: dict) -> None:
 
 
 def load_model(path: str, model) -> None:
-    """Load only the model weights of a checkpoint into an unsharded model, without a process group."""
+    """Load only the model weights of a checkpoint into a whole, unsharded model, without a process group: every
+    weight of the checkpoint, strictly (`check_weights`)."""
     state = model.state_dict()
+    check_model(path, {key: (tuple(t.shape), t.dtype) for key, t in state.items()})
     read_weights(path, state)
     model.load_state_dict(state)

@@ -20,7 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 from hpctrain import rundir
 from hpctrain.compose import compose, conf_dir, register
 from hpctrain.config import unknown_key_message
-from hpctrain.errors import BAD_INPUT, EXIT_BAD_INPUT, fail
+from hpctrain.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED, fail
+from hpctrain.files import no_space
 
 PROG = "python -m hpctrain"
 # When the command started: what was made after it (by Hydra, for this run) may be removed again.
@@ -42,7 +43,7 @@ def _restore_full_error() -> None:
 def _task(cfg: DictConfig) -> dict | None:
     from hpctrain.cluster.job import Stopped, quiet_other_ranks
     from hpctrain.parallel.process_group import launched_rank
-    from hpctrain.training.run import prepare, train
+    from hpctrain.training.run import prepare, start, train
 
     global _in_task
     _in_task = True
@@ -57,20 +58,29 @@ def _task(cfg: DictConfig) -> dict | None:
                                                    started=_started)
     quiet_other_ranks()
     try:
+        if launched_rank() == 0:
+            rundir.check_owned(run_dir)  # before anything (a log line) is written into someone else's directory
         prepared = prepare(cfg)
     except BAD_INPUT as e:
         rundir.remove_if_fresh(run_dir, _started)
         fail(where + str(e))
     try:
-        if launched_rank() == 0:
-            rundir.start_over(run_dir, cfg)  # before anything of the new run is written there
-        rundir.save_config(run_dir, cfg)
-    except OSError as e:
-        fail(f"cannot write to the run directory {run_dir} ({e.strerror}: {e.filename}): choose a writable run_dir")
-    try:
-        return train(cfg, run_dir, prepared)
+        with rundir.claimed(run_dir):  # one run at a time, from here to the end of training
+            try:
+                if launched_rank() == 0:
+                    start(cfg, run_dir)  # a previous run moved aside, where it resumes checked: before the record
+                rundir.save_config(run_dir, cfg)
+            except OSError as e:
+                fail(f"cannot write to the run directory {run_dir} ({e.strerror}: {e.filename}): choose a writable "
+                     "run_dir")
+            return train(cfg, run_dir, prepared)
     except BAD_INPUT as e:
         fail(where + str(e))
+    except OSError as e:
+        full = no_space(e, run_dir)
+        if not full:
+            raise
+        fail(f"{where}{full} (writing {e.filename}): free space, then resume (train.resume=auto)", code=1)
     except Stopped as e:
         print(f"hpctrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
@@ -117,6 +127,8 @@ def _hydra(argv: list[str]) -> int:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     sys.argv = [PROG, *argv]  # Hydra's usage lines name the program by argv[0]
     try:
+        if "-m" in argv or "--multirun" in argv:
+            _announce_sweep(argv)
         _task()
     except (HydraException, OmegaConfBaseException) as e:
         fail(hydra_error_line(e))
@@ -128,6 +140,34 @@ def _hydra(argv: list[str]) -> int:
     finally:
         _restore_full_error()
     return 0
+
+
+SWEEP_ANNOUNCED = 50  # points from which a sweep says how many it composes first
+
+
+def _announce_sweep(argv: list[str]) -> None:
+    """Before Hydra's sweeper composes every point of a sweep (a tenth of a second each, minutes for thousands, in
+    silence): how many there are, and, bound for Slurm, whether one job array holds them (one line otherwise)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hpctrain.cluster.submit import check_array_size
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+        points = 1
+        for o in parsed:
+            if o.is_sweep_override() and not o.is_hydra_override():
+                points *= len(list(o.sweep_string_iterator()))
+    except Exception:  # noqa: BLE001 - a sweep this cannot count (an interval): Hydra words any problem
+        return
+    if any(o.key_or_group == "hydra/launcher" and o.value() == "slurm" for o in parsed):
+        try:
+            check_array_size(points)
+        except BAD_INPUT as e:
+            fail(str(e))
+    if points >= SWEEP_ANNOUNCED:
+        print(f"hpctrain: {points} sweep points: each is composed and checked before anything is submitted "
+              "(about 0.1 s a point)", flush=True)
 
 
 def plan(argv: list[str]) -> int:
@@ -152,6 +192,35 @@ def preflight(argv: list[str]) -> int:
     return preflight_main(argv)
 
 
+def check_grid(argv: list[str]) -> int:
+    """`python -m hpctrain check key=v1,v2 ... [-- overrides]`: every point of the grid checked as its job would
+    check it at its start (config, layout, data), and the cluster's array limit; one line and exit 2 at the first
+    bad point. sbatch/sweep.sbatch runs it before it submits anything."""
+    from hpctrain.cluster.submit import Progress, check, check_array_size, grid
+    from hpctrain.config import ConfigError
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"usage: {PROG} check key=v1,v2 [key=v1,v2 ...] [-- overrides]\nchecks every point of the grid as its "
+              "job would at its start (config, layout, data) and the cluster's job-array limit; submits nothing")
+        return 0
+    points = grid(argv)
+    try:
+        check_array_size(len(points))
+    except ConfigError as e:
+        fail(str(e))
+    progress = Progress(len(points))
+    for i, overrides in enumerate(points):
+        try:
+            check(compose(overrides))
+        except (HydraException, OmegaConfBaseException) as e:
+            fail(f"sweep point #{i} ({' '.join(overrides)}): {hydra_error_line(e)}")
+        except (*BAD_INPUT, OSError) as e:
+            fail(f"sweep point #{i} ({' '.join(overrides)}): {e}")
+        progress.tick(i + 1)
+    print(f"hpctrain: {len(points)} sweep point{'s' if len(points) != 1 else ''} checked")
+    return 0
+
+
 def _tool(module: str, *head: str):
     def run(argv: list[str]) -> int:
         import importlib
@@ -166,6 +235,8 @@ def _tool(module: str, *head: str):
 COMMANDS = {
     "plan": ("layer map, memory per device, bubble and FLOPs of a layout; allocates nothing", plan),
     "preflight": ("cluster health check (GEMM, all-reduce, per node)", preflight),
+    "check": ("every point of a grid checked as its job would, nothing submitted: check key=v1,v2 [-- overrides]",
+              check_grid),
     "generate": ("sample text from a run: generate run_dir=DIR prompt=TEXT", _tool("hpctrain.tools.generate")),
     "export-hf": ("a run's checkpoint as a transformers model: export-hf RUN_DIR OUT",
                   _tool("hpctrain.tools.export_hf")),
@@ -180,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     global _started
     _started = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in COMMANDS:
-        return COMMANDS[argv[0]][1](argv[1:])
-    return _hydra(argv)
+    try:
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]][1](argv[1:])
+        return _hydra(argv)
+    except KeyboardInterrupt:  # a run's result.json says "interrupted"; its last complete checkpoint stays
+        print("hpctrain: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 # The `hpctrain` console script: `train` and the commands above.
@@ -199,4 +274,4 @@ def console(argv: list[str] | None = None) -> int:
         return 0 if argv else EXIT_BAD_INPUT
     if argv[0] not in TOOLS:
         fail(f"unknown command {argv[0]!r}: use one of {', '.join(TOOLS)} (hpctrain --help)")
-    return TOOLS[argv[0]][1](argv[1:])
+    return main(argv[1:] if argv[0] == "train" else argv)  # (main dispatches the other commands)

@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     """A config that cannot run; the message is one line naming the numbers and the fix."""
 
 
+MAX_LOSS_SCALE = 2.0**64  # fp16 loss scale: far beyond any useful one, and scale × loss stays finite in fp32
+MAX_LR = 1e3  # the peak learning rate, after lr_scaling: far above any real one
+MAX_TIMEOUT_S = 30 * 86400.0  # timeouts: 30 days (torch turns them into a C integer of milliseconds)
+
+
 class PrecisionName(str, Enum):
     fp32 = "fp32"
     tf32 = "tf32"
@@ -150,7 +155,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     warmup_steps: int = 100
     decay: Decay = Decay.cosine
-    decay_steps: int | None = None  # None: until train.max_steps
+    decay_steps: int | None = None  # the step the decay reaches min_lr_ratio × lr (> warmup_steps); None: max_steps
     min_lr_ratio: float = 0.1
     lr_scaling: LrScaling = LrScaling.none
     ref_global_batch: int = 256  # global batch (samples) at which `lr` was tuned
@@ -380,12 +385,12 @@ _RANGES = {
                      "model.ffn_hidden", "model.max_seq_len", "parallel.tp", "parallel.pp",
                      "parallel.pp_virtual_stages", "parallel.ac_every", "parallel.powersgd_rank",
                      "optim.update_every", "precision.loss_scale_growth_interval",
-                     "optim.ref_global_batch", "data.lanes", "data.prefetch", "train.seq_len", "train.max_steps",
+                     "optim.ref_global_batch", "data.lanes", "train.seq_len", "train.max_steps", "optim.decay_steps",
                      "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",
                      "train.ckpt_write_threads", "monitor.loss_spike.window",
                      "cluster.tasks_per_node", "cluster.nodes", "cluster.cpus_per_task", "cluster.num_threads",
                      "cluster.mem_gb", "cluster.time_min"), _AT_LEAST_1),
-    **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "optim.decay_steps",
+    **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
                      "monitor.loss_spike.max_rollbacks", "monitor.sample_every",
@@ -400,7 +405,18 @@ _RANGES = {
     "monitor.prometheus_port": (0, True, 65535, True),
     "parallel.topk_fraction": (0, False, 1, True),
     "monitor.loss_spike.factor": (1, False, None, False),
-    "optim.lr": (0, False, 1e3, True),  # far above any real LR; near fp32's max Adam's first step crashes
+    "optim.lr": (0, False, MAX_LR, True),  # far above any real LR; near fp32's max Adam's first step crashes
+    # Bounds of the numbers that become sizes, timeouts or seeds elsewhere (a C integer, a timedelta, threads)
+    "train.seed": (0, True, 2**63 - 1, True),
+    "precision.loss_scale_init": (0, False, MAX_LOSS_SCALE, True),
+    "cluster.pg_timeout_s": (0, False, MAX_TIMEOUT_S, True),
+    "monitor.hang_s": (0, False, MAX_TIMEOUT_S, True),
+    "monitor.heartbeat_s": (0, False, MAX_TIMEOUT_S, True),
+    "monitor.failure_window_s": (0, False, 366 * 86400, True),
+    "data.num_workers": (0, True, 256, True),
+    "data.prefetch": (1, True, 256, True),
+    "train.ckpt_write_threads": (1, True, 64, True),
+    "cluster.num_threads": (1, True, 4096, True),
 }
 # What a key's zero or null means, where users may expect another value to mean it.
 _HINTS = {"train.seq_len": "null takes it from the shards", "train.eval_every": "0 disables evaluation",

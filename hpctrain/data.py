@@ -51,6 +51,7 @@ from data_prep.shard_format import (
     decode_tokens,
     read_manifest,
 )
+from hpctrain.files import FileCheckError, read_bytes
 
 __all__ = ["DataError", "Manifest", "ShardStream", "check_compat", "choose_lanes", "interleave_ranks",
            "read_manifest", "read_shard"]
@@ -135,12 +136,15 @@ def _is_local(url: str) -> bool:
     return "://" not in url and not url.startswith("pipe:")
 
 
-def _read_bytes(path: str) -> bytes | None:
+def _read_bytes(path: str, size: int) -> bytes | None:
+    """A local shard's bytes: a regular file of at most `size` bytes (a device or a runaway file is a DataError
+    here: webdataset would read it forever); None when it cannot be opened (webdataset words that)."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_bytes(path, size)
+    except FileCheckError as e:
+        raise DataError(f"shard {e} (rebuild or re-copy the shard set), or set data.on_corrupt=skip") from None
     except OSError:
-        return None  # webdataset then opens it again and words the error
+        return None
 
 
 def _check_sha256(url: str, buf: bytes, shard: ShardInfo) -> None:
@@ -182,7 +186,8 @@ def read_shard(url: str, shard: ShardInfo, manifest: Manifest) -> np.ndarray:
     stream through webdataset and are NOT checksum-verified (that would take a second pass over the
     stream); their token range is still checked. Every problem is a one-line DataError naming the shard.
     """
-    data = _read_bytes(url) if _is_local(url) else None
+    # (a larger file than listed is read, for the checksum's line; a device or a runaway file never is)
+    data = _read_bytes(url, 2 * shard.bytes + 2**20) if _is_local(url) else None
     blocks = None
     if data is not None:
         _check_sha256(url, data, shard)

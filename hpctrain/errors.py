@@ -20,11 +20,12 @@ class TrainingError(RuntimeError):
 
 
 class CheckpointError(RuntimeError):
-    """One line: what is wrong, where, and the fix. `reason` alone (the what) words load_newest's fallbacks."""
+    """One line: what is wrong, where, and the fix. `reason` alone (the what) words load_newest's fallbacks;
+    `fix`, where the checkpoint itself is fine but not for this model, the fix whatever the caller."""
 
-    def __init__(self, message: str, reason: str | None = None):
+    def __init__(self, message: str, reason: str | None = None, fix: str | None = None):
         super().__init__(message)
-        self.reason = reason or message
+        self.reason, self.fix = reason or message, fix
 
 
 BAD_INPUT: tuple[type[Exception], ...] = (ConfigError, DataError, TrainingError, CheckpointError,
@@ -32,6 +33,7 @@ BAD_INPUT: tuple[type[Exception], ...] = (ConfigError, DataError, TrainingError,
 
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT):

@@ -5,12 +5,76 @@ A leaf module (standard library only): `data_prep` and every part of `hpctrain` 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
+from collections.abc import Iterator
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
+
+# The most a file of each kind may hold before hpctrain refuses to read it: a symlink to /dev/zero, a FIFO or a
+# runaway file must end in one line, never in a read that exhausts memory or never returns.
+MiB = 2**20
+MAX_JSON_BYTES = 64 * MiB  # trainer states, results, plans, HF configs, tokenizer configs
+MAX_MANIFEST_BYTES = 1024 * MiB  # a shard set's manifest: ~300 bytes a shard
+MAX_LINE_BYTES = 4 * MiB  # one metrics.jsonl / alerts.jsonl record
+
+
+class FileCheckError(ValueError):
+    """A file that is not what it must be (not a regular file, too large, not text): one line naming it."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _checked_fd(path: str, limit: int) -> tuple[int, int]:
+    """An open descriptor of `path` and its size, once `path` (symlinks followed) is a regular file of at most
+    `limit` bytes. Opened without blocking (a FIFO would wait for a writer) and checked on the open file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileCheckError(f"{path} is {_kind(st.st_mode)}, not a regular file: replace it with the file "
+                                 "it should be")
+        if st.st_size > limit:
+            raise FileCheckError(f"{path} is {st.st_size:,} bytes, more than the {limit:,} such a file can be: it is "
+                                 "not the file hpctrain wrote; restore or remove it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def check_file(path: str, limit: int) -> int:
+    """`path` is a regular file (symlinks followed) of at most `limit` bytes: its size; FileCheckError or
+    OSError otherwise."""
+    fd, size = _checked_fd(path, limit)
+    os.close(fd)
+    return size
+
+
+def open_checked(path: str, limit: int, mode: str = "rb"):
+    """`open(path, mode)` for reading, once `check_file` holds (on the opened file itself)."""
+    fd, _ = _checked_fd(path, limit)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+
+
+def read_bytes(path: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (also when it grows while read)."""
+    with open_checked(path, limit) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise FileCheckError(f"{path} grew past the {limit:,} bytes such a file can be while it was read")
+    return data
 
 
 def fsync_dir(path: str) -> None:
@@ -56,15 +120,15 @@ def write_json(path: str, doc: Any, sort_keys: bool = False) -> None:
     atomic_write(path, json.dumps(doc, indent=1, sort_keys=sort_keys))
 
 
-def read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def read_json(path: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file of at most `limit` bytes: OSError, FileCheckError or ValueError (not JSON, not UTF-8)."""
+    return json.loads(read_bytes(path, limit).decode("utf-8"))
 
 
-def read_object(path: str) -> dict | None:
+def read_object(path: str, limit: int = MAX_JSON_BYTES) -> dict | None:
     """A JSON object file, or None when it is missing, is not an object, or was caught mid-write."""
     try:
-        doc = read_json(path)
+        doc = read_json(path, limit)
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -75,25 +139,68 @@ def read_result(run_dir: str) -> dict | None:
     return read_object(os.path.join(run_dir, RESULT_FILE))
 
 
-def step_of(line: str) -> int | None:
-    """The step of one metrics line; None for a line cut short by a crash."""
+def step_of(line: str | bytes) -> int | None:
+    """The step of one metrics line; None for a line cut short by a crash (or anything else but a record)."""
     try:
-        return json.loads(line)["step"]
+        step = json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return None
+    return step if type(step) is int else None
+
+
+def lines(path: str, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """The lines of a regular file, each of at most `limit` bytes (FileCheckError at a longer one), streamed:
+    memory stays one line whatever the file's size."""
+    with open_checked(path, 2**62) as f:
+        n = 0
+        while line := f.readline(limit + 1):
+            n += 1
+            if len(line) > limit and not line.endswith(b"\n"):
+                raise FileCheckError(f"{path}: line {n} is longer than the {limit:,} bytes a record can be: it is "
+                                     "not a file hpctrain wrote; restore or remove it")
+            yield line
 
 
 def read_metrics(run_dir: str, lenient: bool = False) -> list[dict]:
-    """The records of <run_dir>/metrics.jsonl. `lenient`: skip lines that are not JSON (a crash can cut the last
-    one short) instead of raising ValueError."""
+    """The records of <run_dir>/metrics.jsonl. `lenient`: skip lines that are not JSON objects (a crash can cut
+    the last one short) instead of raising ValueError."""
     records = []
-    with open(os.path.join(run_dir, METRICS_FILE), encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                if not lenient:
-                    raise
+    for line in lines(os.path.join(run_dir, METRICS_FILE)):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError:  # UnicodeDecodeError included
+            if not lenient:
+                raise
+            continue
+        records.append(record)
     return records
+
+
+def causes(error: BaseException | None) -> Iterator[BaseException]:
+    """`error` and what it wraps: its cause and context, and the failures DCP gathers from every rank."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__, *(exc for exc, _ in getattr(e, "failures", {}).values())]
+
+
+def no_space(error: BaseException | None, path: str) -> str | None:
+    """"no space left on device in PATH" (or the quota's words) when that is what stopped a write: an OSError of
+    ENOSPC/EDQUOT anywhere in the exception's chain or DCP's gathered failures, or, for errors that lost the
+    errno on their way (torch's zip writer: "unexpected pos"), a filesystem with under 1 MiB free."""
+    for e in causes(error):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{e.strerror.lower()} in {path}"
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return f"no space left on device in {path}" if error is not None and st.f_bavail * st.f_frsize < MiB else None

@@ -6,11 +6,14 @@ and raises ConfigError with one line that names the numbers and the fix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hpctrain.config import (
+    MAX_LR,
     ConfigError,
     GradCompression,
+    LrScaling,
     OptimImpl,
     OptimName,
     PrecisionName,
@@ -82,6 +85,24 @@ def _batch(global_batch, micro_batch, grad_accum, dp) -> tuple[int, int, int]:
     return global_batch, micro_batch, grad_accum
 
 
+def scaled_lr(ocfg, global_batch: int) -> float:
+    """`optim.lr` was tuned at `ref_global_batch`; scale it to this run's global batch."""
+    ratio = global_batch / ocfg.ref_global_batch
+    factor = {LrScaling.none: 1.0, LrScaling.linear: ratio, LrScaling.sqrt: math.sqrt(ratio)}[ocfg.lr_scaling]
+    return ocfg.lr * factor
+
+
+def _check_schedule(ocfg, global_batch: int) -> None:
+    if ocfg.decay_steps is not None and ocfg.decay_steps <= ocfg.warmup_steps:
+        raise ConfigError(f"optim.decay_steps={ocfg.decay_steps} must be > optim.warmup_steps={ocfg.warmup_steps}: it "
+                          "is the step the decay ends at (null: train.max_steps)")
+    lr = scaled_lr(ocfg, global_batch)
+    if lr > MAX_LR:
+        raise ConfigError(f"optim.lr={ocfg.lr} scaled ({LrScaling(ocfg.lr_scaling).value}) from "
+                          f"optim.ref_global_batch={ocfg.ref_global_batch} to the global batch {global_batch} is {lr:.4g},"
+                          f" above {MAX_LR:g}: lower optim.lr, or set optim.ref_global_batch to the batch it was tuned at")
+
+
 def _check_profile_steps(steps, max_steps: int) -> None:
     if steps is None:
         return
@@ -142,6 +163,7 @@ def resolve(cfg, world: int = 1) -> RunShape:
     _check_profile_steps(t.profile_steps, t.max_steps)
     gb, mb, ga = _batch(t.global_batch, t.micro_batch, t.grad_accum, layout.dp)
     layout.check_microbatches(ga)
+    _check_schedule(cfg.optim, gb)
     if t.seq_len is not None and t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: lower train.seq_len "

@@ -1,21 +1,33 @@
-"""The run directory's life outside training: its config record, starting over, and a clean failure.
+"""The run directory's life outside training: who owns it, its config record, starting over, a clean failure.
 
-A previous run is moved aside, never deleted. The only thing ever removed is the run directory of a run
-that failed its checks, when all of it was made by this command (and the parents Hydra made for it).
+A directory is a run's once `LOCK_FILE` is in it: hpctrain writes that file before anything else of a run, and
+never writes into a directory holding a run's files without it (someone else's metrics.jsonl stays theirs). The
+main rank holds an advisory lock on that file while the run lives, so a second run in the same directory stops
+at once instead of deleting the first one's checkpoints; the kernel drops the lock with the process, so a crashed
+or killed run leaves nothing stale. A previous run is moved aside, never deleted. The only thing ever removed is
+the run directory of a run that failed its checks, when all of it was made by this command (and the parents
+Hydra made for it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import glob
+import json
 import logging
 import os
 import shutil
+import socket
+import sys
 import time
 
 from hydra.experimental.callback import Callback
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.files import free_name
+from hpctrain.errors import TrainingError
+from hpctrain.files import MAX_JSON_BYTES, MiB, free_name, read_bytes, read_object
 
 log = logging.getLogger("hpctrain")
 
@@ -24,6 +36,7 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "result.json")
 RUN_RECORDS = (".hydra", "train.log", "slurm.json", ".submitit", "hf", "alerts.jsonl", "profile", "memory", "hang",
                "trackers.json", "mlflow", "wandb")  # the trackers: a run started over gets new tracker runs
 PREVIOUS = "previous"
+LOCK_FILE = ".hpctrain-run.lock"  # the mark of a run directory, and the lock of the run living in it
 
 _first_new: str | None = None  # the highest ancestor of this run's directory that did not exist before it
 
@@ -71,6 +84,84 @@ def remove_if_fresh(path: str, since: float) -> None:
             os.rmdir(path)  # only when empty
         except OSError:
             return
+
+
+def _legacy_run(run_dir: str) -> bool:
+    """A run of an hpctrain older than LOCK_FILE: its config record and a complete checkpoint of its own."""
+    from hpctrain.checkpoint import complete_checkpoints
+
+    return os.path.isfile(os.path.join(run_dir, ".hydra", "config.yaml")) and bool(complete_checkpoints(run_dir))
+
+
+def check_owned(run_dir: str) -> None:
+    """Refuse (one TrainingError line) a directory holding files of the names a run writes that no hpctrain run
+    wrote (no LOCK_FILE): they would be appended to, truncated or moved. Reads only."""
+    if not os.path.isdir(run_dir) or os.path.lexists(os.path.join(run_dir, LOCK_FILE)):
+        return
+    found = [name for name in RUN_OUTPUTS + RUN_RECORDS if os.path.lexists(os.path.join(run_dir, name))]
+    if found and not _legacy_run(run_dir):
+        raise TrainingError(f"run_dir={run_dir} holds {', '.join(found[:3])} that no hpctrain run wrote (no "
+                            f"{LOCK_FILE}): choose a new or empty run_dir (if it is a run of an hpctrain older than "
+                            f"that file, adopt it: touch {os.path.join(run_dir, LOCK_FILE)})")
+
+
+def _holder(path: str) -> str:
+    doc = read_object(path, MiB) or {}
+    who = f"pid {doc.get('pid', '?')} on {doc.get('host', '?')}"
+    since = doc.get("since")
+    return who + (f" since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
+                  if isinstance(since, (int, float)) else "")
+
+
+_held: dict[str, list] = {}  # real path of a run dir -> [lock file descriptor, nesting depth], in this process
+
+
+@contextlib.contextmanager
+def claimed(run_dir: str, probe: bool = False):
+    """The run directory for one run at a time: checked (`check_owned`), marked with LOCK_FILE and locked (an
+    advisory flock held until the block ends or the process dies) on the main rank; other ranks pass through.
+    Re-entrant in a process. `probe`: mark and release at once (a login node submitting the job that takes the
+    lock: the directory is a run's from the submission on). A directory another run holds is one TrainingError
+    line naming that run."""
+    from hpctrain.parallel.process_group import launched_rank
+
+    key = os.path.realpath(run_dir)
+    if launched_rank() != 0 or key in _held:
+        if key in _held:
+            _held[key][1] += 1
+        try:
+            yield
+        finally:
+            if key in _held:
+                _held[key][1] -= 1
+        return
+    check_owned(run_dir)
+    path = os.path.join(run_dir, LOCK_FILE)
+    os.makedirs(run_dir, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TrainingError(f"run_dir={run_dir} is in use by another run ({_holder(path)}): wait for it to end or "
+                            "stop it, or choose another run_dir") from None
+    except OSError as e:  # a filesystem without locks (Lustre mounted noflock): the mark still goes in
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            os.close(fd)
+            raise
+        log.warning("run_dir %s cannot be locked (%s): a second run started in it would not be stopped",
+                    run_dir, e.strerror)
+    if not probe:
+        doc = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                          "argv": sys.argv[1:]}).encode()
+        os.ftruncate(fd, 0)  # in place: replacing the file would leave the lock on the old one
+        os.pwrite(fd, doc, 0)
+    _held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[key]
+        os.close(fd)  # the lock goes with its last descriptor (forked ranks hold copies until they exit)
 
 
 def save_config(run_dir: str, cfg) -> None:
@@ -167,11 +258,18 @@ def run_config(run_dir: str, ckpt: str | None = None):
 
     register()  # the saved config may use hpctrain's resolvers (e.g. the demo data path)
     config = os.path.join(run_dir, ".hydra", "config.yaml")
-    if not os.path.isfile(config):
+    if not os.path.lexists(config):  # (one that is there but no file is read below, and refused in one line)
         what = "does not exist" if not os.path.exists(run_dir) else f"is not a run directory (no {config})"
         raise RunDirError(f"run_dir={run_dir} {what}: pass the directory a training run wrote")
     ckpt = ckpt or latest(run_dir)
     if ckpt is None:
         raise RunDirError(f"no complete checkpoint in {run_dir}/checkpoints: train longer (a checkpoint is "
                           "written every train.ckpt_every steps and at the end) or pass checkpoint=DIR")
-    return OmegaConf.load(config), ckpt
+    try:
+        loaded = OmegaConf.create(read_bytes(config, MAX_JSON_BYTES).decode("utf-8"))
+    except Exception as e:  # noqa: BLE001 - not a file, too big, not UTF-8, not YAML: one line whatever it is
+        raise RunDirError(f"{config} is not a readable run config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): "
+                          "restore it from a copy of the run") from None
+    if not isinstance(loaded, DictConfig):
+        raise RunDirError(f"{config} is not a run config (not a mapping): restore it from a copy of the run")
+    return loaded, ckpt

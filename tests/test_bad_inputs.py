@@ -6,10 +6,14 @@ the real entry points, without a new interpreter's start-up per case.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pickle
 import shutil
+import struct
+import subprocess
+import sys
 
 import pytest
 from conftest import SMALL_MODEL
@@ -17,8 +21,9 @@ from helpers import edit_tokens, run_forked, tree_digest
 
 from data_prep import demo as demo_cli
 from data_prep import shards as shards_cli
-from hpctrain import checkpoint, cli
-from hpctrain.tools import generate
+from data_prep import tokenizer as tokenizer_cli
+from hpctrain import checkpoint, cli, rundir
+from hpctrain.tools import export_hf, generate
 from hpctrain.tools import summary as metrics
 
 BASE = [*SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=2", "train.log_every=1",
@@ -35,8 +40,101 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _copy_run(w, name: str, data: str | None = None):
+    """A copy of the world's finished run (its config pointing at `data` when given)."""
+    shutil.copytree(w / "run", w / name, symlinks=True)
+    if data:
+        config = w / name / ".hydra" / "config.yaml"
+        config.write_text(config.read_text().replace(str(w / "data"), str(w / data)))
+    return w / name
+
+
+def _edit_json(path, edit) -> None:
+    with open(path) as f:
+        doc = json.load(f)
+    edit(doc)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def _edit_states(run, edit) -> None:
+    """`edit(trainer_state)` on every checkpoint of a run."""
+    for ck in checkpoint.complete_checkpoints(str(run)):
+        _edit_json(os.path.join(ck, checkpoint.STATE_FILE), edit)
+
+
+def _qualname_metadata(target: str) -> bytes:
+    """A .metadata pickle that renames an allowed function or class (`module:name`) by BUILD: vars() unchanged."""
+    module, name = target.split(":")
+    s = lambda text: pickle.SHORT_BINUNICODE + bytes([len(text)]) + text.encode()  # noqa: E731
+    return (pickle.PROTO + b"\x04" + s(module) + s(name) + pickle.STACK_GLOBAL + pickle.NONE + pickle.EMPTY_DICT
+            + s("__qualname__") + s("pwned") + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.STOP)
+
+
+def _safetensors(path) -> tuple[dict, bytes]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), f.read()
+
+
+def _write_safetensors(path, header: dict, data: bytes, n: int | None = None) -> None:
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw) if n is None else n) + raw + data)
+
+
+def _hf_variant(w, name: str, edit) -> None:
+    """A copy of the world's transformers model with its safetensors file edited: edit(path, header, data)."""
+    shutil.copytree(w / "hf", w / name)
+    path = w / name / "model.safetensors"
+    edit(path, *_safetensors(path))
+
+
+def _hf_int8(path, header, data) -> None:
+    key = "model.layers.0.mlp.up_proj.weight"
+    begin, end = header[key]["data_offsets"]
+    header[key]["dtype"] = "I8"  # the same bytes read as int8: a quantized tensor in shape but not in size
+    header[key]["data_offsets"] = [begin, begin + (end - begin) // 4]
+    _write_safetensors(path, header, data)
+
+
+def _hf_shape(path, header, data) -> None:
+    key = "model.layers.0.mlp.up_proj.weight"
+    header[key]["shape"] = header[key]["shape"][::-1]
+    _write_safetensors(path, header, data)
+
+
+def _hf_missing(path, header, data) -> None:
+    del header["model.layers.1.mlp.down_proj.weight"]
+    _write_safetensors(path, header, data)
+
+
+def _hf_overlap(path, header, data) -> None:
+    a, b = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+    header[b]["data_offsets"] = header[a]["data_offsets"]
+    _write_safetensors(path, header, data)
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, demo_data):
+def lock_holder():
+    """Another process holding the run-directory lock of a path (as a live run's main rank does)."""
+    procs = []
+
+    def hold(run_dir) -> None:
+        code = "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print(1, " \
+               "flush=True); time.sleep(3600)"
+        p = subprocess.Popen([sys.executable, "-c", code, str(run_dir / rundir.LOCK_FILE)], stdout=subprocess.PIPE)
+        assert p.stdout.readline().strip() == b"1"
+        procs.append(p)
+
+    yield hold
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, demo_data, lock_holder):
     """Shard sets and runs, good and damaged, that the cases point at; built once per module."""
     from omegaconf import OmegaConf
 
@@ -90,16 +188,127 @@ def world(tmp_path_factory, demo_data):
     # A run that has not written a checkpoint yet.
     os.makedirs(w / "nockpt" / ".hydra")
     shutil.copy(w / "run" / ".hydra" / "config.yaml", w / "nockpt" / ".hydra" / "config.yaml")
+    _second_round(w, lock_holder)
     return w
 
 
-# Shard sets whole; of runs, the checkpoints (every invocation rewrites a run's .hydra/ and appends to its log).
-WATCHED = ("data", "unfinished", "noval", "altered", "badids", "afile", "run/checkpoints", "evil/checkpoints",
-           "badstate/checkpoints", "nockpt")
+def _second_round(w, lock_holder) -> None:
+    """The inputs of the second hardening round (issue 26), by class."""
+    import torch
+    import zstandard
+    from omegaconf import OmegaConf
+    from transformers import LlamaForCausalLM
+
+    from hpctrain.models import build_model
+    from hpctrain.models.llama.hf import to_hf_config
+
+    # A user's own directories: notes, and experiment outputs under the names a run writes.
+    (w / "notes").mkdir()
+    (w / "notes" / "plan.txt").write_text("keep me\n")
+    (w / "mine").mkdir()
+    (w / "mine" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (w / "mine" / "result.json").write_text('{"mine": true}\n')
+    (w / "mylog").mkdir()
+    (w / "mylog" / "train.log").write_text("my own log\n")
+    # Corpora: small text files; one jsonl line beyond the 64 MB a line may be; a truncated .jsonl.zst.
+    (w / "corpus").mkdir()
+    for i in range(3):
+        (w / "corpus" / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 200)
+    (w / "bigline").mkdir()
+    with open(w / "bigline" / "big.jsonl", "w") as f:
+        f.write('{"text": "' + "a" * (64 * 2**20 + 16) + '"}\n')
+    (w / "zst").mkdir()
+    lines = "".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(3000)).encode()
+    packed = zstandard.ZstdCompressor().compress(lines)
+    (w / "zst" / "part.jsonl.zst").write_bytes(packed[: len(packed) // 2])
+    # A tokenizer directory that maps its class to its own Python file, which would leave ./pwned.
+    (w / "evil_tok").mkdir()
+    shutil.copy(w / "data" / "tokenizer" / "tokenizer.json", w / "evil_tok" / "tokenizer.json")
+    (w / "evil_tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}}))
+    (w / "evil_tok" / "evil.py").write_text(f"import pathlib\npathlib.Path({str(w / 'pwned')!r}).touch()\n")
+    # ... named by a shard set's manifest, which a run's generate reads.
+    shutil.copytree(w / "data", w / "evildata")
+    shutil.copytree(w / "evil_tok", w / "evildata" / "evil_tok")
+    _edit_json(w / "evildata" / "manifest.json", lambda m: m["tokenizer"].update(path="evil_tok"))
+    _copy_run(w, "evilgen", data="evildata")
+    # Checkpoint directories a run did not write: a stray step-N directory, a stray step-N file.
+    (_copy_run(w, "stray") / "checkpoints" / "step-0000003").mkdir()
+    (_copy_run(w, "strayfile") / "checkpoints" / "step-0000004").write_text("a backup note\n")
+    # Files that are devices: a trainer state, a metadata file, a run's metrics, a run's config.
+    for name, rel in (("zerostate", f"checkpoints/step-0000002/{checkpoint.STATE_FILE}"),
+                      ("zerometa", "checkpoints/step-0000002/.metadata"), ("zerometrics", "metrics.jsonl"),
+                      ("zeroconfig", ".hydra/config.yaml")):
+        os.remove(_copy_run(w, name) / rel)
+        os.symlink("/dev/zero", w / name / rel)
+    # Trainer states with values no run writes.
+    _edit_states(_copy_run(w, "negstep"), lambda d: d["run"].update(step=-1000))
+    _edit_states(_copy_run(w, "bigstep"), lambda d: d["run"].update(step=10**9))
+    _edit_states(_copy_run(w, "badsched"), lambda d: d["scheduler"].update(base_lrs=[-0.5, -0.5]))
+    _edit_states(_copy_run(w, "offsched"), lambda d: d["scheduler"].update(last_epoch=7))
+    _edit_states(_copy_run(w, "othertok"), lambda d: d["run"].update(tokenizer_sha256="0" * 64))
+    # Metadata that renames an allowed function or class.
+    for name, target in (("qualfn", "torch.serialization:_get_layout"),
+                         ("qualcls", "torch.distributed.checkpoint.filesystem:_StorageInfo")):
+        for ck in checkpoint.complete_checkpoints(str(_copy_run(w, name))):
+            with open(os.path.join(ck, ".metadata"), "wb") as f:
+                f.write(_qualname_metadata(target))
+    # A run whose config says one layer: its two-layer checkpoints are another model's.
+    cfg = OmegaConf.load(w / "run" / ".hydra" / "config.yaml")
+    small = _copy_run(w, "small")
+    OmegaConf.save(OmegaConf.merge(cfg, {"model": {"n_layers": 1}}), small / ".hydra" / "config.yaml")
+    # Shards of another tokenizer (as far as the manifest says).
+    shutil.copytree(w / "data", w / "otherdata")
+    _edit_json(w / "otherdata" / "manifest.json", lambda m: m["tokenizer"].update(sha256="1" * 64))
+    # A checkpoint with non-finite weights (the checkpointer never writes one: written by hand).
+    nan = _copy_run(w, "nanrun")
+    model = build_model(cfg)
+    checkpoint.load_model(str(nan / "checkpoints" / "step-0000002"), model)
+    with torch.no_grad():
+        model.output.weight[0, 0] = float("nan")
+    shutil.rmtree(nan / "checkpoints" / "step-0000002")
+    state = json.loads((w / "run" / "checkpoints" / "step-0000002" / checkpoint.STATE_FILE).read_text())
+    checkpoint.save(str(nan), 2, model, torch.optim.AdamW(model.parameters()), state, keep=2)
+    # A run whose newest checkpoint is cut short (export-hf fails after it made its partial directory).
+    ck = _copy_run(w, "trunc") / "checkpoints" / "step-0000002"
+    for name in os.listdir(ck):
+        if name.endswith(".distcp"):
+            os.truncate(ck / name, os.path.getsize(ck / name) // 2)
+    # A transformers model of the run's shape, saved here, and damaged copies of its safetensors.
+    args = build_model(cfg).args
+    LlamaForCausalLM(to_hf_config(args)).save_pretrained(w / "hf")
+    _hf_variant(w, "hf_int8", _hf_int8)
+    _hf_variant(w, "hf_shape", _hf_shape)
+    _hf_variant(w, "hf_missing", _hf_missing)
+    _hf_variant(w, "hf_overlap", _hf_overlap)
+    _hf_variant(w, "hf_hdrlen", lambda p, h, d: _write_safetensors(p, h, d, n=2**40))
+    _hf_variant(w, "hf_json", lambda p, h, d: p.write_bytes(struct.pack("<Q", 9) + b"{not json"))
+    _hf_variant(w, "hf_trunc", lambda p, h, d: os.truncate(p, os.path.getsize(p) - 100))
+    _hf_variant(w, "hf_zero", lambda p, h, d: (os.remove(p), os.symlink("/dev/zero", p)))
+    # A run directory another live process holds.
+    lock_holder(_copy_run(w, "busy"))
+
+
+# Shard sets, corpora, tokenizers, models and a user's directories whole; of runs, the checkpoints (a run that
+# starts rewrites its .hydra/ and appends to its log), or the whole run where nothing may be written at all.
+RUNS = ("run", "evil", "badstate", "evilgen", "negstep", "bigstep", "badsched", "offsched", "othertok", "qualfn",
+        "qualcls", "small", "nanrun", "trunc", "zerostate", "zerometa", "stray", "strayfile", "zerometrics")
+WATCHED = ("data", "unfinished", "noval", "altered", "badids", "afile", "nockpt", "notes", "mine", "mylog", "corpus",
+           "bigline", "zst", "evil_tok", "evildata", "otherdata", "zeroconfig", "busy", "hf", "hf_int8", "hf_shape",
+           "hf_missing", "hf_overlap", "hf_hdrlen", "hf_json", "hf_trunc", "hf_zero",
+           *(f"{run}/checkpoints" for run in RUNS))
 
 
 def _hp(*args):
     return cli.main, ["run_dir={w}/new", "data.path={w}/data", *BASE, *args]
+
+
+def _run(name: str, *args):
+    """`python -m hpctrain` in the world's run directory `name`."""
+    return cli.main, [f"run_dir={{w}}/{name}", "data.path={w}/data", *BASE, *args]
+
+
+PREP = ["--corpus", "{w}/corpus/*.txt", "--vocab-size", "300", "--seq-len", "16"]
 
 
 # (id, entry point, argv with {w} = the world dir, words the one error line must contain)
@@ -124,7 +333,7 @@ CASES = [
     ("model-too-big-for-memory", cli.main, ["run_dir={w}/new", "data.path={w}/data", "model=llama_70b", *BASE[7:]],
      ["GiB", "train.micro_batch"]),
     ("model-too-big-for-memory-13b", cli.main, ["run_dir={w}/new", "data.path={w}/data", "model=llama_13b",
-                                                *BASE[7:]], ["GiB", "activation_checkpointing"]),
+                                                *BASE[7:]], ["GiB", "the weights, gradients and optimizer state", "parallel.zero_stage=3"]),
     # 4. Non-finite or non-positive hyper-parameters.
     ("lr-inf", *_hp("optim.lr=inf"), ["optim.lr=inf", "finite"]),
     ("lr-nan", *_hp("optim.lr=nan"), ["optim.lr=nan"]),
@@ -198,11 +407,145 @@ CASES = [
     ("slurm-launcher-without-slurm", *_hp("hydra/launcher=slurm"), ["sbatch", "hydra/launcher=local"]),
     ("slurm-sweep-without-slurm", cli.main, ["-m", "hydra/launcher=slurm", "hydra.sweep.dir={w}/sweep2",
                                              "data.path={w}/data", *BASE, "optim.lr=1e-3,3e-3"], ["sbatch"]),
+    # --- Second round (issue 26), by the issue's class numbers ---
+    # 1. data_prep never deletes or overwrites what it cannot prove it made.
+    ("prep-over-an-unfinished-build", shards_cli.main, [*PREP, "--out", "{w}/unfinished"],
+     ["unfinished build", "--overwrite"]),
+    ("prep-into-a-users-directory", shards_cli.main, [*PREP, "--out", "{w}/notes"],
+     ["notes is not empty", "holds no shard build"]),
+    ("tokenizer-over-a-tokenizer", tokenizer_cli.main, ["--corpus", "{w}/corpus/*.txt", "--vocab", "300",
+                                                        "--out", "{w}/data/tokenizer"], ["already holds tokenizer.json"]),
+    # 2. A step-N in checkpoints/ that no run completed is never replaced.
+    ("stray-checkpoint-directory", *_run("stray", "train.max_steps=4"), ["step-0000003 is not a complete checkpoint"]),
+    ("stray-checkpoint-file", *_run("strayfile", "train.max_steps=4"), ["step-0000004 is not a complete checkpoint"]),
+    # 3. Code in a data directory never runs.
+    ("prep-tokenizer-with-code", shards_cli.main, [*PREP, "--out", "{w}/out", "--tokenizer", "{w}/evil_tok"],
+     ["asks to run its own Python code", "auto_map"]),
+    ("generate-tokenizer-with-code", generate.main, ["run_dir={w}/evilgen", "max_new_tokens=2"],
+     ["asks to run its own Python code"]),
+    # 4. Every input that scales memory is counted: the RoPE tables of model.max_seq_len.
+    ("max-seq-len-huge", *_hp("model.max_seq_len=1000000000"), ["GiB", "RoPE tables", "lower model.max_seq_len"]),
+    ("max-seq-len-huge-two-ranks", *_hp("model.max_seq_len=200000000", "parallel=fsdp", "parallel.dp=2"),
+     ["GiB", "RoPE tables"]),
+    # 5. One line of a corpus is bounded.
+    ("jsonl-line-beyond-64-mb", shards_cli.main, ["--corpus", "{w}/bigline/*.jsonl", "--out", "{w}/out",
+                                                  "--vocab-size", "300"], ["big.jsonl:1", "more than 64 MB"]),
+    ("jsonl-line-beyond-64-mb-skipped", tokenizer_cli.main, ["--corpus", "{w}/bigline/*.jsonl", "--vocab", "300",
+                                                             "--out", "{w}/out", "--bad-lines", "skip"],
+     ["no documents to train the tokenizer"]),
+    # 6. A directory holding someone else's files of the names a run writes is never written into.
+    ("run-dir-holds-their-metrics", cli.main, ["run_dir={w}/mine", "data.path={w}/data", *BASE],
+     ["run_dir={w}/mine holds metrics.jsonl, result.json that no hpctrain run wrote"]),
+    ("run-dir-holds-their-log", cli.main, ["run_dir={w}/mylog", "data.path={w}/data", *BASE], ["train.log"]),
+    ("submission-into-their-directory", cli.main, ["run_dir={w}/mine", "hydra/launcher=local", "data.path={w}/data",
+                                                   *BASE], ["no hpctrain run wrote"]),
+    # 7. The notify command is checked before start (its output is bounded: test_safety.py).
+    ("notify-cmd-missing", *_hp("monitor.notify_cmd=[/nonexistent/page-me]"), ["is not an executable program"]),
+    ("notify-cmd-not-on-path", *_hp("monitor.notify_cmd=[no-such-pager-xyz,--urgent]"), ["no-such-pager-xyz"]),
+    # 8. Files read from a run or a checkpoint are regular files of a bounded size.
+    ("init-from-state-is-a-device", *_hp("model.init_from={w}/zerostate/checkpoints/step-0000002"),
+     ["trainer_state.json is a character device"]),
+    ("resume-metadata-is-a-device", *_hp("train.resume={w}/zerometa/checkpoints/step-0000002"),
+     [".metadata is a character device"]),
+    ("resume-metrics-is-a-device", *_run("zerometrics", "train.max_steps=4"), ["metrics.jsonl is a character device"]),
+    ("generate-config-is-a-device", generate.main, ["run_dir={w}/zeroconfig"], ["is a character device"]),
+    # 9. Checkpoints load strictly: another model's are refused, whoever reads them.
+    ("resume-with-fewer-layers", *_run("run", "model.n_layers=1", "train.max_steps=4"),
+     ["written for another model", "layers.1.", "which this model has not"]),
+    ("init-from-with-fewer-layers", *_hp("model.init_from={w}/run/checkpoints/step-0000002", "model.n_layers=1"),
+     ["written for another model"]),
+    ("generate-another-models-checkpoint", generate.main, ["run_dir={w}/small", "max_new_tokens=2"],
+     ["written for another model"]),
+    ("export-another-models-checkpoint", export_hf.main, ["{w}/small", "{w}/out"], ["written for another model"]),
+    # 10. model.init_from's token ids are the shards'.
+    ("init-from-other-tokenizer-shards", *_hp("data.path={w}/otherdata",
+                                              "model.init_from={w}/run/checkpoints/step-0000002"), ["another tokenizer"]),
+    ("init-from-other-tokenizer-state", *_hp("model.init_from={w}/othertok/checkpoints/step-0000002"),
+     ["another tokenizer"]),
+    # 11. A saved schedule sets no rate (a changed optim.lr applies on resume: test_safety.py).
+    ("resume-negative-base-lr", *_hp("train.resume={w}/badsched/checkpoints/step-0000002"), ["base_lrs=-0.5"]),
+    ("resume-schedule-off-its-step", *_hp("train.resume={w}/offsched/checkpoints/step-0000002"),
+     ["scheduler.last_epoch=7"]),
+    # 12. Trainer state values are checked like config values.
+    ("resume-negative-step", *_hp("train.resume={w}/negstep/checkpoints/step-0000002"),
+     ["step=-1000 is not an integer within [0,"]),
+    ("resume-huge-step", *_hp("train.resume={w}/bigstep/checkpoints/step-0000002"), ["run.step=1000000000"]),
+    # 13. One run per run directory.
+    ("run-dir-in-use", *_run("busy", "train.max_steps=4"), ["run_dir={w}/busy is in use by another run"]),
+    ("submission-into-a-dir-in-use", cli.main, ["run_dir={w}/busy", "hydra/launcher=local", "data.path={w}/data",
+                                                *BASE, "train.max_steps=4"], ["is in use by another run"]),
+    # 14. Metadata cannot change what it names, in vars() or not.
+    ("metadata-renames-a-function", *_hp("train.resume={w}/qualfn/checkpoints/step-0000002"),
+     ["bad .metadata", "it modifies _get_layout"]),
+    ("metadata-renames-a-class", *_hp("train.resume={w}/qualcls/checkpoints/step-0000002"),
+     ["bad .metadata", "it modifies _StorageInfo"]),
+    # 15. A truncated .zst is damage, not a bad line.
+    ("zst-truncated-skip", shards_cli.main, ["--corpus", "{w}/zst/*.zst", "--out", "{w}/out", "--vocab-size", "300",
+                                             "--bad-lines", "skip"], ["part.jsonl.zst", "corrupt or truncated"]),
+    ("zst-truncated", shards_cli.main, ["--corpus", "{w}/zst/*.zst", "--out", "{w}/out", "--vocab-size", "300"],
+     ["corrupt or truncated", "ends inside a block"]),
+    # 16. A transformers directory's tensors: floating point, of the described shapes (+ malformed files below).
+    ("init-from-int8-weights", *_hp("model.init_from=hf:{w}/hf_int8"), ["is I8 (quantized?)"]),
+    ("init-from-wrong-shape", *_hp("model.init_from=hf:{w}/hf_shape"), ["up_proj.weight is [64, 176]", "needs"]),
+    # 17. A run that applied no step is never "completed" (the run dir stays, its result.json says failed).
+    ("every-step-skipped", *_hp("model.init_std=1e30"), ["none of this run's 2 steps was applied"]),
+    ("non-finite-from-the-first-step", *_hp("model.init_std=1e30", "train.max_nonfinite=1"),
+     ["not finite from the first step on", "model.init_std=1e+30"]),
+    # 18. Schedules that make no sense.
+    ("decay-steps-zero", *_hp("optim.decay_steps=0"), ["optim.decay_steps=0 must be >= 1"]),
+    ("decay-ends-before-warmup", *_hp("optim.decay_steps=50", "optim.warmup_steps=100"),
+     ["optim.decay_steps=50 must be > optim.warmup_steps=100"]),
+    ("scaled-lr-above-the-cap", *_hp("optim.lr=900", "optim.lr_scaling=linear", "optim.ref_global_batch=1"),
+     ["is 7200", "above 1000"]),
+    # 19. generate's sizes and text.
+    ("generate-max-new-tokens-huge", generate.main, ["run_dir={w}/run", "max_new_tokens=1000000000"],
+     ["max_new_tokens=1000000000", "within [0, 100000]"]),
+    ("generate-seed-20-digits", generate.main, ["run_dir={w}/run", "seed=12345678901234567890"], ["seed="]),
+    # Medium and low: malformed safetensors, before anything starts.
+    ("hf-header-length-huge", *_hp("model.init_from=hf:{w}/hf_hdrlen"), ["header in a", "truncated or not"]),
+    ("hf-header-not-json", *_hp("model.init_from=hf:{w}/hf_json"), ["not JSON"]),
+    ("hf-data-truncated", *_hp("model.init_from=hf:{w}/hf_trunc"), ["truncated or damaged"]),
+    ("hf-offsets-overlap", *_hp("model.init_from=hf:{w}/hf_overlap"), ["overlap"]),
+    ("hf-tensor-missing", *_hp("model.init_from=hf:{w}/hf_missing"), ["has no tensor", "down_proj"]),
+    ("hf-weights-are-a-device", *_hp("model.init_from=hf:{w}/hf_zero"), ["character device"]),
+    # export-hf where nothing can be written, or its read fails midway: nothing of OUT stays.
+    ("export-under-a-file", export_hf.main, ["{w}/run", "{w}/afile/out"], ["cannot create", "afile"]),
+    ("export-into-proc", export_hf.main, ["{w}/run", "/proc/hpctrain-export"], ["cannot create"]),
+    ("export-truncated-checkpoint", export_hf.main, ["{w}/trunc", "{w}/out"], ["a file ends early"]),
+    # generate on non-finite weights and text that is not UTF-8.
+    ("generate-non-finite-weights", generate.main, ["run_dir={w}/nanrun", "max_new_tokens=2"],
+     ["holds non-finite weights"]),
+    ("generate-prompt-not-utf8", generate.main, ["run_dir={w}/run", "prompt=caf\udce9"], ["not valid UTF-8"]),
+    # Numbers that became overflows.
+    ("pg-timeout-huge", *_hp("cluster.pg_timeout_s=1e300"), ["cluster.pg_timeout_s=1e+300"]),
+    ("loss-scale-huge", *_hp("precision=fp16", "precision.loss_scale_init=1e300"), ["precision.loss_scale_init"]),
+    ("prep-vocab-huge", shards_cli.main, ["--corpus", "{w}/corpus/*.txt", "--out", "{w}/out",
+                                          "--vocab-size", "100000000"], ["vocab_size=100000000"]),
+    ("tokenizer-vocab-huge", tokenizer_cli.main, ["--corpus", "{w}/corpus/*.txt", "--vocab", "100000000",
+                                                  "--out", "{w}/out"], ["vocab_size=100000000"]),
+    # Serving and tracking addresses checked before start.
+    ("prometheus-address-malformed", *_hp("monitor.prometheus_port=0", "monitor.prometheus_addr=bad_host"),
+     ["monitor.prometheus_addr='bad_host' is not an address"]),
+    ("prometheus-address-not-here", *_hp("monitor.prometheus_port=0", "monitor.prometheus_addr=203.0.113.7"),
+     ["cannot be served on '203.0.113.7'"]),
+    ("mlflow-server-not-answering", *_hp("logging.trackers=[mlflow]", "logging.mlflow_tracking_uri=http://127.0.0.1:9"),
+     ["does not answer"]),
+    ("mlflow-sqlite-at-a-users-file", *_hp("logging.trackers=[mlflow]",
+                                           "logging.mlflow_tracking_uri=sqlite:///{w}/notes/plan.txt"),
+     ["is not an SQLite database"]),
+    # A grid checked point by point before anything is submitted (sbatch/sweep.sbatch runs it).
+    ("grid-with-a-bad-point", cli.main, ["check", "optim.lr=1e-3,-1", "--", "data.path={w}/data", *BASE],
+     ["sweep point #1 (optim.lr=-1", "optim.lr=-1.0 must be"]),
+    ("grid-with-an-unknown-key", cli.main, ["check", "optim.lr=1e-3,3e-3", "--", "train.max_stepz=3",
+                                            "data.path={w}/data", *BASE], ["sweep point #0", "train.max_stepz"]),
 ]
 
 
-# Found only while training (shards are checked as they are read): the run dir stays, its result.json says failed.
-STARTED = {"altered-shards", "token-id-beyond-vocab"}
+# Found only while training (shards are checked as they are read; every step skipped): the run dir stays, its
+# result.json says failed.
+STARTED = {"altered-shards", "token-id-beyond-vocab", "every-step-skipped", "non-finite-from-the-first-step"}
+# Found only as the corpus is read: the build stays unfinished (rerun to go on), with no manifest.
+BUILD_STARTED = {"jsonl-line-beyond-64-mb"}
 
 
 @pytest.mark.parametrize("name,main,argv,words", CASES, ids=[c[0] for c in CASES])
@@ -214,13 +557,18 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
     env = {"PATH": os.path.dirname(os.__file__), "HPCTRAIN_CACHE": str(world / "cache")}
     try:
         ran = run_forked(main, argv, cwd=world, env=env)
-        leftovers = [gone for gone in ("new", "shardz", "pwned", "cache", "sweep/0") if (world / gone).exists()]
+        leftovers = [gone for gone in ("new", "shardz", "pwned", "cache", "sweep/0", "out") if (world / gone).exists()]
+        leftovers += glob.glob(str(world / "*.partial-*")) + glob.glob(str(world / "notes" / "*.lock"))
+        if name in BUILD_STARTED:
+            leftovers.remove("out")
+            assert not (world / "out" / "manifest.json").exists()
         if name in STARTED:
             leftovers.remove("new")
             with open(world / "new" / "result.json") as f:
                 assert json.load(f)["status"] == "failed"
     finally:  # a case that fails here must not spoil the next ones
-        shutil.rmtree(world / "new", ignore_errors=True)
+        for made in ("new", "out"):
+            shutil.rmtree(world / made, ignore_errors=True)
     assert ran.code != 0, ran.out + ran.err
     assert "Traceback" not in ran.out + ran.err, ran.err
     assert len(ran.err_lines) == 1, ran.err

@@ -135,6 +135,15 @@ ABUSES_ALLOWED = {
                                 _dict("cache", _dict("torch.strided", _str("touch pwned")))),
     "build_on_class": _build(_stack_global(DCP_FS, "_StorageInfo"),
                              pickle.NONE + _dict("__eq__", pickle.NONE) + pickle.TUPLE2),
+    # attributes outside vars(): a function's or a class's __qualname__ (slot state, set with setattr)
+    "qualname_of_function": _build(_stack_global("torch.serialization", "_get_layout"),
+                                   pickle.NONE + _dict("__qualname__", _str("pwned")) + pickle.TUPLE2),
+    "qualname_of_class": _build(_stack_global(DCP_FS, "_StorageInfo"),
+                                pickle.NONE + _dict("__qualname__", _str("pwned")) + pickle.TUPLE2),
+    # a process-wide singleton the pickle can reach: an Enum member, looked up by its value
+    "build_on_enum_member": _build(_stack_global("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+                                   + pickle.MARK + pickle.BININT1 + b"\x00" + pickle.TUPLE + pickle.REDUCE,
+                                   pickle.NONE + _dict("note", _str("pwned")) + pickle.TUPLE2),
 }
 # (f) damaged files
 DAMAGED = {
@@ -221,9 +230,11 @@ def test_allowed_names_cannot_be_abused(small_run, name):
     from torch.serialization import _get_layout
 
     eq, cache = _StorageInfo.__eq__, _get_layout.cache
+    names = _StorageInfo.__qualname__, _get_layout.__qualname__
     _refused_by_both_loaders(_with_metadata(small_run, ABUSES_ALLOWED[name]), "bad .metadata")
-    # What a BUILD changed is put back: the next load (a fallback to an older checkpoint) sees the real ones.
+    # Nothing a BUILD would change is changed: the next load (a fallback to an older checkpoint) sees the real ones.
     assert _StorageInfo.__eq__ is eq and _get_layout.cache is cache and _get_layout("torch.strided") is torch.strided
+    assert (_StorageInfo.__qualname__, _get_layout.__qualname__) == names
 
 
 def test_metadata_naming_a_file_outside_the_checkpoint_is_refused(small_run):
@@ -277,7 +288,7 @@ def test_data_file_missing_its_last_bytes_is_one_line(small_run):
     os.truncate(data, os.path.getsize(data) - 1)
     with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.load(ckpt, *_linear())
-    one_line(e, ckpt, "RuntimeError: PytorchStreamReader failed reading zip archive", "train.resume=never")
+    one_line(e, ckpt, "a file ends early (truncated): __0_0.distcp", "rng.cpu_rank0", "train.resume=never")
     model = torch.nn.Linear(4, 4)
     checkpoint.load_model(ckpt, model)
     assert torch.all(model.weight == 4)

@@ -12,8 +12,8 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from hpctrain.config import ConfigError
 from hpctrain.models.llama.model import num_params
-from hpctrain.resolve import resolve
-from hpctrain.training.optim import lr_factor, scaled_lr
+from hpctrain.resolve import resolve, scaled_lr
+from hpctrain.training.optim import lr_factor
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 
@@ -79,7 +79,7 @@ def test_lr_scaling_and_schedule(make_cfg):
     assert scaled_lr(cfg.optim, 8) == pytest.approx(4.0)
     from hpctrain.config import Decay
 
-    f = [lr_factor(s, 10, 90, Decay.cosine, 0.1) for s in range(120)]
+    f = [lr_factor(s, 10, 100, Decay.cosine, 0.1) for s in range(120)]
     assert f[0] < f[5] < f[9] < 1.0 and f[10] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
     assert f[100] == pytest.approx(0.1) and f[119] == pytest.approx(0.1)

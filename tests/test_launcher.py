@@ -181,3 +181,43 @@ def test_nccl_settings_exported_unless_the_job_sets_them(monkeypatch):
     got = apply_env({"NCCL_IB_TIMEOUT": "22", "NCCL_IB_HCA": "mlx5_1", "NCCL_DEBUG": None})
     assert os.environ == {"NCCL_IB_HCA": "mlx5_0", "NCCL_IB_TIMEOUT": "22"}  # None: left unset
     assert got == {"NCCL_IB_TIMEOUT": "22 (cluster.nccl)", "NCCL_IB_HCA": "mlx5_0 (environment)"}
+
+
+def test_a_damaged_attempt_record_starts_the_counts_afresh(tmp_path, monkeypatch):
+    """slurm.json damaged, or holding values no attempt wrote: the counts restart (a warning says so), the job runs."""
+    from hpctrain.cluster.job import node_failures, record_attempt
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    for text in ("{not json", '{"stalled_restarts": "x", "job_id": "42", "restart_count": 1}', '["a list"]'):
+        (tmp_path / "slurm.json").write_text(text)
+        assert record_attempt(str(tmp_path), 10, max_stalled=3) is None
+        doc = json.loads((tmp_path / "slurm.json").read_text())
+        assert doc["stalled_restarts"] == 0 and doc["node_failures"] == []
+    (tmp_path / "slurm.json").write_text('{"node_failures": ["soon"], "nodes": 2}')
+    assert node_failures(str(tmp_path)) is None
+
+
+def test_a_grid_is_numbered_as_the_sbatch_template_numbers_it():
+    """`python -m hpctrain check`'s grid: an axis is an override with a comma before `--`, the last axis fastest;
+    the rest (everything after `--`, commas included) on every point."""
+    from hpctrain.cluster.submit import grid
+
+    assert grid(["a=1,2", "b=x,y", "c=3", "--", "d=[1,2]"]) == [
+        ["a=1", "b=x", "c=3", "d=[1,2]"], ["a=1", "b=y", "c=3", "d=[1,2]"],
+        ["a=2", "b=x", "c=3", "d=[1,2]"], ["a=2", "b=y", "c=3", "d=[1,2]"]]
+    assert grid(["c=3"]) == [["c=3"]]
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_beyond_the_clusters_array_size_is_refused_before_anything(slurm, demo_data, tmp_path):
+    """More points than the cluster's MaxArraySize: one line, before any point is composed or anything written."""
+    from hpctrain.cluster.submit import max_array_size
+
+    n = (max_array_size() or 1001) + 1
+    p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path}/s",
+                        f"data.path={demo_data}", "optim.lr=" + ",".join(f"{i + 1}e-6" for i in range(n))], cwd=ROOT,
+                       capture_output=True, text=True, timeout=100)
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(err) == 1 and f"has {n} points" in err[0] and "MaxArraySize" in err[0], p.stderr
+    assert not (tmp_path / "s" / "0").exists() and not (tmp_path / "s" / ".submitit").exists()

@@ -80,6 +80,6 @@ def test_console_script_has_every_command(fresh):
     assert p.returncode == 0 and "6.738B parameters" in p.stdout, p.stdout + p.stderr
     p = _run([script, "trian"], empty)
     assert p.returncode == 2 and p.stderr.strip() == (
-        "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, generate, export-hf, summary, "
+        "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, check, generate, export-hf, summary, "
         "report, bench (hpctrain --help)")
 

@@ -197,7 +197,8 @@ def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
     else:
         from hpctrain.parallel.process_group import node_name
 
-        line = next((x for x in err.splitlines() if "stopped responding" in x), err[-3000:])
+        # (the one error line: another rank's log line of the same hang may come first)
+        line = next((x for x in err.splitlines() if "stopped responding" in x and "of 4 failed" in x), err[-3000:])
         print(line)
         # (A rank stopped before its first heartbeat, while the run was being built, is named as such.)
         assert "of 4 failed" in line and (f"rank {victim} (node {node_name()}, last heartbeat " in line

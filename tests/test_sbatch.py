@@ -141,15 +141,30 @@ def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, slur
         assert abs(result["final_loss"] - ref["final_loss"]) <= 1e-5, (i, result, ref)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("args", [[], ["optim.lr=1e-2,", "--", "model=tiny"]], ids=["no-args", "empty-value"])
-def test_sweep_sbatch_bad_usage_submits_nothing(slurm, tmp_path, args):
+def _max_array_size() -> int:
+    from hpctrain.cluster.submit import max_array_size
+
+    return max_array_size() or 1001  # (Slurm's default)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("args, words", [
+    ([], ["key=v1,v2"]),
+    (["optim.lr=1e-2,", "--", "model=tiny"], ["key=v1,v2"]),
+    # Every point is checked as its task would be, before anything is submitted: one bad value, one typo.
+    (["optim.lr=-1,1e-2", "--", "model=tiny"], ["sweep point #0 (optim.lr=-1", "optim.lr=-1.0 must be"]),
+    (["optim.lr=1e-2,3e-3", "--", "train.max_stepz=1"], ["sweep point #0", "unknown config key train.max_stepz"]),
+    # More points than this cluster's job arrays hold (its MaxArraySize, read from scontrol).
+    (lambda: ["optim.lr=" + ",".join(f"{i + 1}e-5" for i in range(_max_array_size() + 1))], ["MaxArraySize"]),
+], ids=["no-args", "empty-value", "bad-point", "unknown-key", "beyond-max-array-size"])
+def test_sweep_sbatch_bad_usage_submits_nothing(slurm, tmp_path, args, words):
+    args = args() if callable(args) else args
     name = f"hpctrain-test-{uuid.uuid4().hex[:8]}"  # a job name nobody else uses: find what was submitted
     env = dict(ENV, SWEEP_DIR=str(tmp_path / "sweep"), SWEEP_SBATCH_ARGS=f"--job-name={name}")
     p = subprocess.run(["bash", "sbatch/sweep.sbatch", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=30)
     assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1 and "key=v1,v2" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and all(w in p.stderr for w in words), p.stderr
     assert not (tmp_path / "sweep").exists()
     q = subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True, timeout=30)
     assert q.returncode == 0 and q.stdout.strip() == ""

@@ -19,7 +19,7 @@ from hpctrain.training.run import prepare, train
 # global batch of step 25 (samples 192..199), whose loss jumps from ~5.3 to ~8.1 (measured).
 RUN = ("data.lanes=1", "data.shuffle=false", "train.max_steps=40", "train.eval_every=0", "train.ckpt_every=10",
        "train.ckpt_keep=10", "train.log_every=1", "cluster.num_threads=1", "logging.trackers=[]",
-       "optim.decay_steps=40", "monitor.loss_spike.factor=1.4", "monitor.loss_spike.window=10")
+       "optim.decay_steps=42", "monitor.loss_spike.factor=1.4", "monitor.loss_spike.window=10")
 SPIKE_STEP = 25
 
 
@@ -57,14 +57,15 @@ def test_rollback_skips_the_window_and_equals_a_resume_past_it(make_cfg, demo_da
     result = train(make_cfg(*RUN, f"data.path={data}", "monitor.loss_spike.action=rollback"), str(run))
     assert result["steps"] == 40 and [w["spike_step"] for w in result["skipped_data"]] == [SPIKE_STEP]
 
-    ref = tmp_path / "ref"
-    shutil.copytree(run / "checkpoints" / "step-0000020", ref / "checkpoints" / "step-0000020")
-    state_file = ref / "checkpoints" / "step-0000020" / "trainer_state.json"
+    ref, ck = tmp_path / "ref", tmp_path / "copy" / "step-0000020"
+    shutil.copytree(run / "checkpoints" / "step-0000020", ck)
+    state_file = ck / "trainer_state.json"
     state = json.loads(state_file.read_text())
     assert state["run"]["samples"] == 160
     state["run"]["samples"] = 200
     state_file.write_text(json.dumps(state))
-    result = train(make_cfg(*RUN, f"data.path={data}", "monitor.loss_spike.action=rollback"), str(ref))
+    result = train(make_cfg(*RUN, f"data.path={data}", "monitor.loss_spike.action=rollback", f"train.resume={ck}"),
+                   str(ref))
     assert result["skipped_spike"] == 0 and result["samples"] == 200 + 20 * 8
     got, want = losses(run), losses(ref)
     assert [got[s] for s in range(21, 41)] == pytest.approx([want[s] for s in range(21, 41)], rel=1e-6, abs=0)

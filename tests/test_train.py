@@ -266,11 +266,11 @@ def test_resume_on_shards_of_another_tokenizer_is_refused(make_cfg, tmp_path, de
 
 def test_generate_cli(make_cfg, tmp_path, demo_data):
     cfg = make_cfg("train.max_steps=2", "train.eval_every=0")
-    os.makedirs(tmp_path / ".hydra")
+    train(cfg, str(tmp_path))
     from omegaconf import OmegaConf
 
-    OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
-    train(cfg, str(tmp_path))
+    os.makedirs(tmp_path / ".hydra")
+    OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")  # as the CLI records it
     p = subprocess.run([sys.executable, "-m", "hpctrain.tools.generate", f"run_dir={tmp_path}", "prompt=def ",
                         "max_new_tokens=12", "seed=1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -323,8 +323,8 @@ def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
     assert streamed.loss == pytest.approx(ref.loss, abs=1e-6) and streamed.grad_norm == pytest.approx(ref.grad_norm)
 
 
-def _checkpoint_with_nan_weight(make_cfg, tmp_path, into: str = "nan-ckpt") -> str:
-    """A step-2 checkpoint in tmp_path/`into` holding one NaN weight, as an older version or a flipped bit would
+def _checkpoint_with_nan_weight(make_cfg, tmp_path) -> str:
+    """A step-2 checkpoint in tmp_path/nan-ckpt holding one NaN weight, as an older version or a flipped bit would
     leave it; returns its directory."""
     from hpctrain import checkpoint
     from hpctrain.models import model_args
@@ -339,17 +339,31 @@ def _checkpoint_with_nan_weight(make_cfg, tmp_path, into: str = "nan-ckpt") -> s
     state = checkpoint.load(checkpoint.latest(str(tmp_path / "good")), model, optimizer)
     with torch.no_grad():
         model.layers["0"].attention.wq.weight[0, 0] = float("nan")
-    checkpoint.save(str(tmp_path / into), 2, model, optimizer, state, keep=2)
-    return checkpoint.latest(str(tmp_path / into))
+    checkpoint.save(str(tmp_path / "nan-ckpt"), 2, model, optimizer, state, keep=2)
+    return checkpoint.latest(str(tmp_path / "nan-ckpt"))
+
+
+def _poison_after_start(monkeypatch) -> None:
+    """Weights that turn non-finite once the run has started (a flipped bit, a kernel's bug): the run's start check
+    (which refuses non-finite starting weights) poisons one weight instead, so the later guards are what is tested."""
+    from hpctrain.training.trainer import Trainer
+
+    def poison(self):
+        with torch.no_grad():
+            next(self.model.parameters()).view(-1)[0] = float("nan")
+
+    monkeypatch.setattr(Trainer, "_check_start_finite", poison)
 
 
 @pytest.mark.parametrize("ckpt_async", [False, True])
-def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path, ckpt_async):
-    """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: resumed from a
-    checkpoint holding a NaN weight). Written in the background, the host copy is what is checked."""
+def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path, ckpt_async, monkeypatch):
+    """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: a weight turned
+    NaN after the start, resumed from a good step-2 checkpoint). Written in the background, the host copy is what is
+    checked."""
     from hpctrain import checkpoint
 
-    _checkpoint_with_nan_weight(make_cfg, tmp_path, into="run")
+    train(make_cfg("train.max_steps=2", "train.eval_every=0", "train.ckpt_every=2"), str(tmp_path / "run"))
+    _poison_after_start(monkeypatch)
     with pytest.raises(TrainingError, match="not finite after step 3; no checkpoint written") as e:
         train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.max_nonfinite=5",
                        f"train.ckpt_async={ckpt_async}"), str(tmp_path / "run"))
@@ -358,7 +372,18 @@ def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path, ckpt_async):
     assert [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(tmp_path / "run"))] == ["step-0000002"]
 
 
-def test_checkpointing_off_writes_nothing_but_still_refuses_nonfinite_weights(make_cfg, tmp_path):
+def test_a_checkpoint_with_nonfinite_weights_is_refused_at_the_start(make_cfg, tmp_path):
+    """Resuming (or starting with model.init_from) from non-finite weights stops before the first step, naming the
+    checkpoint: every step of such a run would be skipped."""
+    nan = _checkpoint_with_nan_weight(make_cfg, tmp_path)
+    for how in (f"train.resume={nan}", f"model.init_from={nan}"):
+        with pytest.raises(TrainingError) as e:
+            train(make_cfg("train.max_steps=3", "train.eval_every=0", how), str(tmp_path / how.split("=")[0]))
+        assert "holds non-finite weights" in str(e.value) or "starting weights are not finite" in str(e.value)
+        assert str(nan) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_checkpointing_off_writes_nothing_but_still_refuses_nonfinite_weights(make_cfg, tmp_path, monkeypatch):
     """train.checkpointing=false (benchmarks): no checkpoint at ckpt_every or at the end; the run reports its memory
     peaks; and weights that are not finite where a save was due still fail the run."""
     from hpctrain import checkpoint
@@ -368,10 +393,10 @@ def test_checkpointing_off_writes_nothing_but_still_refuses_nonfinite_weights(ma
     assert result["status"] == "completed" and checkpoint.complete_checkpoints(str(tmp_path / "off")) == []
     assert set(result["memory"]) == {"startup_gib", "step_gib", "planned_gib"}
     assert result["memory"]["step_gib"][0] > 0 and result["memory"]["planned_gib"][0] > 0
-    nan = _checkpoint_with_nan_weight(make_cfg, tmp_path)
+    _poison_after_start(monkeypatch)
     with pytest.raises(TrainingError, match="not finite after step 3"):
         train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.max_nonfinite=5", "train.checkpointing=false",
-                       f"train.resume={nan}"), str(tmp_path / "nan"))
+                       "train.ckpt_every=3"), str(tmp_path / "nan"))
     assert read_json(tmp_path / "nan" / "result.json")["status"] == "failed"
 
 

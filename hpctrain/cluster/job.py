@@ -18,7 +18,7 @@ import time
 import torch.distributed as dist
 
 from hpctrain.config import signal_number
-from hpctrain.files import RESULT_FILE, read_json, write_json
+from hpctrain.files import RESULT_FILE, read_json, read_object, write_json
 from hpctrain.parallel.vote import OverlappedVote
 
 log = logging.getLogger("hpctrain")
@@ -155,11 +155,28 @@ def _stopped_cleanly(run_dir: str, attempt_started: float) -> bool:
 def node_failures(run_dir: str) -> tuple[list[float], int] | None:
     """(wall times of this run's node failures, the job's node count), from <run_dir>/slurm.json; None outside
     Slurm."""
-    try:
-        doc = read_json(os.path.join(run_dir, "slurm.json"))
-    except (OSError, ValueError):
+    doc = _attempt(os.path.join(run_dir, "slurm.json"))
+    if not doc:
         return None
-    return list(doc.get("node_failures", [])), max(int(doc.get("nodes", 1)), 1)
+    return doc["node_failures"], doc["nodes"]
+
+
+def _attempt(path: str) -> dict:
+    """The last attempt's record, its values checked; {} when missing, or damaged (said in the log): the counts it
+    keeps (stalled restarts, node failures) then start afresh rather than stop a requeued job."""
+    doc = read_object(path)
+    if doc is None:
+        if os.path.lexists(path):
+            log.warning("%s is damaged: this attempt starts its restart counts afresh", path)
+        return {}
+    ints = ("restart_count", "start_step", "stalled_restarts", "nodes")
+    ok = all(type(doc.get(k, 0)) is int and doc.get(k, 0) >= -1 for k in ints) and isinstance(
+        doc.get("node_failures", []), list) and all(type(t) in (int, float) for t in doc.get("node_failures", [])) \
+        and type(doc.get("started_at", 0.0)) in (int, float)
+    if not ok:
+        log.warning("%s holds values no attempt wrote: this attempt starts its restart counts afresh", path)
+        return {}
+    return {**doc, "nodes": max(doc.get("nodes", 1), 1), "node_failures": list(doc.get("node_failures", []))}
 
 
 def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
@@ -174,9 +191,7 @@ def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
     if "SLURM_JOB_ID" not in e:
         return None
     path = os.path.join(run_dir, "slurm.json")
-    prev = {}
-    if os.path.isfile(path):
-        prev = read_json(path)
+    prev = _attempt(path)
     restarts = int(e.get("SLURM_RESTART_COUNT", 0))
     stalled, failures = 0, list(prev.get("node_failures", []))
     if restarts and prev.get("job_id") == e["SLURM_JOB_ID"] and restarts > prev.get("restart_count", 0):

@@ -101,9 +101,14 @@ class Submitting:
         return f"{self.params['nodes']} node(s) × {self.params['tasks_per_node']} task(s)"
 
     def launch(self, job_overrides, initial_job_idx: int):
-        configs = [self.hydra_context.config_loader.load_sweep_config(self.config, list(o)) for o in job_overrides]
-        for i, cfg in enumerate(configs):
+        if self._EXECUTOR == "slurm":
+            check_array_size(initial_job_idx + len(job_overrides))
+        configs = []
+        progress = Progress(len(job_overrides))
+        for i, o in enumerate(job_overrides):
             try:
+                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(o))
+                configs.append(cfg)
                 check(cfg)
                 if job_shape(cfg.parallel, cfg.cluster) != job_shape(self.config.parallel, self.config.cluster):
                     raise ConfigError("sweep points must share one layout (one job shape per array): "
@@ -112,6 +117,7 @@ class Submitting:
                 common = set.intersection(*map(set, job_overrides)) if len(job_overrides) > 1 else set()
                 point = " ".join(o for o in filter_overrides(job_overrides[i]) if o not in common)
                 fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
+            progress.tick(i + 1)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         args = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
                  plugin.Singleton.get_state()) for i, o in enumerate(job_overrides)]
@@ -137,7 +143,10 @@ class Submitting:
 
         folder = os.path.join(run_dir, ".submitit", "%j")
         try:
+            rundir.check_owned(run_dir)
             check(cfg)
+            with rundir.claimed(run_dir, probe=True):  # marked a run's; not while another run lives there
+                pass
             executor = self.executor(folder, cfg.cluster)
             rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
             job = _orfail(lambda: executor.submit(RunJob(OmegaConf.to_container(cfg, resolve=True), run_dir,
@@ -151,6 +160,54 @@ class Submitting:
               f"python -m hpctrain report {run_dir}", flush=True)
         if cfg.cluster.wait:
             _wait([job], run_dir)
+
+
+class Progress:
+    """A line on stdout every `every_s` while many sweep points are checked (a 3000-point sweep takes minutes)."""
+
+    def __init__(self, total: int, every_s: float = 10.0):
+        import time
+
+        self.total, self.every_s, self.clock = total, every_s, time.monotonic
+        self.next = self.clock() + every_s
+
+    def tick(self, done: int) -> None:
+        if self.clock() >= self.next and done < self.total:
+            print(f"hpctrain: checked {done} of {self.total} sweep points", flush=True)
+            self.next = self.clock() + self.every_s
+
+
+def max_array_size() -> int | None:
+    """The cluster's MaxArraySize (array indices stay below it), or None where scontrol does not say."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", out, re.M)
+    return int(m.group(1)) if m else None
+
+
+def check_array_size(points: int) -> None:
+    """A sweep of `points` array tasks (indices 0..points-1) that the cluster accepts: one ConfigError line."""
+    limit = max_array_size()
+    if limit is not None and points > limit:
+        raise ConfigError(f"the sweep has {points} points, and this cluster's job arrays hold at most {limit} "
+                          f"(MaxArraySize): split it into sweeps of at most {limit} points")
+
+
+def grid(argv: list[str]) -> list[list[str]]:
+    """The points of `key=v1,v2 ... [-- overrides]`, as sbatch/sweep.sbatch numbers them: before `--`, an
+    override with commas is an axis; the cartesian product, the last axis fastest; the rest on every point."""
+    import itertools
+
+    cut = argv.index("--") if "--" in argv else len(argv)
+    swept = [a for a in argv[:cut] if "," in a.partition("=")[2]]  # as the template's pattern *=*,*
+    axes = [[f"{a.partition('=')[0]}={v}" for v in a.partition("=")[2].split(",")] for a in swept]
+    common = [a for a in argv[:cut] if a not in swept] + argv[cut + 1:]
+    return [[*point, *common] for point in itertools.product(*axes)]
 
 
 def _ids(jobs) -> str:

@@ -48,6 +48,14 @@ class ModelSpec:
     def build(self, args) -> Any:
         return self.model_type(args)
 
+    def weights(self, args) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Every weight of the whole model, {state_dict key: (shape, dtype)}, from a meta-device build."""
+        import torch
+
+        with torch.device("meta"):
+            model = self.build(args)
+        return {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict().items()}
+
     def hf(self):
         return importlib.import_module(self.hf_adapter)
 

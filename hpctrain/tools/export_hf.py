@@ -39,24 +39,43 @@ def _groups(shapes: dict[str, tuple[torch.Size, torch.dtype]], limit: int) -> li
 
 def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
     """Write checkpoint `ckpt` of a run with config `cfg` to `out` as a transformers directory; returns `out`."""
+    from hpctrain import checkpoint
+    from hpctrain.models import spec_of
+
+    if os.path.lexists(out):
+        raise ExportError(f"{out} exists: choose a new OUT (nothing is ever overwritten or removed)")
+    spec = spec_of(cfg)
+    weights = spec.weights(spec.args(cfg.model))
+    checkpoint.check_model(ckpt, weights)  # exactly this model's weights, before OUT is made
+    tmp = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise ExportError(f"cannot create {out} ({e.strerror}: {e.filename}): choose an OUT in a directory you can "
+                          "write to") from None
+    try:  # whatever stops the export (an error, Ctrl-C), the partial directory this call made goes
+        _write(cfg, ckpt, tmp, weights, shard_bytes or SHARD_BYTES)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(cfg, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
+    """The weights file by file, their index, the tokenizer and config.json into the new directory `tmp`."""
     from safetensors.torch import save_file
 
     from hpctrain import checkpoint
     from hpctrain.files import fsync_dir, write_json
     from hpctrain.models import spec_of
 
-    if os.path.lexists(out):
-        raise ExportError(f"{out} exists: choose a new OUT (nothing is ever overwritten or removed)")
     spec = spec_of(cfg)
-    args, hf = spec.args(cfg.model), spec.hf()
-    names = hf.key_map(args.n_layers)
-    with torch.device("meta"):
-        model = spec.build(args)
-    shapes = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()
+    args = spec.args(cfg.model)
+    names = spec.hf().key_map(args.n_layers)
+    shapes = {k: (torch.Size(shape), dtype) for k, (shape, dtype) in weights.items()
               if k in names and not (args.tie_embeddings and k == "output.weight")}  # a tied head is the embedding
-    groups = _groups(shapes, shard_bytes or SHARD_BYTES)
-    tmp = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
-    os.makedirs(tmp)
+    groups = _groups(shapes, shard_bytes)
     weight_map, total = {}, 0
     for i, keys in enumerate(groups):
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -69,10 +88,8 @@ def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
                {"metadata": {"total_size": total}, "weight_map": weight_map})
     eos = _copy_tokenizer(cfg, tmp)
     ids = {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
-    hf.to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
+    spec.hf().to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
     fsync_dir(tmp)
-    os.rename(tmp, out)
-    return out
 
 
 def _copy_tokenizer(cfg, dest: str) -> int | None:
@@ -109,6 +126,13 @@ def main(argv: list[str]) -> int:
     except (ExportError, RunDirError, CheckpointError) as e:
         print(f"hpctrain export-hf: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk filled, a directory vanished: nothing of OUT is left (see export)
+        print(f"hpctrain export-hf: error: writing {out} failed ({e.strerror}: {e.filename}): free space or choose "
+              "another OUT", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hpctrain export-hf: interrupted (nothing of OUT was left)", file=sys.stderr)
+        return 130
     return 0
 
 

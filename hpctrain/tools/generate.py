@@ -50,29 +50,37 @@ def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, ob
     cfg, ckpt = run_config(run_dir, ckpt)
     model = build_model(cfg)
     checkpoint.load_model(ckpt, model)
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise GenerateError(f"checkpoint {ckpt} holds non-finite weights (its run diverged): pass checkpoint=DIR of "
+                            "an earlier one")
     return model.eval(), cfg, os.path.expanduser(cfg.data.path)
 
 
-# key=value options: type, default, and the smallest value allowed.
-OPTIONS = {"run_dir": (str, None, None), "prompt": (str, "def ", None), "max_new_tokens": (int, 100, 0),
-           "temperature": (float, 0.8, 0.0), "top_k": (int, 50, 0), "seed": (int, 0, 0),
-           "checkpoint": (str, None, None)}
+# key=value options: type, default, and the smallest and largest values allowed.
+MAX_NEW_TOKENS = 100_000  # each token recomputes the whole context: beyond this a run would take days
+OPTIONS = {"run_dir": (str, None, None, None), "prompt": (str, "def ", None, None),
+           "max_new_tokens": (int, 100, 0, MAX_NEW_TOKENS), "temperature": (float, 0.8, 0.0, 1e6),
+           "top_k": (int, 50, 0, 2**31), "seed": (int, 0, 0, 2**63 - 1), "checkpoint": (str, None, None, None)}
 
 
 def parse(argv: list[str]) -> dict:
     """`key=value` arguments checked against OPTIONS; raises GenerateError naming the bad one."""
-    opts = {k: default for k, (_, default, _) in OPTIONS.items()}
+    opts = {k: default for k, (_, default, _, _) in OPTIONS.items()}
     for arg in argv:
         key, eq, value = arg.partition("=")
         if not eq or key not in OPTIONS:
             raise GenerateError(f"unknown argument {arg!r}: use key=value with keys {', '.join(OPTIONS)}")
-        kind, _, low = OPTIONS[key]
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the terminal's encoding could not decode (surrogate escapes)
+            raise GenerateError(f"{key}= is not valid UTF-8 text: pass it in your terminal's UTF-8 encoding") from None
+        kind, _, low, high = OPTIONS[key]
         try:
             opts[key] = kind(value)
         except ValueError:
             raise GenerateError(f"{key}={value} is not {'an integer' if kind is int else 'a number'}") from None
-        if low is not None and not opts[key] >= low or kind is float and not math.isfinite(opts[key]):
-            raise GenerateError(f"{key}={value} must be a finite number >= {low}")
+        if low is not None and not (low <= opts[key] <= high) or kind is float and not math.isfinite(opts[key]):
+            raise GenerateError(f"{key}={value} must be a finite number within [{low}, {high}]")
     if not opts["run_dir"]:
         raise GenerateError("run_dir=DIR is required: the directory of a training run")
     return opts
@@ -105,6 +113,9 @@ def main(argv: list[str]) -> int:
     except (GenerateError, RunDirError, CheckpointError, DataError, OmegaConfBaseException) as e:
         print(f"hpctrain generate: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hpctrain generate: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

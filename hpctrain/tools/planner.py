@@ -5,6 +5,7 @@ Memory per device, in bytes, with P the parameters a device holds (TP-sharded ma
 norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one micro-batch:
 
   parameters   4·P / (dp if zero_stage>=2)            fp32 master weights (FSDP2 shards them at ZeRO-2 too)
+  buffers      the model's own buffers on every stage: the RoPE tables, 2 · 4 · max_seq_len · head_dim
   gradients    4·P / (dp if zero_stage>=2)            + 4·P with accumulation and sharded_accumulation=false
                                                       + 4·P: grad_compression's residual (8·P with
                                                         loss_spike.action=skip_batch: the previous one kept)
@@ -80,6 +81,7 @@ class StageParams:
     factored: int = 0  # Adafactor state elements: rows + cols per matrix, numel per vector
     largest_block: int = 0  # the largest block: an FSDP unit
     root: int = 0  # embedding / final norm / output head held: the root FSDP unit
+    buffers: int = 0  # bytes of the model's own buffers every stage holds (the RoPE tables: max_seq_len × head_dim)
 
     def per_device(self, tp: int) -> int:
         return self.sharded // tp + self.replicated
@@ -104,7 +106,9 @@ def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None) -> li
     with torch.device("meta"):
         model = spec.build(args)
     stages = [StageParams(chunks) for chunks in layer_map(args.n_layers, pp, v)]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # (conservative: a block's, everywhere)
     for i, st in enumerate(stages):
+        st.buffers = buffers
         for chunk in st.layers:
             for layer in chunk:
                 st.largest_block = max(st.largest_block, _count(st, model.layers[str(layer)].parameters()))
@@ -197,6 +201,7 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
         # between saves.
         async_copy = (4 * P + opt) / z2 if cfg.train.ckpt_async and cfg.train.checkpointing else 0
         rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P, "params": off * 4 * P / z2,
+                     "buffers": st.buffers,
                      "grads": grads, "held_grads": grads if plan.grad_accum > 1 else 0,  # only when accumulating
                      "optim": off * opt / z2, "opt_temp": off * opt_temp / z2,
                      "copies": _copies(p.zero_stage, replicas, c, st, P, tp),
@@ -275,12 +280,34 @@ def total(row: dict, mode: str) -> float:
     """The largest of three peaks: backward's start (the saved activations and the loss's buffers, or a recomputed
     block instead of the latter; gradients only when accumulating), backward's end under data parallelism (every
     gradient, the last unit's being reduced) and the optimizer step (its temporary)."""
-    resident = row["params"] + row["optim"]
+    resident = row["params"] + row["optim"] + row["buffers"]
     backward = (resident + row["held_grads"] + row["copies"] + row["acts"][mode]
                 + max(row["logits"], row["recompute"][mode]))
     reduced = resident + row["grads"] + row["reducing"] if row["reducing"] else 0
     step = resident + row["grads"] + row["opt_temp"]
     return max(backward, reduced, step)
+
+
+# The parts `largest_part` names, with what shrinks each.
+PARTS = {
+    "weights": ("the weights, gradients and optimizer state", "spread them over more ranks (parallel.dp with "
+                "parallel.zero_stage=3, parallel.tp, parallel.pp)"),
+    "acts": ("the activations", "lower train.micro_batch (train.grad_accum keeps the global batch) or set "
+             "parallel.activation_checkpointing=full"),
+    "logits": ("the loss's buffers (tokens × vocabulary)", "set train.fused_loss=true or lower train.micro_batch"),
+    "buffers": ("the RoPE tables (model.max_seq_len × head_dim)", "lower model.max_seq_len to the longest sequence "
+                "this model will see"),
+}
+
+
+def largest_part(cfg, plan: RunShape, seq_len: int) -> tuple[str, float, str]:
+    """(what, bytes, how to shrink it): the largest part of the most loaded device's estimate."""
+    mode = ActCkpt(cfg.parallel.activation_checkpointing).value
+    row = max(estimate(cfg, plan, seq_len)["rows"], key=lambda r: total(r, mode))
+    parts = {"weights": sum(row[k] for k in ("params", "grads", "optim", "opt_temp", "copies", "reducing")),
+             "acts": row["acts"][mode] + row["recompute"][mode], "logits": row["logits"], "buffers": row["buffers"]}
+    name = max(parts, key=parts.get)
+    return PARTS[name][0], parts[name], PARTS[name][1]
 
 
 def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
@@ -314,7 +341,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     gib = lambda x: f"{x / GiB:8.2f}"  # noqa: E731
     out.append("\nper-device memory, GiB (one column per stage):")
     out.append(f"  {'':28}" + "".join(f"{'stage ' + str(r['stage']):>10}" for r in rows))
-    lines = [("parameters (fp32)", "params"), ("gradients (fp32)", "grads"),
+    lines = [("parameters (fp32)", "params"), ("buffers (RoPE tables)", "buffers"), ("gradients (fp32)", "grads"),
              (f"optimizer ({OptimName(cfg.optim.name).value})", "optim"),
              (f"optimizer temporary ({implementation(cfg.optim, plan.dp > 1 or plan.tp > 1).value})", "opt_temp"),
              (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),

@@ -24,10 +24,10 @@ def summarize(run_dir: str) -> str:
         records = read_metrics(run_dir)
     except FileNotFoundError:
         return f"{run_dir}: {status}; no metrics.jsonl yet (no step logged)"
-    except ValueError as e:
-        return f"{run_dir}: {status}; metrics.jsonl is not JSON lines ({e})"
-    train = [r for r in records if "loss" in r]
-    val = [r for r in records if "val_loss" in r]
+    except (OSError, ValueError) as e:  # not JSON lines, not a file, a runaway line
+        return f"{run_dir}: {status}; metrics.jsonl is not hpctrain's JSON lines ({' '.join(str(e).split())})"
+    train = [r for r in records if _numbers(r, "loss", "tokens_per_s")]
+    val = [r for r in records if _numbers(r, "val_loss", "val_ppl")]
     if not train:
         return f"{run_dir}: {status}; no training steps logged"
     first, last = train[0], train[-1]
@@ -36,6 +36,11 @@ def summarize(run_dir: str) -> str:
         text += f"; val loss {val[-1]['val_loss']:.3f} (ppl {val[-1]['val_ppl']:.1f})"
     tps = [r["tokens_per_s"] for r in train[1:]] or [first["tokens_per_s"]]
     return text + f"; {sum(tps) / len(tps):,.0f} tokens/s"
+
+
+def _numbers(record: dict, *keys: str) -> bool:
+    """A record with an integer step and these numbers (a line of another program's, or damaged, is passed over)."""
+    return type(record.get("step")) is int and all(type(record.get(k)) in (int, float) for k in keys)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ from hpctrain import checkpoint
 from hpctrain.errors import TrainingError
 from hpctrain.parallel.norms import all_finite
 from hpctrain.parallel.vote import OverlappedVote, any_rank
+from hpctrain.training.optim import Schedule, hyperparameters, reapply
+from hpctrain.training.precision import AgreedGradScaler
+from hpctrain.training.spikes import LossSpikeGuard
+from hpctrain.training.state import RunState
 from hpctrain.training.step import params_finite
 
 log = logging.getLogger("hpctrain")
@@ -52,14 +57,16 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str, t, model, optimizer, parts: dict, optional: dict | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, expected: dict | None = None):
         """`t`: the run's `train` config (ckpt_every, ckpt_keep, max_steps, checkpointing, ckpt_async,
-        ckpt_write_threads); `timeout_s`: the background writes' group timeout."""
+        ckpt_write_threads); `timeout_s`: the background writes' group timeout; `expected`: the whole model's
+        weights (ModelSpec.weights), which a checkpoint must hold exactly to be loaded."""
         self.run_dir, self.every, self.keep, self.last_step = run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps
         self.enabled, self.threads = t.checkpointing, t.ckpt_write_threads
         self.asynchronous = t.ckpt_async and t.checkpointing
         self.model, self.optimizer, self.timeout_s = model, optimizer, timeout_s
-        self.parts, self.optional = parts, optional or {}
+        self.parts, self.optional, self.expected = parts, optional or {}, expected
+        self._settings = hyperparameters(optimizer)  # as built from optim.*: they win over a checkpoint's
         self.stall_s: list[float] = []
         self.write_s: list[float] = []
         self._writing: _Write | None = None
@@ -145,13 +152,11 @@ class Checkpointer:
         log.info("checkpoint step %d written in %.2f s (in the background)", w.step, self.write_s[-1])
 
     def _failed(self, step: int, error: BaseException | None) -> TrainingError:
+        """The partial directory of a failed background write removed; the line that says why."""
+        failure = checkpoint.discard(self.run_dir, step, error)
         if isinstance(error, _NonFinite):  # never a checkpoint that resuming would train on from NaN
             return self._nonfinite(step)
-        reason = checkpoint.dcp_failure(error) if error is not None else "it failed on another rank"
-        return TrainingError(
-            f"checkpoint step {step} could not be written ({reason}); the last complete one is "
-            f"{checkpoint.latest(self.run_dir) or 'none'}: free space in or fix {checkpoint.root(self.run_dir)}, "
-            "then resume (train.resume=auto)")
+        return failure
 
     def close(self, failed: bool = False) -> None:
         """End of the run: the write in flight finished (collective). After a failure, without collectives (a rank
@@ -186,25 +191,49 @@ class Checkpointer:
     def restore(self, start: str | None) -> str | None:
         """Load `start` ("auto": the run dir's newest loadable checkpoint; None: nothing); return what was loaded."""
         if start == "auto":
-            path, saved = checkpoint.load_newest(self.run_dir, self.model, self.optimizer) or (None, None)
+            path, saved = checkpoint.load_newest(self.run_dir, self.model, self.optimizer, self.expected) or (None, None)
         elif start:
-            path, saved = start, checkpoint.load(start, self.model, self.optimizer)
+            path, saved = start, checkpoint.load(start, self.model, self.optimizer, self.expected)
         else:
             return None
         if saved:
             self._load_parts(path, saved)
+            changed = reapply(self.optimizer, self._settings)
+            if changed:
+                log.info("optimizer settings of this run over the checkpoint's: %s", "; ".join(changed))
         return path if saved else None
 
     def _load_parts(self, path: str, saved: dict) -> None:
         """The JSON of a checkpoint's trainer_state.json (JSON, but maybe not hpctrain's) into the parts."""
-        try:
-            for name, part in self.parts.items():
-                if not isinstance(saved[name], dict):
-                    raise TypeError(f"{name} is not an object")
+        check_trainer_state(path, saved)
+        for name, part in self.parts.items():
+            part.load_state_dict(saved[name])
+        for name, part in self.optional.items():
+            if part is not None and saved.get(name):
                 part.load_state_dict(saved[name])
-            for name, part in self.optional.items():
-                if part is not None and saved.get(name):
-                    part.load_state_dict(saved[name])
-        except (KeyError, TypeError) as e:
-            raise checkpoint.cannot_load(path, f"{checkpoint.STATE_FILE} is not an hpctrain trainer state: "
-                                               f"{type(e).__name__}: {e}") from None
+
+
+# What a trainer_state.json holds: each part's check of its saved document (TypeError), the required ones first.
+PART_CHECKS = {"run": RunState.check, "scheduler": Schedule.check}
+OPTIONAL_CHECKS = {"scaler": AgreedGradScaler.check, "loss_spike": LossSpikeGuard.check}
+
+
+def check_trainer_state(path: str, saved: dict) -> None:
+    """Every value of a checkpoint's trainer state checked like a config value, and its step the same three times
+    over (its directory's name, the run state's, the schedule's): one CheckpointError line otherwise, before
+    anything is loaded (a crafted step=-1000 or base_lrs=-0.5 never trains)."""
+    try:
+        for name, check in PART_CHECKS.items():
+            check(saved[name])
+        for name, check in OPTIONAL_CHECKS.items():
+            if saved.get(name):
+                check(saved[name])
+        step = saved["run"].get("step")
+        dirname = os.path.basename(os.path.normpath(path))
+        if checkpoint.is_step_dir(dirname) and checkpoint.step_of(path) != step:
+            raise TypeError(f"run.step={step!r} in a checkpoint named {dirname}")
+        if saved["scheduler"]["last_epoch"] != step:
+            raise TypeError(f"scheduler.last_epoch={saved['scheduler']['last_epoch']!r}, run.step={step!r}")
+    except (KeyError, TypeError) as e:
+        raise checkpoint.cannot_load(path, f"{checkpoint.STATE_FILE} is not an hpctrain trainer state: "
+                                           f"{type(e).__name__}: {e}") from None

@@ -33,22 +33,36 @@ def val_share(data_dir: str, cfg, shape, dp_rank: int) -> Iterator[torch.Tensor]
     return (batch for j, batch in zip(range(n), stream) if j % shape.dp == dp_rank)
 
 
-def bind_run(cfg, data_dir: str, state, dp: int) -> int:
-    """Check the shards against what the run was trained on (tokenizer, lanes), record both in the run state;
-    return the data lanes."""
-    manifest = read_manifest(data_dir)
-    if state.tokenizer_sha256 not in (None, manifest.tokenizer.sha256):
+def check_bound(run: dict, cfg, data_dir: str, manifest=None) -> None:
+    """A run state (`RunState.state_dict()`, or the `run` of a checkpoint's trainer_state.json) against this
+    config and its shards: the tokenizer the weights were trained on and what fixes the order of the samples
+    (lanes, seed, shuffling) cannot change on resume (one TrainingError line)."""
+    manifest = manifest or read_manifest(data_dir)
+    was = run.get("tokenizer_sha256")
+    if was not in (None, manifest.tokenizer.sha256):
         raise TrainingError(f"the shards in {data_dir} were tokenised with a different tokenizer than this run's "
-                            f"checkpoints (sha256 {manifest.tokenizer.sha256[:12]} vs "
-                            f"{state.tokenizer_sha256[:12]}): point data.path at shards built with the run's "
-                            "tokenizer, or start a new run_dir")
-    state.tokenizer_sha256 = manifest.tokenizer.sha256
-    lanes = state.data_lanes or choose_lanes(cfg.data.lanes, dp, manifest)
-    if cfg.data.lanes is not None and cfg.data.lanes != lanes:
+                            f"checkpoints (sha256 {manifest.tokenizer.sha256[:12]} vs {was[:12]}): point data.path "
+                            "at shards built with the run's tokenizer, or start a new run_dir")
+    lanes = run.get("data_lanes")
+    if lanes is not None and cfg.data.lanes is not None and cfg.data.lanes != lanes:
         raise TrainingError(f"data.lanes={cfg.data.lanes} but this run was trained with {lanes} lanes: drop the "
                             f"override or set data.lanes={lanes} (lanes fix the sample order)")
-    state.data_lanes = lanes
-    return lanes
+    for key, was, now in (("train.seed", run.get("data_seed"), cfg.train.seed),
+                          ("data.shuffle", run.get("data_shuffle"), bool(cfg.data.shuffle))):
+        if was is not None and was != now:
+            raise TrainingError(f"{key}={now} but this run was trained with {key}={was}, which fixes the order of its "
+                                f"samples: drop the override or set {key}={was} (or start over: train.resume=never)")
+
+
+def bind_run(cfg, data_dir: str, state, dp: int) -> int:
+    """Check the shards and the sample order against what the run was trained on (`check_bound`), record them in
+    the run state; return the data lanes."""
+    manifest = read_manifest(data_dir)
+    check_bound(state.state_dict(), cfg, data_dir, manifest)
+    state.tokenizer_sha256 = manifest.tokenizer.sha256
+    state.data_lanes = state.data_lanes or choose_lanes(cfg.data.lanes, dp, manifest)
+    state.data_seed, state.data_shuffle = cfg.train.seed, bool(cfg.data.shuffle)
+    return state.data_lanes
 
 
 class TrainFeed:

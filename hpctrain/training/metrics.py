@@ -13,7 +13,8 @@ import resource
 import sys
 from dataclasses import dataclass
 
-from hpctrain.files import METRICS_FILE, atomic_write, step_of
+from hpctrain.errors import TrainingError
+from hpctrain.files import METRICS_FILE, FileCheckError, lines, step_of
 from hpctrain.training.trackers import chosen
 
 log = logging.getLogger("hpctrain")
@@ -80,7 +81,10 @@ class JsonlSink:
 
     def __init__(self, run_dir: str, start_step: int):
         self.path = os.path.join(run_dir, METRICS_FILE)
-        _truncate_after(self.path, start_step)
+        try:
+            _truncate_after(self.path, start_step)
+        except FileCheckError as e:  # a device, a runaway line: not the file this run writes
+            raise TrainingError(f"{e} (this run's {METRICS_FILE}): move it aside to resume the run") from None
         self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict) -> None:
@@ -258,13 +262,26 @@ class _Window:
 
 
 def _truncate_after(path: str, step: int) -> None:
-    if not os.path.exists(path):
+    """Drop the records after `step` (and lines that are no record), streamed: memory stays one line."""
+    if not os.path.lexists(path):
         return
-    with open(path) as f:
-        lines = f.readlines()
-    kept = [line for line, s in zip(lines, map(step_of, lines)) if s is not None and s <= step]
-    if len(kept) != len(lines):
-        atomic_write(path, "".join(kept))
+    tmp, changed = f"{path}.{os.getpid()}.tmp", False
+    try:
+        with open(tmp, "wb") as out:
+            for line in lines(path):
+                s = step_of(line)
+                if s is not None and s <= step:
+                    changed |= not line.endswith(b"\n")  # the next record must start a line of its own
+                    out.write(line if line.endswith(b"\n") else line + b"\n")
+                else:
+                    changed = True
+            out.flush()
+            os.fsync(out.fileno())
+        if changed:
+            os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)  # ours: named for this process
 
 
 def _fmt(v) -> str:

@@ -39,9 +39,10 @@ def _init_source(cfg) -> tuple[bool, str] | None:
     return hf, os.path.expanduser(source[len(HF_PREFIX):] if hf else source)
 
 
-def check_init_from(cfg, spec: ModelSpec) -> None:
-    """model.init_from names weights this model can start from (one-line ValueError/CheckpointError otherwise);
-    reads only metadata, before anything is spawned."""
+def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None) -> None:
+    """model.init_from names weights this model can start from, trained on the token ids of the run's shards
+    (`tokenizer_sha256`: their tokenizer's) when a checkpoint says which (one-line ValueError/CheckpointError
+    otherwise); reads only metadata, before anything is spawned."""
     from hpctrain import checkpoint
 
     source = _init_source(cfg)
@@ -50,8 +51,14 @@ def check_init_from(cfg, spec: ModelSpec) -> None:
     hf, path = source
     if hf:
         spec.hf().check_hf_dir(path, spec.args(cfg.model))
-    else:
-        checkpoint.check_loadable(path)
+        return
+    saved = checkpoint.check_loadable(path)
+    checkpoint.check_model(path, spec.weights(spec.args(cfg.model)))
+    theirs = saved.get("run", {}).get("tokenizer_sha256") if isinstance(saved.get("run"), dict) else None
+    if tokenizer_sha256 and isinstance(theirs, str) and theirs != tokenizer_sha256:
+        raise ValueError(f"its weights were trained on token ids of another tokenizer (sha256 {theirs[:12]}) than "
+                         f"data.path's shards ({tokenizer_sha256[:12]}): point data.path at shards made with that "
+                         "tokenizer (make shards TOKENIZER=<its run's data.path>/tokenizer)")
 
 
 def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | None:
@@ -66,5 +73,5 @@ def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | 
     if hf:
         spec.hf().load_hf_weights(model, path, spec.args(cfg.model))
     else:
-        checkpoint.load_weights(path, model)
+        checkpoint.load_weights(path, model, spec.weights(spec.args(cfg.model)))
     return cfg.model.init_from

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -95,6 +96,39 @@ METRICS: dict[str, tuple[Callable[[dict, Context], float | None], Callable[[Cont
 }
 
 
+def run_bounded(cmd: list[str], stdin: bytes, timeout: float, keep: int = 500) -> tuple[int, bytes]:
+    """Run `cmd` (never a shell) with `stdin`: (exit code, the last `keep` bytes of its stderr). Its stdout is
+    discarded and its stderr read as it comes, keeping only the tail: a command that prints without end costs
+    this process `keep` bytes, never its memory. Killed after `timeout` s (TimeoutExpired)."""
+    import threading
+
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tail = bytearray()
+
+    def drain() -> None:
+        while chunk := p.stderr.read1(65536):
+            tail.extend(chunk)
+            del tail[:-keep]
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        try:
+            p.stdin.write(stdin)
+            p.stdin.close()
+        except BrokenPipeError:  # it did not read its input: its exit code tells the rest
+            pass
+        code = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    finally:
+        reader.join(5)
+        p.stderr.close()
+    return code, bytes(tail)
+
+
 def parse_rules(mcfg) -> dict[str, AlertRule]:
     """monitor.rules as AlertRules; a one-line ConfigError for a rule that cannot work."""
     known = {f.name for f in fields(AlertRule)}
@@ -131,6 +165,9 @@ def check_monitor(mcfg, checkpointing: bool = True) -> None:
     if cmd is not None and (not cmd or not all(isinstance(a, str) and a for a in cmd)):
         raise ConfigError(f"monitor.notify_cmd={list(cmd)!r} must be a non-empty list of arguments, e.g. "
                           "'monitor.notify_cmd=[/usr/local/bin/page-me,--team,llm]'")
+    if cmd and not shutil.which(cmd[0]):
+        raise ConfigError(f"monitor.notify_cmd={list(cmd)!r}: {cmd[0]} is not an executable program (on PATH or as a "
+                          "path): give the full path of the command to run")
 
 
 class _State:
@@ -232,14 +269,13 @@ class AlertSink:
         if not self.notify_cmd:
             return
         try:
-            p = subprocess.run(self.notify_cmd, input=json.dumps(event), text=True, capture_output=True,
-                               timeout=NOTIFY_TIMEOUT_S)
+            code, err = run_bounded(self.notify_cmd, json.dumps(event).encode(), NOTIFY_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as e:
             log.error("monitor.notify_cmd failed for alert %s: %s", event["rule"], e)
             return
-        if p.returncode != 0:
-            log.error("monitor.notify_cmd exited %d for alert %s: %s", p.returncode, event["rule"],
-                      p.stderr.strip()[-500:])
+        if code != 0:
+            log.error("monitor.notify_cmd exited %d for alert %s: %s", code, event["rule"],
+                      err.decode(errors="replace").strip())
 
     def close(self) -> None:
         pass

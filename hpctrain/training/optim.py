@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
-from hpctrain.config import Decay, LrScaling, OptimImpl, OptimName
+from hpctrain.config import Decay, OptimImpl, OptimName
 
-
-def scaled_lr(ocfg, global_batch: int) -> float:
-    """`optim.lr` was tuned at `ref_global_batch`; scale it to this run's global batch."""
-    ratio = global_batch / ocfg.ref_global_batch
-    factor = {LrScaling.none: 1.0, LrScaling.linear: ratio, LrScaling.sqrt: math.sqrt(ratio)}[ocfg.lr_scaling]
-    return ocfg.lr * factor
+log = logging.getLogger("hpctrain")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -59,18 +55,77 @@ def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {ocfg.name}")
 
 
-def lr_factor(step: int, warmup: int, decay_steps: int, decay: Decay, min_ratio: float) -> float:
-    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, then decay."""
+def lr_factor(step: int, warmup: int, decay_end: int, decay: Decay, min_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer step `step` (0-based): linear warmup, then decay to `min_ratio` at
+    step `decay_end` (a run shorter than its warmup never decays)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    if decay == Decay.constant or decay_steps <= 0:
+    if decay == Decay.constant or decay_end <= warmup:
         return 1.0
-    progress = min(1.0, (step - warmup) / decay_steps)
+    progress = min(1.0, (step - warmup) / (decay_end - warmup))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == Decay.cosine else 1 - progress
     return min_ratio + (1 - min_ratio) * shape
 
 
-def build_scheduler(optimizer, ocfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    decay_steps = ocfg.decay_steps if ocfg.decay_steps is not None else max_steps - ocfg.warmup_steps
-    args = (ocfg.warmup_steps, decay_steps, ocfg.decay, ocfg.min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, *args))
+def build_scheduler(optimizer, ocfg, max_steps: int) -> Schedule:
+    decay_end = ocfg.decay_steps if ocfg.decay_steps is not None else max_steps
+    args = (ocfg.warmup_steps, decay_end, ocfg.decay, ocfg.min_lr_ratio)
+    return Schedule(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, *args)))
+
+
+class Schedule:
+    """The LR schedule, as the loop steps it and as checkpoints hold it. A checkpoint gives it only the step it
+    is at: the peak LR and the schedule's shape are this run's settings (optim.*, train.max_steps), so a resumed run
+    with a changed optim.lr trains with the new one from the resumed step on (said in the log), and no saved
+    value (a crafted `base_lrs=-0.5`) can set the rate."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
+        self.scheduler = scheduler
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    @staticmethod
+    def check(doc: dict) -> tuple[int, list[float]]:
+        """(the step, the peak LRs) of a saved schedule; TypeError for a document that is not one."""
+        from hpctrain.training.state import count, number
+
+        if not isinstance(doc, dict) or not isinstance(doc.get("base_lrs"), list):
+            raise TypeError("scheduler is not a saved LR schedule")
+        return count(doc, "last_epoch"), [number({"base_lrs": lr}, "base_lrs") for lr in doc["base_lrs"]]
+
+    def load_state_dict(self, doc: dict) -> None:
+        """TypeError for a document that is not a saved schedule."""
+        step, saved = self.check(doc)
+        sched = self.scheduler
+        if saved and max(abs(a - b) for a, b in zip(saved, sched.base_lrs)) > 1e-12 * max(sched.base_lrs):
+            log.info("optim.lr: %.4g in the checkpoint, %.4g now: the new one applies from step %d", saved[0],
+                     sched.base_lrs[0], step)
+        sched.last_epoch, sched._step_count = step, step + 1
+        for group, base, factor in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(step)
+        sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+
+
+def hyperparameters(optimizer) -> list[dict]:
+    """Each parameter group's settings besides its parameters and the scheduled LR."""
+    return [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
+
+
+def reapply(optimizer, wanted: list[dict]) -> list[str]:
+    """Put this run's settings (`hyperparameters` of the optimizer as built from optim.*) back over what a
+    checkpoint's optimizer state brought; the keys that differed, e.g. ["betas (0.9, 0.95) -> (0.9, 0.99)"]."""
+    changed = []
+    for group, want in zip(optimizer.param_groups, wanted):
+        for key, value in want.items():
+            old = group.get(key)
+            if (tuple(old) if isinstance(old, list) else old) != (tuple(value) if isinstance(value, list) else value):
+                changed.append(f"{key} {old} -> {value}")
+            group[key] = value
+    return list(dict.fromkeys(changed))

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpctrain.config import PrecisionName
+from hpctrain.config import MAX_LOSS_SCALE, PrecisionName
 
 
 @dataclass
@@ -31,6 +31,21 @@ class AgreedGradScaler(torch.amp.GradScaler):
     shard them), and an inf/nan anywhere is an overflow everywhere: the found-inf flag is all-reduced (MAX) over
     all ranks, so every rank skips the same steps and backs the scale off alike. One process: plain GradScaler.
     """
+
+    @staticmethod
+    def check(doc: dict) -> tuple[float, int]:
+        """(scale, growth tracker) of a saved scaler; TypeError for a document that is not one."""
+        from hpctrain.training.state import count, number
+
+        if not isinstance(doc, dict):
+            raise TypeError("scaler is not an object")
+        return number(doc, "scale", 2.0**-24, MAX_LOSS_SCALE), count(doc, "_growth_tracker")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A checkpoint's scale and growth tracker, checked (TypeError); the growth settings stay this run's
+        (precision.loss_scale_growth_interval applies on resume)."""
+        scale, tracker = self.check(state_dict)
+        super().load_state_dict({**self.state_dict(), "scale": scale, "_growth_tracker": tracker})
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         if not (dist.is_initialized() and dist.get_world_size() > 1):

@@ -30,13 +30,30 @@ def check_prometheus(mcfg, local: bool) -> None:
     except ImportError:
         raise ConfigError(f"monitor.prometheus_port={port} needs the prometheus_client package: {INSTALL}, or "
                           "drop monitor.prometheus_port") from None
-    if local and port:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    addr = mcfg.prometheus_addr
+    if not _address(addr):
+        raise ConfigError(f"monitor.prometheus_addr={addr!r} is not an address to serve on: use an IP address of "
+                          "this node, 0.0.0.0 (every interface) or a host name")
+    if local:  # (a submission's compute node is not this one: only the address's form is checked there)
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
-                s.bind((mcfg.prometheus_addr, port))
+                s.bind((addr, port))
             except OSError as e:
-                raise ConfigError(f"monitor.prometheus_port={port} cannot be served on {mcfg.prometheus_addr!r} "
-                                  f"({e.strerror}): choose another port (0 picks a free one)") from None
+                raise ConfigError(f"monitor.prometheus_port={port} cannot be served on {addr!r} "
+                                  f"({e.strerror}): choose another port (0 picks a free one) or address") from None
+
+
+def _address(addr: str) -> bool:
+    """An IP address or a host name (RFC 1123 labels), as a server can bind to."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    return 0 < len(addr) <= 253 and all(re.fullmatch(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)", label)
+                                        for label in addr.rstrip(".").split("."))
 
 
 def _gauge_name(key: str) -> str | None:

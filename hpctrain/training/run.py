@@ -19,7 +19,8 @@ from hpctrain.files import RESULT_FILE, read_json
 from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
 from hpctrain.resolve import RunShape, resolve
-from hpctrain.training.feed import val_stream
+from hpctrain.training.checkpointer import check_trainer_state
+from hpctrain.training.feed import check_bound, val_stream
 from hpctrain.training.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.training.monitor import check_monitor
 from hpctrain.training.prometheus import check_prometheus
@@ -48,11 +49,11 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     world = world or process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
     check_monitor(cfg.monitor, cfg.train.checkpointing)
-    check_trackers(cfg.logging)
+    check_trackers(cfg.logging, local)
     check_prometheus(cfg.monitor, local)
     data_dir, seq_len = prepare_data(cfg, shape)
-    _check_resume(cfg.train.resume)
-    _check_init_from(cfg)
+    _check_resume(cfg)
+    _check_init_from(cfg, data_dir)
     from hpctrain.tools.planner import stage_bytes
 
     stages = stage_bytes(cfg, shape, seq_len)
@@ -106,8 +107,11 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
     return path, seq_len
 
 
-def _check_resume(resume: str) -> None:
-    # Checked once, by the main rank (which may move it aside next) of a job's first start.
+def _check_resume(cfg) -> None:
+    """train.resume=PATH: a checkpoint of this model whose trainer state holds (a directory a run continues in is
+    checked by `start`, on its main rank). Checked once, by the main rank (which may move it aside next) of a
+    job's first start."""
+    resume = cfg.train.resume
     if resume in ("auto", "never") or rundir.requeued() or process_group.launched_rank() != 0:
         return
     path = os.path.expanduser(resume)
@@ -115,20 +119,28 @@ def _check_resume(resume: str) -> None:
         raise CheckpointError(
             f"train.resume={resume} is not a complete checkpoint directory (no {checkpoint.STATE_FILE}): pass "
             "a <run_dir>/checkpoints/step-NNNNNNN directory, or train.resume=auto|never")
-    checkpoint.check_loadable(path)
+    check_trainer_state(path, checkpoint.check_loadable(path))
+    checkpoint.check_model(path, _weights(cfg))
 
 
-def _check_init_from(cfg) -> None:
+def _weights(cfg) -> dict:
+    from hpctrain.models import spec_of
+
+    spec = spec_of(cfg)
+    return spec.weights(spec.args(cfg.model))
+
+
+def _check_init_from(cfg, data_dir: str) -> None:
     from hpctrain.models import spec_of
     from hpctrain.training.model_init import check_init_from
 
     try:
-        check_init_from(cfg, spec_of(cfg))
+        check_init_from(cfg, spec_of(cfg), read_manifest(data_dir).tokenizer.sha256)
     except (ValueError, OSError) as e:  # config.json unreadable or not this model
         raise TrainingError(f"model.init_from={cfg.model.init_from}: {e}") from None
     except CheckpointError as e:
-        raise TrainingError(f"model.init_from={cfg.model.init_from}: {e.reason}: name a "
-                            "<run_dir>/checkpoints/step-N directory, or hf:/path for a transformers model") from None
+        fix = e.fix or "name a <run_dir>/checkpoints/step-N directory, or hf:/path for a transformers model"
+        raise TrainingError(f"model.init_from={cfg.model.init_from}: {e.reason}: {fix}") from None
 
 
 def _available_memory() -> float | None:
@@ -159,11 +171,13 @@ def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float)
         hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""
     need = worst * ranks if cap else 0  # an unknown capacity refuses nothing
     if need > cap:
+        from hpctrain.tools.planner import largest_part
+
+        what, size, fix = largest_part(cfg, shape, seq_len)
         raise TrainingError(
             f"train.micro_batch={shape.micro_batch} (seq_len {seq_len}) needs about {need / 2**30:.1f} GiB, more "
-            f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain plan ...` shows the parts): lower "
-            "train.micro_batch (train.grad_accum keeps the global batch) or set "
-            f"parallel.activation_checkpointing=full{hint}")
+            f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain plan ...` shows the parts); the largest part "
+            f"is {what}, {size / 2**30:.1f} GiB per device: {fix}{hint}")
 
 
 def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
@@ -174,7 +188,36 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
     under torchrun/srun.
     """
     prepared = prepared or prepare(cfg)
-    os.makedirs(run_dir, exist_ok=True)
+    with rundir.claimed(run_dir):  # (the main rank; re-entered when the CLI holds it already)
+        os.makedirs(run_dir, exist_ok=True)
+        if process_group.launched_world() is None:  # the ranks forked here start as decided here, before the fork
+            start(cfg, run_dir)
+        return _launch(cfg, run_dir, prepared)
+
+
+def start(cfg, run_dir: str) -> str | None:
+    """The main rank's decisions before a run begins (before its config is recorded or a rank forked): a previous
+    run moved aside when it starts over, then where it starts ("auto", a checkpoint, None). Refused (one line) when
+    it would continue over checkpoint directories that are not its own, or from the checkpoints of another model
+    (the newest's entries against this model's; a damaged one is left to the fallback of `load_newest`)."""
+    rundir.start_over(run_dir, cfg)  # (a no-op once done)
+    begin = rundir.start_point(run_dir, cfg.train.resume)
+    if begin == "auto":
+        checkpoint.check_no_strays(run_dir)
+        newest = checkpoint.latest(run_dir)
+        try:
+            if newest:
+                checkpoint.check_model(newest, _weights(cfg))
+                run = checkpoint.check_loadable(newest).get("run")
+                if isinstance(run, dict):
+                    check_bound(run, cfg, os.path.expanduser(cfg.data.path))
+        except CheckpointError as e:
+            if e.fix:
+                raise
+    return begin
+
+
+def _launch(cfg, run_dir: str, prepared: Prepared) -> dict:
     if process_group.launched_world() is None and prepared.shape.world > 1:
         from hpctrain.cluster import spawn
 
@@ -204,21 +247,23 @@ def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
         # where the run starts from (moving a previous run aside first when it starts over).
         shared = [run_dir, None, None]
         if env.is_main:
-            rundir.start_over(run_dir, cfg)  # (done already when launched by the CLI or a submission)
-            start = rundir.start_point(run_dir, cfg.train.resume)
-            last = checkpoint.latest(run_dir) if start == "auto" else None
-            shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
-                                           cfg.cluster.max_stalled_restarts, nccl)
-            shared[2] = start
+            try:
+                begin = start(cfg, run_dir)  # (done already when this process forked the ranks)
+                last = checkpoint.latest(run_dir) if begin == "auto" else None
+                shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
+                                               cfg.cluster.max_stalled_restarts, nccl)
+                shared[2] = begin
+            except BAD_INPUT as e:  # refused on every rank, not on this one alone
+                shared[1] = str(e)
         if env.world > 1:
             torch.distributed.broadcast_object_list(shared, src=0)
-        run_dir, stalled, start = shared
-        if stalled:
-            raise TrainingError(stalled)
+        run_dir, refused, begin = shared
+        if refused:
+            raise TrainingError(refused)
         if env.device.type == "cuda":  # where the flight recorder dumps (after a previous run moved aside)
             os.makedirs(os.path.join(run_dir, HANG_DIR), exist_ok=True)
         if env.is_main and env.device.type == "cuda":  # logged once the run dir holds only this run
             log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in nccl.items()) or "none")
-        return Trainer(cfg, run_dir, prepared, env, start).fit()
+        return Trainer(cfg, run_dir, prepared, env, begin).fit()
     finally:
         process_group.shutdown()

@@ -11,6 +11,7 @@ rank, and a resumed run, takes the same decision at the same step.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -68,10 +69,16 @@ class LossSpikeGuard:
     def state_dict(self) -> dict:
         return {"losses": list(self.losses)}
 
+    @staticmethod
+    def check(doc: dict) -> list[float]:
+        """The losses of a saved window; TypeError for a document that is not one."""
+        losses = doc.get("losses") if isinstance(doc, dict) else None
+        if not isinstance(losses, list) or not all(type(x) in (int, float) and math.isfinite(x) for x in losses):
+            raise TypeError("loss_spike is not a list of finite losses")
+        return losses
+
     def load_state_dict(self, doc: dict) -> None:
-        if not isinstance(doc, dict) or not all(isinstance(x, (int, float)) for x in doc.get("losses", [])):
-            raise TypeError("loss_spike is not a list of losses")
-        self.losses = deque(doc["losses"], maxlen=self.window)
+        self.losses = deque(self.check(doc), maxlen=self.window)
 
 
 def roll_back(checkpointer, state, run_dir: str, spike: Spike, max_rollbacks: int) -> dict | None:

@@ -1,10 +1,40 @@
-"""The run's own state besides tensors: where it is (step, samples), what it has seen, what it is bound to."""
+"""The run's own state besides tensors: where it is (step, samples), what it has seen, what it is bound to.
+
+Checkpoints hold it as JSON, which anyone can edit: every value is checked like a config value when loaded
+(`count`, `number`: TypeError naming the key), so a damaged or crafted trainer_state.json is refused in one line
+instead of training from step -1000 or reporting a run complete that never trained.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from dataclasses import dataclass, field, fields
 
+MAX_COUNT = 2**62  # steps, samples, tokens: anything larger is not a real run's
+
+
+def count(doc: dict, key: str, low: int = 0, high: int = MAX_COUNT) -> int:
+    """doc[key], an integer within [low, high] (TypeError otherwise)."""
+    value = doc.get(key)
+    if type(value) is not int or not low <= value <= high:
+        raise TypeError(f"{key}={value!r} is not an integer within [{low}, {high}]")
+    return value
+
+
+def number(doc: dict, key: str, low: float = 0.0, high: float = math.inf, optional: bool = False) -> float | None:
+    """doc[key], a finite number within [low, high] (None allowed when `optional`; TypeError otherwise)."""
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise TypeError(f"{key}={value!r} is not a finite number within [{low}, {high}]")
+    return value
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_WINDOW_KEYS = ("spike_step", "back_to_step", "from_sample", "to_sample")
 
 @dataclass
 class RunState:
@@ -23,6 +53,8 @@ class RunState:
     last_val_loss: float | None = None
     wall_time_s: float = 0.0  # up to the last (re)start; `elapsed_s()` adds this start's time
     data_lanes: int | None = None  # fixed for the run's life: it defines the sample order
+    data_seed: int | None = None  # train.seed and data.shuffle: the sample order too
+    data_shuffle: bool | None = None
     tokenizer_sha256: str | None = None  # the token ids the weights were trained on
     started_at: float = field(default_factory=time.time, repr=False)  # not saved
 
@@ -34,18 +66,55 @@ class RunState:
         doc["wall_time_s"] = self.elapsed_s()
         return doc
 
-    def load_state_dict(self, doc: dict) -> None:
-        """KeyError / TypeError for a document that is not an hpctrain run state."""
+    @classmethod
+    def check(cls, doc: dict) -> None:
+        """TypeError for a document that is not an hpctrain run state (each value checked)."""
         if not isinstance(doc, dict):
             raise TypeError("run is not an object")
-        unknown = set(doc) - ({f.name for f in fields(self)} - {"started_at"})
+        unknown = set(doc) - ({f.name for f in fields(cls)} - {"started_at"})
         if unknown:
             raise TypeError(f"unexpected keys {sorted(unknown)}")
+        _check_run(doc)
+
+    def load_state_dict(self, doc: dict) -> None:
+        """TypeError for a document that is not an hpctrain run state (each value checked)."""
+        self.check(doc)
         for key, value in doc.items():
-            setattr(self, key, value)
+            setattr(self, key, list(value) if key == "skipped_data" else value)
         self.started_at = time.time()
 
     def advance(self, samples: int, tokens: int) -> None:
         self.step += 1
         self.samples += samples
         self.tokens += tokens
+
+
+def _check_run(doc: dict) -> None:
+    for key in ("step", "samples", "tokens", "skipped_nonfinite", "skipped_overflow", "consecutive_nonfinite",
+                "skipped_spike"):
+        if key in doc:
+            count(doc, key)
+    skipped = sum(doc.get(key, 0) for key in ("skipped_nonfinite", "skipped_overflow", "skipped_spike"))
+    if "step" in doc and skipped > doc["step"]:
+        raise TypeError(f"{skipped} skipped steps of {doc['step']}")
+    for key in ("last_loss", "last_val_loss"):
+        number(doc, key, -math.inf, math.inf, optional=True)
+    if "wall_time_s" in doc:
+        number(doc, "wall_time_s")
+    if doc.get("data_lanes") is not None:
+        count(doc, "data_lanes", 1, 2**31)
+    if doc.get("data_seed") is not None:
+        count(doc, "data_seed", 0, 2**63 - 1)
+    if doc.get("data_shuffle") not in (None, True, False):
+        raise TypeError(f"data_shuffle={doc['data_shuffle']!r} is not a boolean")
+    sha = doc.get("tokenizer_sha256")
+    if sha is not None and not (isinstance(sha, str) and _SHA256.match(sha)):
+        raise TypeError(f"tokenizer_sha256={sha!r} is not a sha256")
+    windows = doc.get("skipped_data", [])
+    if not isinstance(windows, list) or not all(isinstance(w, dict) for w in windows):
+        raise TypeError("skipped_data is not a list of objects")
+    for w in windows:
+        for key in _WINDOW_KEYS:
+            count(w, key)
+        if w["from_sample"] > w["to_sample"]:
+            raise TypeError(f"skipped_data window {w['from_sample']}..{w['to_sample']} runs backwards")

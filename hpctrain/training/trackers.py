@@ -13,8 +13,9 @@ before anything starts (`check_trackers`).
 - Resume: `<run_dir>/trackers.json` keeps the tracker runs' ids; a resumed or requeued run continues them. Steps
   a crashed attempt logged after its checkpoint (or steps re-done after a loss-spike rollback) are logged again:
   MLflow's history then holds both values of such a step, W&B keeps the first (it drops steps below its highest).
-- Failures: a tracker that cannot start its run stops the run with one line; later writes never block or stop
-  training (MLflow logs in the background and reports failed batches in the log; W&B's service buffers).
+- Failures: an MLflow server that does not answer, or a SQLite URI naming a file that is no SQLite database, is
+  refused before anything starts; a tracker that cannot start its run stops the run with one line; later writes
+  never block or stop training (MLflow logs in the background and reports failed batches in the log; W&B's service buffers).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from hpctrain.config import ConfigError, WandbMode
 from hpctrain.errors import TrainingError
-from hpctrain.files import read_object, write_json
+from hpctrain.files import open_checked, read_object, write_json
 
 log = logging.getLogger("hpctrain")
 TRACKERS_FILE = "trackers.json"
@@ -43,6 +44,7 @@ _SWEEP_DEPTH = 3  # hydra.sweep.subdir may nest (e.g. lr=1e-3/bs=8)
 _WANDB_BAD = set("/\\#?%:")
 _MLFLOW_KEY_BAD = re.compile(r"[^\w\-. :/]")  # MLflow's allowed key characters
 _INSTALL = "pip install -e '.[track]' in an hpctrain checkout"
+SERVER_CHECK_S = 5.0  # an MLflow server's /health must answer within this, before the run starts
 
 
 def chosen(trackers) -> set[str]:
@@ -59,16 +61,17 @@ def _installed(name: str) -> bool:
         return False
 
 
-def check_trackers(lcfg) -> None:
-    """One-line ConfigErrors for tracker settings that cannot work, before anything is spawned or written."""
+def check_trackers(lcfg, local: bool = True) -> None:
+    """One-line ConfigErrors for tracker settings that cannot work, before anything is spawned or written;
+    `local`: the run starts here (a server it logs to must answer here; a submission's node may see other ones)."""
     trackers = chosen(lcfg.trackers)
     if "mlflow" in trackers:
-        _check_mlflow(lcfg)
+        _check_mlflow(lcfg, local)
     if "wandb" in trackers:
         _check_wandb(lcfg)
 
 
-def _check_mlflow(lcfg) -> None:
+def _check_mlflow(lcfg, local: bool) -> None:
     if not _installed("mlflow"):
         raise ConfigError("logging.trackers has mlflow but the mlflow package is not installed: pip install "
                           f"mlflow-skinny sqlalchemy alembic (or {_INSTALL}), or drop mlflow from logging.trackers")
@@ -91,6 +94,45 @@ def _check_mlflow(lcfg) -> None:
         raise ConfigError("a SQLite MLflow store (the default without logging.mlflow_tracking_uri) needs sqlalchemy "
                           f"and alembic: pip install sqlalchemy alembic (or {_INSTALL}), or set "
                           "logging.mlflow_tracking_uri=http://HOST:PORT of an MLflow server")
+    if effective.startswith("sqlite:///"):
+        _check_sqlite_file(effective[len("sqlite:///"):], effective)
+    elif effective.startswith(("http://", "https://")) and local:
+        _check_server(effective)
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_sqlite_file(path: str, uri: str) -> None:
+    """An existing file at a SQLite tracking URI must be an SQLite database: MLflow would write its tables into
+    anything else (a user's file), or fail with a traceback after training started."""
+    if not os.path.lexists(path) or os.path.isfile(path) and os.path.getsize(path) == 0:
+        return
+    try:
+        with open_checked(path, 2**62) as f:
+            head = f.read(len(_SQLITE_HEADER))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"logging.mlflow_tracking_uri={redact(uri)}: {path} cannot be read ({e}): point it at an "
+                          "MLflow SQLite database or a new file") from None
+    if head != _SQLITE_HEADER:
+        raise ConfigError(f"logging.mlflow_tracking_uri={redact(uri)}: {path} is not an SQLite database: point it "
+                          "at an MLflow SQLite database or a new file (nothing of it is touched)")
+
+
+def _check_server(uri: str) -> None:
+    """An MLflow server answers before the run starts: the client would otherwise retry for minutes (7 retries
+    with backoff) at the first step and then stop the run."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=SERVER_CHECK_S).close()
+    except urllib.error.HTTPError:  # it answered (a proxy's or an auth's refusal): the client words the rest
+        return
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(f"logging.mlflow_tracking_uri={redact(uri)} does not answer ({reason}): start the MLflow "
+                          "server or fix the URI, or drop mlflow from logging.trackers") from None
 
 
 def _check_wandb(lcfg) -> None:
@@ -256,14 +298,14 @@ def _store_lock(uri: str):
         return
     import fcntl
 
-    path = uri[len("sqlite:///"):]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    folder = os.path.dirname(os.path.abspath(uri[len("sqlite:///"):]))
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)  # the database's directory itself: no lock file beside someone's files
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 class _Sink:

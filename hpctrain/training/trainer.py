@@ -21,8 +21,9 @@ from hpctrain.cluster import job
 from hpctrain.config import PrecisionName, SpikeAction
 from hpctrain.data import DataError
 from hpctrain.errors import TrainingError
-from hpctrain.files import RESULT_FILE, write_json
+from hpctrain.files import RESULT_FILE, no_space, write_json
 from hpctrain.models import spec_of
+from hpctrain.resolve import scaled_lr
 from hpctrain.training.checkpointer import Checkpointer
 from hpctrain.training.comm_sample import CommSampler
 from hpctrain.training.evaluator import Evaluator
@@ -32,13 +33,13 @@ from hpctrain.training.memory import MemoryProbe, Peaks
 from hpctrain.training.metrics import Metrics, Throughput, peak_flops
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.monitor import AlertSink, Context
-from hpctrain.training.optim import build_optimizer, build_scheduler, scaled_lr
+from hpctrain.training.optim import build_optimizer, build_scheduler
 from hpctrain.training.precision import setup_precision
 from hpctrain.training.profiling import MemorySnapshot, StepProfiler
 from hpctrain.training.prometheus import prometheus_sinks
 from hpctrain.training.spikes import LossSpikeGuard, roll_back
 from hpctrain.training.state import RunState
-from hpctrain.training.step import build_train_step
+from hpctrain.training.step import build_train_step, params_finite
 from hpctrain.training.trackers import tracker_sinks
 
 log = logging.getLogger("hpctrain")
@@ -77,10 +78,8 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir, t, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
                                          {"scaler": self.precision.scaler, "loss_spike": self.spikes},
-                                         cfg.cluster.pg_timeout_s)
-        self.resumed_from = self.checkpointer.restore(start)
-        # Starting weights only for a fresh start: a resumed run continues its own.
-        self.init_from = None if self.resumed_from else load_initial_weights(self.model, cfg, spec)
+                                         cfg.cluster.pg_timeout_s, spec.weights(spec.args(cfg.model)))
+        self._start_weights(start, spec)
         self.feed = TrainFeed(cfg, prepared.data_dir, shape, self.state, env.device,
                               shape.layout.batch_mesh(self.mesh))
         self.n_params = spec.num_params(self.model)
@@ -114,6 +113,8 @@ class Trainer:
         """Train to train.max_steps (or a stop signal); return the result, also written to result.json."""
         status, error, stop = "running", None, 0
         self.state.started_at = time.time()  # wall time counts training, not building
+        self.start_step = self.state.step
+        self.applied = self.overflowed = 0  # steps of this session applied, and skipped by fp16's loss scaling
         try:
             with self.metrics.redirect():
                 while self.state.step < self.cfg.train.max_steps:
@@ -132,6 +133,7 @@ class Trainer:
                     self._evaluate(saved)
                     self.hang.end()
             self.checkpointer.close()
+            self._check_applied()
             if not stop:
                 self._export_hf()
             status = _STATUS[stop]
@@ -145,6 +147,9 @@ class Trainer:
             self.checkpointer.close(failed=True)
             if hung:
                 raise TrainingError(hung) from e
+            full = no_space(e, self.run_dir) if isinstance(e, OSError) else None
+            if full:  # a metrics line or a log: the run cannot go on, and one line says why
+                raise TrainingError(f"{full} (writing {e.filename}): free space, then resume (train.resume=auto)") from e
             raise
         finally:
             self.hang.close()
@@ -195,8 +200,10 @@ class Trainer:
         if result.status == "ok":
             s.consecutive_nonfinite = 0
             s.last_loss = result.loss
+            self.applied += 1
         elif result.status == "overflow":
             s.skipped_overflow += 1
+            self.overflowed += 1
             log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", s.step,
                         result.loss_scale)
         else:
@@ -205,10 +212,42 @@ class Trainer:
             log.warning("step %d: non-finite loss %s / grad norm %s; step skipped (%d in a row)", s.step, result.loss,
                         result.grad_norm, s.consecutive_nonfinite)
             if s.consecutive_nonfinite >= self.cfg.train.max_nonfinite:
+                if not self.applied and s.last_loss is None:  # never a finite step: not the learning rate's doing
+                    raise TrainingError(f"the loss was not finite from the first step on ({s.consecutive_nonfinite} "
+                                        "steps): the starting weights or the data, not the learning rate; check "
+                                        f"model.init_std={self.cfg.model.init_std}, model.init_from and the shards")
                 raise TrainingError(f"{s.consecutive_nonfinite} consecutive non-finite steps (last at step {s.step}): "
                                     "lower optim.lr, raise optim.warmup_steps or use precision=bf16; resume from the "
                                     "last checkpoint")
         return False
+
+    def _start_weights(self, start: str | None, spec) -> None:
+        """The checkpoint `start` restored (a resumed run continues its own weights), or on a fresh start
+        model.init_from's weights loaded; checked finite (collective)."""
+        self.resumed_from = self.checkpointer.restore(start)
+        self.init_from = None if self.resumed_from else load_initial_weights(self.model, self.cfg, spec)
+        self._check_start_finite()
+
+    def _check_start_finite(self) -> None:
+        """Never a run that starts from non-finite weights (collective)."""
+        if params_finite(self.model):
+            return
+        if self.resumed_from:
+            raise TrainingError(f"checkpoint {self.resumed_from} holds non-finite weights: resume from an earlier one "
+                                "(train.resume=PATH)")
+        origin = f"model.init_from={self.init_from}" if self.init_from else \
+            f"drawn with model.init_std={self.cfg.model.init_std}"
+        raise TrainingError(f"the starting weights are not finite ({origin}): start from finite weights")
+
+    def _check_applied(self) -> None:
+        """A run that trained steps but applied none of them (every one skipped) did not train: never "completed".
+        (Only fp16 overflows is the loss scale still calibrating, as in the first steps of any fp16 run.)"""
+        s, ran = self.state, self.state.step - self.start_step
+        if ran > 0 and not self.applied and self.overflowed < ran:
+            raise TrainingError(f"none of this run's {ran} steps was applied: every one was skipped ({s.skipped_nonfinite} "
+                                f"non-finite, {s.skipped_overflow} fp16 overflows, {s.skipped_spike} loss spikes in all): "
+                                f"check model.init_std={self.cfg.model.init_std}, model.init_from, optim.lr and "
+                                "precision")
 
     def _rollback(self) -> bool:
         """After a spike with action=rollback (collective): back to the last checkpoint, past the data since it."""
@@ -261,7 +300,12 @@ class Trainer:
                   "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
                   "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary()}
         if self.env.is_main:
-            write_json(os.path.join(self.run_dir, RESULT_FILE), result)
+            try:
+                write_json(os.path.join(self.run_dir, RESULT_FILE), result)
+            except OSError as e:  # a full disk: the run's own error, if any, is the one to report
+                if status == "completed":
+                    raise
+                log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status)
         return result
 
     def _stopped(self, stop: int):

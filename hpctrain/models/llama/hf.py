@@ -162,18 +162,32 @@ _MUST_MATCH = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "nu
 
 
 def check_hf_dir(path: str | Path, args: ModelArgs) -> None:
-    """A local transformers Llama directory whose config.json describes `args`' network, with safetensors weights;
-    ValueError (one line naming every mismatch) otherwise. Reads config.json only."""
+    """A local transformers Llama directory whose config.json describes `args`' network, with safetensors weights
+    holding exactly that network's tensors in floating point; ValueError (one line naming the first mismatch)
+    otherwise. Reads config.json and the safetensors headers, no weights."""
+    from hpctrain.files import MAX_JSON_BYTES, FileCheckError, check_file
+    from hpctrain.models.safetensors_dir import check_tensors
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json: point it at a transformers model directory")
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} has no *.safetensors weights (only safetensors are read, never pickles)")
+    try:
+        check_file(str(path / "config.json"), MAX_JSON_BYTES)
+    except FileCheckError as e:
+        raise ValueError(str(e)) from None
     theirs = from_hf_config(LlamaConfig.from_pretrained(str(path), local_files_only=True))
     bad = [f"{hf}={getattr(theirs, ours)} vs model.{'n_kv_heads' if ours == 'kv_heads' else ours}="
            f"{getattr(args, ours)}" for ours, hf in _MUST_MATCH.items() if getattr(theirs, ours) != getattr(args, ours)]
     if bad:
         raise ValueError(f"{path}/config.json does not describe this model: {'; '.join(bad)}")
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Llama(args).state_dict().items()}
+    names = key_map(args.n_layers)
+    check_tensors(str(path), {names[k]: shape for k, shape in shapes.items()},
+                  optional=("lm_head.weight",) if args.tie_embeddings else (),  # a tied head may be listed or not
+                  ignored=("rotary_emb.inv_freq",))  # a buffer older transformers versions saved
 
 
 def load_hf_weights(model, path: str | Path, args: ModelArgs) -> None:

@@ -55,10 +55,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).type_as(x) * self.weight
 
 
-def rope_cache(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq_len, head_dim], computed exactly as transformers' default RoPE."""
+def rope_cache(head_dim: int, seq_len: int, theta: float, device=None, start: int = 0) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """cos, sin of shape [seq_len, head_dim] for positions start.., computed exactly as transformers' default RoPE."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    freqs = torch.outer(torch.arange(start, start + seq_len, dtype=torch.float32, device=device), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)  # both halves of head_dim share a frequency
     return emb.cos(), emb.sin()
 
@@ -144,10 +145,14 @@ class Llama(nn.Module):
             self.init_weights()
 
     @torch.no_grad()
-    def reset_rope_cache(self) -> None:
-        cos, sin = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
-        self.rope_cos.copy_(cos.unsqueeze(1))
-        self.rope_sin.copy_(sin.unsqueeze(1))
+    def reset_rope_cache(self, rows: int = 16384) -> None:
+        """Fill the tables `rows` positions at a time: no temporary of the tables' size (max_seq_len is the
+        planner's to count, once)."""
+        for start in range(0, self.args.max_seq_len, rows):
+            n = min(rows, self.args.max_seq_len - start)
+            cos, sin = rope_cache(self.args.head_dim, n, self.args.rope_theta, self.rope_cos.device, start)
+            self.rope_cos[start:start + n].copy_(cos.unsqueeze(1))
+            self.rope_sin[start:start + n].copy_(sin.unsqueeze(1))
 
     def init_buffers(self) -> None:
         """Fill the non-persistent buffers (after `to_empty()`), without touching the parameters."""
