@@ -206,6 +206,7 @@ def _profiled_rank(cfg, run_dir: str, prepared) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.timeout(600)  # four profiled runs: fused64k took 305 s on a slow 2-core VM (the default limit is 300 s)
 @pytest.mark.parametrize("case", PEAK_CASES)
 def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, tmp_path, case):
     """Per device, both activation-checkpointing modes, fp32 and bf16: the planner's estimate (the run reports it
