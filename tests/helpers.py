@@ -83,10 +83,12 @@ class Ran:
         return [line for line in self.err.splitlines() if line.strip()]
 
 
-def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = None, timeout: float = 120) -> Ran:
+def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = None, timeout: float = 120,
+               interrupt_when=None) -> Ran:
     """A command's `main(argv)` in a forked child of this process (torch already imported: milliseconds instead
     of a new interpreter's seconds), with its own stdout/stderr files, cwd and environment. The exit code is
-    main's return value, a SystemExit's code, or 1 with the traceback on stderr, as `python -m` would give."""
+    main's return value, a SystemExit's code, or 1 with the traceback on stderr, as `python -m` would give.
+    `interrupt_when()`: polled while the child runs; once true, the child gets SIGINT (a Ctrl-C)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         gc.collect()  # as hpctrain.cluster.spawn does: garbage process groups destroyed here, never in the child
         pid = os.fork()
@@ -122,6 +124,9 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
+            if interrupt_when is not None and interrupt_when():
+                os.kill(pid, signal.SIGINT)
+                interrupt_when = None
             if time.time() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)

@@ -66,9 +66,10 @@ def corpus(tmp_path):
     return str(tmp_path / "raw" / "*.txt")
 
 
-def _prep(corpus, out, *extra):
+def _prep(corpus, out, *extra, **forked):
     return run_forked(shards_cli.main, ["--corpus", corpus, "--out", str(out), "--vocab-size", "300", "--seq-len",
-                                        "16", "--shard-mb", "0.01", "--workers", "1", *extra], cwd=os.getcwd())
+                                        "16", "--shard-mb", "0.01", "--workers", "1", *extra], cwd=os.getcwd(),
+                      **forked)
 
 
 def test_an_unfinished_build_is_finished_or_refused_never_wiped(corpus, tmp_path):
@@ -357,36 +358,61 @@ def test_a_full_disk_leaves_the_last_checkpoint_and_one_line(demo_data, small_di
     assert read_json(run / "result.json")["status"] == "failed"
 
 
-def _wait_for_step(run, step: int) -> None:
-    until(f"step {step}", lambda: (run / "metrics.jsonl").exists() and any(
-        r.get("step", 0) >= step for r in records(run)), 120, every=0.1)
+def _at_step(run, step: int):
+    return lambda: (run / "metrics.jsonl").exists() and any(r.get("step", 0) >= step for r in records(run))
 
 
-def test_ctrl_c_ends_a_run_in_one_line(demo_data, tmp_path):
+def _sampling_until_interrupted(started):
+    """`hpctrain generate`'s main, its sampler marking `started` and never meeting an end-of-text (so it samples
+    until the Ctrl-C comes, whatever the model draws)."""
+    from hpctrain.tools import generate
+
+    def main(argv):
+        real = generate.sample
+
+        def sample(model, prompt, max_new_tokens, temperature, top_k, eos_id, generator):
+            started.touch()
+            return real(model, prompt, max_new_tokens, temperature, top_k, None, generator)
+
+        generate.sample = sample  # (in the forked child only)
+        return generate.main(argv)
+
+    return main
+
+
+def test_ctrl_c_ends_a_run_or_a_generation_in_one_line(demo_data, tmp_path):
     """SIGINT (Ctrl-C) during training: "hpctrain: interrupted", exit 130, no traceback; the run's result says
-    interrupted and its complete checkpoints stay complete."""
+    interrupted and its complete checkpoints stay complete. During `generate`'s sampling: its own line, 130,
+    nothing printed as if it were the answer."""
     run = tmp_path / "run"
-    argv = _cli(run, demo_data, "train.max_steps=100000", "train.ckpt_every=2")
-    with open(tmp_path / "err", "wb") as err:
-        pid = os.fork()
-        if pid == 0:
-            os.dup2(err.fileno(), 2)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - (pytest's capture otherwise)
-            code = 1
-            try:
-                code = cli.main(list(argv)) or 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            finally:
-                os._exit(code)
-        _wait_for_step(run, 3)
-        os.kill(pid, signal.SIGINT)
-        _, status = os.waitpid(pid, 0)
-    err = (tmp_path / "err").read_text()
-    assert os.waitstatus_to_exitcode(status) == 130 and "Traceback" not in err, err
-    assert [line for line in err.splitlines() if line.strip()] == ["hpctrain: interrupted"], err
+    ran = run_forked(cli.main, _cli(run, demo_data, "train.max_steps=100000", "train.ckpt_every=2"), cwd=tmp_path,
+                     timeout=240, interrupt_when=_at_step(run, 3))
+    assert ran.code == 130 and ran.err_lines == ["hpctrain: interrupted"], ran.err
     assert read_json(run / "result.json")["status"] == "interrupted"
     assert checkpoint.complete_checkpoints(str(run))
     for ck in checkpoint.complete_checkpoints(str(run)):
         checkpoint.check_loadable(ck)
+
+    started = tmp_path / "sampling"
+    ran = run_forked(_sampling_until_interrupted(started), [f"run_dir={run}", "max_new_tokens=100000"],
+                     cwd=tmp_path, timeout=240, interrupt_when=started.exists)
+    assert ran.code == 130 and ran.err_lines == ["hpctrain generate: interrupted"] and not ran.out.strip(), ran
+
+
+def test_ctrl_c_ends_a_shard_build_in_one_line_and_the_same_command_finishes_it(corpus, tmp_path):
+    """SIGINT during `data_prep.shards`, after its first work unit (each document is a unit): one line, exit 130, no manifest (the set is
+    not usable as if complete); the same command then finishes the build, keeping the finished units."""
+    from data_prep import verify
+    from data_prep.build import BUILD_DIR, DELAY_ENV, UNITS_DIR
+
+    out = tmp_path / "out"
+    units = out / BUILD_DIR / UNITS_DIR
+    ran = _prep(corpus, out, "--unit-mb", "0.005", env={DELAY_ENV: "60"},
+                interrupt_when=lambda: units.is_dir() and any(units.iterdir()))
+    assert ran.code == 130 and len(ran.err_lines) == 1 and ran.err.startswith("interrupted: "), ran.err
+    assert not (out / "manifest.json").exists()
+    done = sorted(os.listdir(units))
+    again = _prep(corpus, out, "--unit-mb", "0.005")
+    assert again.code == 0, again.err
+    assert set(done) < set(os.listdir(units)) and (out / "manifest.json").exists()
+    assert run_forked(verify.main, [str(out)], cwd=tmp_path).code == 0
