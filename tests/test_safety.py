@@ -380,10 +380,27 @@ def _sampling_until_interrupted(started):
     return main
 
 
-def test_ctrl_c_ends_a_run_or_a_generation_in_one_line(demo_data, tmp_path):
+def _exporting_until_interrupted(started):
+    """`hpctrain export-hf`'s main, stopping once the weights are written (before the tokenizer and config.json),
+    `started` marked, until the Ctrl-C comes."""
+    from hpctrain.tools import export_hf
+
+    def main(argv):
+        def copy_tokenizer(cfg, dest):
+            started.touch()
+            time.sleep(120)
+
+        export_hf._copy_tokenizer = copy_tokenizer  # (in the forked child only)
+        return export_hf.main(argv)
+
+    return main
+
+
+def test_ctrl_c_ends_a_run_a_generation_or_an_export_in_one_line(demo_data, tmp_path):
     """SIGINT (Ctrl-C) during training: "hpctrain: interrupted", exit 130, no traceback; the run's result says
     interrupted and its complete checkpoints stay complete. During `generate`'s sampling: its own line, 130,
-    nothing printed as if it were the answer."""
+    nothing printed as if it were the answer. During `export-hf`'s writing: its line, 130, nothing of OUT (not
+    even the partial directory)."""
     run = tmp_path / "run"
     ran = run_forked(cli.main, _cli(run, demo_data, "train.max_steps=100000", "train.ckpt_every=2"), cwd=tmp_path,
                      timeout=240, interrupt_when=_at_step(run, 3))
@@ -397,6 +414,12 @@ def test_ctrl_c_ends_a_run_or_a_generation_in_one_line(demo_data, tmp_path):
     ran = run_forked(_sampling_until_interrupted(started), [f"run_dir={run}", "max_new_tokens=100000"],
                      cwd=tmp_path, timeout=240, interrupt_when=started.exists)
     assert ran.code == 130 and ran.err_lines == ["hpctrain generate: interrupted"] and not ran.out.strip(), ran
+
+    started, out = tmp_path / "exporting", tmp_path / "hf"
+    ran = run_forked(_exporting_until_interrupted(started), [str(run), str(out)], cwd=tmp_path, timeout=240,
+                     interrupt_when=started.exists)
+    assert ran.code == 130 and ran.err_lines == ["hpctrain export-hf: interrupted (nothing of OUT was left)"], ran
+    assert sorted(os.listdir(tmp_path)) == ["exporting", "run", "sampling"]
 
 
 def test_ctrl_c_ends_a_shard_build_in_one_line_and_the_same_command_finishes_it(corpus, tmp_path):
