@@ -162,14 +162,30 @@ def load_tokenizer(path: str, eos_token: str | None = None) -> TextTokenizer:
         return _load_hf_dir(path, eos_token)
     if not os.path.isfile(path):
         raise DataError(f"tokenizer {path} does not exist: pass a tokenizer.json file or a tokenizer directory")
+    core = _core(path)
+    return TextTokenizer(core, _eos_id(core, eos_token, None, path))
+
+
+def _core(path: str) -> Tokenizer:
+    """A tokenizer.json file, its size checked first."""
     try:
         check_file(path, MAX_TOKENIZER_BYTES)
-        core = Tokenizer.from_file(path)
+        return Tokenizer.from_file(path)
     except FileCheckError as e:
         raise DataError(f"tokenizer {e}") from None
     except Exception as e:
         raise DataError(f"cannot load tokenizer {path} ({e}): pass a HF tokenizers tokenizer.json") from None
-    return TextTokenizer(core, _eos_id(core, eos_token, None, path))
+
+
+def vocab_difference(a: str, b: str) -> str | None:
+    """None when the tokenizer.json files `a` and `b` give every token the same id; else the sizes and the first id
+    that differs, `a`'s first (a model's weights trained on one mean nothing in the other's ids)."""
+    va, vb = (_core(path).get_vocab(with_added_tokens=True) for path in (a, b))
+    if va == vb:
+        return None
+    ia, ib = ({i: t for t, i in v.items()} for v in (va, vb))
+    first = min(i for i in set(ia) | set(ib) if ia.get(i) != ib.get(i))
+    return f"{len(va)} vs {len(vb)} tokens; id {first}: {ia.get(first, 'none')!r} vs {ib.get(first, 'none')!r}"
 
 
 def _generic_config(path: str) -> dict | None:

@@ -285,6 +285,15 @@ def _second_round(w, lock_holder) -> None:
     _hf_variant(w, "hf_json", lambda p, h, d: p.write_bytes(struct.pack("<Q", 9) + b"{not json"))
     _hf_variant(w, "hf_trunc", lambda p, h, d: os.truncate(p, os.path.getsize(p) - 100))
     _hf_variant(w, "hf_zero", lambda p, h, d: (os.remove(p), os.symlink("/dev/zero", p)))
+    # ... shipping a tokenizer that numbers the shards' tokens otherwise, or one that is a device.
+    shutil.copytree(w / "hf", w / "hf_othertok")
+    tok = json.loads((w / "data" / "tokenizer" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (w / "hf_othertok" / "tokenizer.json").write_text(json.dumps(tok))
+    shutil.copytree(w / "hf", w / "hf_tokzero")
+    os.symlink("/dev/zero", w / "hf_tokzero" / "tokenizer.json")
     # A run directory another live process holds.
     lock_holder(_copy_run(w, "busy"))
 
@@ -296,7 +305,7 @@ RUNS = ("run", "evil", "badstate", "evilgen", "negstep", "bigstep", "badsched", 
 WATCHED = ("data", "unfinished", "noval", "altered", "badids", "afile", "nockpt", "notes", "mine", "mylog", "corpus",
            "bigline", "zst", "evil_tok", "evildata", "otherdata", "zeroconfig", "busy", "hf", "hf_int8", "hf_shape",
            "hf_missing", "hf_overlap", "hf_hdrlen", "hf_json", "hf_trunc", "hf_zero",
-           *(f"{run}/checkpoints" for run in RUNS))
+           "hf_othertok", "hf_tokzero", *(f"{run}/checkpoints" for run in RUNS))
 
 
 def _hp(*args):
@@ -508,6 +517,9 @@ CASES = [
     ("hf-offsets-overlap", *_hp("model.init_from=hf:{w}/hf_overlap"), ["overlap"]),
     ("hf-tensor-missing", *_hp("model.init_from=hf:{w}/hf_missing"), ["has no tensor", "down_proj"]),
     ("hf-weights-are-a-device", *_hp("model.init_from=hf:{w}/hf_zero"), ["character device"]),
+    ("init-from-hf-of-another-tokenizer", *_hp("model.init_from=hf:{w}/hf_othertok"),
+     ["numbers tokens differently", "id 300: ", "--tokenizer"]),
+    ("init-from-hf-tokenizer-is-a-device", *_hp("model.init_from=hf:{w}/hf_tokzero"), ["character device"]),
     # export-hf where nothing can be written, or its read fails midway: nothing of OUT stays.
     ("export-under-a-file", export_hf.main, ["{w}/run", "{w}/afile/out"], ["cannot create", "afile"]),
     ("export-into-proc", export_hf.main, ["{w}/run", "/proc/hpctrain-export"], ["cannot create"]),

@@ -1,5 +1,7 @@
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,3 +353,32 @@ def test_tied_hf_weights_start_a_pipeline_as_one_process(make_cfg, tmp_path):
         refs[name] = _step_one(tmp_path / name)
     (loss, norm), (want_loss, want_norm) = refs["pp2"], refs["one"]
     assert abs(loss - want_loss) <= TOL and abs(norm - want_norm) <= TOL * want_norm, refs
+
+
+def _swap_token_ids(tokenizer_json) -> None:
+    """The same tokens, two of them numbered the other way round: another tokenizer as far as the weights go."""
+    doc = json.loads(tokenizer_json.read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tokenizer_json.write_text(json.dumps(doc))
+
+
+def test_init_from_hf_weights_of_another_tokenizer_is_one_line(make_cfg, tmp_path):
+    """A transformers directory that ships its tokenizer.json starts a run only on shards whose tokenizer numbers
+    every token the same way (the embedding's rows are token ids); a directory without one is not compared."""
+    from data_prep.shard_format import read_manifest
+    from hpctrain.training.run import TrainingError, prepare
+
+    path = Path(_published(tmp_path))
+    cfg = make_cfg("model.tie_embeddings=false", f"model.init_from=hf:{path}")
+    prepare(cfg)  # no tokenizer.json beside the weights
+    ours = Path(cfg.data.path) / read_manifest(cfg.data.path).tokenizer.path
+    shutil.copy(ours, path / "tokenizer.json")
+    prepare(cfg)  # the shards' own tokenizer
+    _swap_token_ids(path / "tokenizer.json")
+    with pytest.raises(TrainingError) as e:
+        prepare(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "numbers tokens differently" in msg and "id 300: " in msg, msg
+    assert f"--tokenizer {path}" in msg, msg

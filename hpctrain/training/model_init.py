@@ -39,10 +39,12 @@ def _init_source(cfg) -> tuple[bool, str] | None:
     return hf, os.path.expanduser(source[len(HF_PREFIX):] if hf else source)
 
 
-def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None) -> None:
+def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None,
+                    tokenizer_json: str | None = None) -> None:
     """model.init_from names weights this model can start from, trained on the token ids of the run's shards
-    (`tokenizer_sha256`: their tokenizer's) when a checkpoint says which (one-line ValueError/CheckpointError
-    otherwise); reads only metadata, before anything is spawned."""
+    (their tokenizer: `tokenizer_sha256`, `tokenizer_json`) when the source says which — a checkpoint's recorded
+    sha, a transformers directory's own tokenizer.json — (one-line ValueError/CheckpointError otherwise); reads
+    only metadata and tokenizers, before anything is spawned."""
     from hpctrain import checkpoint
 
     source = _init_source(cfg)
@@ -51,6 +53,7 @@ def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None) -
     hf, path = source
     if hf:
         spec.hf().check_hf_dir(path, spec.args(cfg.model))
+        _check_hf_tokenizer(path, tokenizer_json)
         return
     saved = checkpoint.check_loadable(path)
     checkpoint.check_model(path, spec.weights(spec.args(cfg.model)))
@@ -59,6 +62,25 @@ def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None) -
         raise ValueError(f"its weights were trained on token ids of another tokenizer (sha256 {theirs[:12]}) than "
                          f"data.path's shards ({tokenizer_sha256[:12]}): point data.path at shards made with that "
                          "tokenizer (make shards TOKENIZER=<its run's data.path>/tokenizer)")
+
+
+def _check_hf_tokenizer(path: str, tokenizer_json: str | None) -> None:
+    """A transformers directory that ships its tokenizer.json gives its tokens the ids of the shards' tokenizer
+    (a directory without one: nothing to compare)."""
+    from data_prep.shard_format import DataError
+    from data_prep.tokenizer import TOKENIZER_JSON, vocab_difference
+
+    theirs = os.path.join(path, TOKENIZER_JSON)
+    if tokenizer_json is None or not os.path.lexists(theirs):
+        return
+    try:
+        difference = vocab_difference(theirs, tokenizer_json)
+    except DataError as e:
+        raise ValueError(str(e)) from None
+    if difference:
+        raise ValueError(f"its tokenizer ({theirs}) numbers tokens differently from the one of data.path's shards "
+                         f"({difference}): its weights would read other words; build the shards with its tokenizer "
+                         f"(python -m data_prep.shards --tokenizer {path} ...)")
 
 
 def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | None:

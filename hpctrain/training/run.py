@@ -135,7 +135,8 @@ def _check_init_from(cfg, data_dir: str) -> None:
     from hpctrain.training.model_init import check_init_from
 
     try:
-        check_init_from(cfg, spec_of(cfg), read_manifest(data_dir).tokenizer.sha256)
+        tokenizer = read_manifest(data_dir).tokenizer
+        check_init_from(cfg, spec_of(cfg), tokenizer.sha256, os.path.join(data_dir, tokenizer.path))
     except (ValueError, OSError) as e:  # config.json unreadable or not this model
         raise TrainingError(f"model.init_from={cfg.model.init_from}: {e}") from None
     except CheckpointError as e:
