@@ -146,6 +146,12 @@ def check_out_dir(out_dir: str, overwrite: bool, resumable: bool = False) -> Non
         shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
         raise DataError(f"{out_dir} is not empty ({shown}) and holds no shard build of hpctrain's (no "
                         f"{BUILD_DIR}/ or {MANIFEST_NAME}): choose a new or empty --out; nothing in it is touched")
+    if not names & {BUILD_DIR, DEMO_MARKER} and MANIFEST_NAME in names:  # a common name: ours only if it parses
+        try:
+            read_manifest(out_dir)
+        except DataError as e:
+            raise DataError(f"{out_dir} holds a {MANIFEST_NAME} that is not an hpctrain shard set's ({e}): choose a "
+                            "new or empty --out; nothing in it is touched") from None
     unfinished = BUILD_DIR in names and MANIFEST_NAME not in names
     if unfinished and not (resumable or overwrite):
         raise DataError(f"{out_dir} holds an unfinished build ({BUILD_DIR}/, no {MANIFEST_NAME}) of other inputs or "
@@ -377,7 +383,7 @@ def build(
 
     old = _read_json(_build_path(out_dir, PLAN_NAME))
     same = isinstance(old, dict) and old.get("fingerprint") == fingerprint
-    check_out_dir(out_dir, overwrite, resumable=same)
+    check_out_dir(out_dir, overwrite, resumable=same or old is None)  # (no plan: no unit of other inputs yet)
     pieces = plan_pieces(files, settings["unit_bytes"], root)  # (a damaged input stops it before anything is made)
     if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
         if same:

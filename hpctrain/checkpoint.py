@@ -49,6 +49,7 @@ from hpctrain.parallel.parallelize import tied_aliases
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+REMOVING = ".removing-"  # a rotated checkpoint, renamed before its removal
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 log = logging.getLogger("hpctrain")
 _FIX = "resume from another checkpoint (train.resume=PATH) or train.resume=never"
@@ -241,8 +242,12 @@ def strays(run_dir: str) -> list[str]:
 
 
 def check_no_strays(run_dir: str) -> None:
-    """A run continuing in `run_dir` would reach the steps of its strays: refuse it (one CheckpointError line)."""
-    found = strays(run_dir)
+    """A run continuing in `run_dir` would reach the steps of its strays beyond its newest complete checkpoint
+    (a copy or backup the user may expect it to continue from): refuse it (one CheckpointError line). Older ones
+    (a removal of the run's own cut short) are never written again, never touched either."""
+    done = complete_checkpoints(run_dir)
+    newest = step_of(done[-1]) if done else -1
+    found = [path for path in strays(run_dir) if step_of(path) > newest]
     if found:
         raise CheckpointError(f"{found[0]} is not a complete checkpoint (no {STATE_FILE}: an interrupted copy, or "
                               "one made by hand?), and this run would write its step there: move it out of "
@@ -407,8 +412,15 @@ def publish(run_dir: str, step: int, trainer_state: dict, keep: int) -> str:
     if os.path.isdir(link) and not os.path.islink(link):  # a run copied without symlinks (cp -r): kept
         os.rename(link, free_name(link + ".copy"))
     os.replace(link_tmp, link)
-    for old in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    # The newest `keep` up to this step stay (newer ones, met after falling back past them, are not counted: they
+    # would crowd out the checkpoint just written). Renamed before the removal, so that a removal cut short
+    # leaves no `step-N` without its trainer state; leftovers of earlier ones go too (their names are ours).
+    older = [path for path in complete_checkpoints(run_dir) if step_of(path) <= step][:-keep]
+    for old in older:
+        os.rename(old, os.path.join(root(run_dir), REMOVING + os.path.basename(old)))
+    for name in os.listdir(root(run_dir)):
+        if name.startswith(REMOVING):
+            shutil.rmtree(os.path.join(root(run_dir), name), ignore_errors=True)
     return final
 
 
@@ -499,22 +511,25 @@ def check_model(path: str, expected: Shapes) -> None:
     check_weights(path, _SafeReader(path).metadata.state_dict_metadata, expected)
 
 
-def _opened(path: str, expected: Shapes | None) -> tuple[dict, _SafeReader]:
-    """(trainer state, reader) once the checkpoint is complete, its metadata safe and, with `expected`, its model
-    entries exactly those: agreed by every rank."""
+def _opened(path: str, expected: Shapes | None, check_state=None) -> tuple[dict, _SafeReader]:
+    """(trainer state, reader) once the checkpoint is complete, its metadata safe, with `expected` its model
+    entries exactly those, with `check_state(path, saved)` its trainer state valid: agreed by every rank."""
     def check():
         saved, reader = _read_trainer_state(path), _SafeReader(path)
+        if check_state is not None:
+            check_state(path, saved)
         if expected is not None:
             check_weights(path, reader.metadata.state_dict_metadata, expected)
         return saved, reader
     return _agreed(check)
 
 
-def load(path: str, model, optimizer, expected: Shapes | None = None) -> dict:
+def load(path: str, model, optimizer, expected: Shapes | None = None, check_state=None) -> dict:
     """Load model and optimizer state in place (resharded to the current layout); return trainer_state.
-    `expected`: the whole model's weights, checked strictly first. Collective when distributed: a damaged
+    `expected`: the whole model's weights, checked strictly first; `check_state(path, trainer_state)` raises a
+    CheckpointError for a trainer state the caller cannot use. Collective when distributed: a damaged
     checkpoint raises the same CheckpointError on every rank."""
-    saved, reader = _opened(path, expected)
+    saved, reader = _opened(path, expected, check_state)
     present = reader.metadata.state_dict_metadata
     state = state_of(model, optimizer)
     # RNG streams are per rank: a resume on more ranks than were saved starts the new ones fresh.
@@ -561,14 +576,15 @@ def _newest_first(run_dir: str) -> list[str]:
     return [newest, *(p for p in reversed(complete_checkpoints(run_dir)) if step_of(p) < step_of(newest))]
 
 
-def load_newest(run_dir: str, model, optimizer, expected: Shapes | None = None) -> tuple[str, dict] | None:
+def load_newest(run_dir: str, model, optimizer, expected: Shapes | None = None,
+                check_state=None) -> tuple[str, dict] | None:
     """Resume from the newest complete checkpoint of run_dir that loads, falling back to older ones (one warning
     each); return (its path, its trainer_state), or None when run_dir has none. Collective like `load`."""
     candidates = _same_on_every_rank(_newest_first(run_dir))
     first = None
     for path, older in zip(candidates, [*candidates[1:], None]):
         try:
-            return path, load(path, model, optimizer, expected)
+            return path, load(path, model, optimizer, expected, check_state)
         except CheckpointError as e:
             if e.fix:  # not damage but another model's checkpoint: the older ones are that model's too
                 raise

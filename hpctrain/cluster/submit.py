@@ -146,9 +146,8 @@ class Submitting:
             rundir.check_owned(run_dir)
             check(cfg)
             with rundir.claimed(run_dir, probe=True):  # marked a run's; not while another run lives there
-                pass
-            executor = self.executor(folder, cfg.cluster)
-            rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
+                executor = self.executor(folder, cfg.cluster)
+                rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
             job = _orfail(lambda: executor.submit(RunJob(OmegaConf.to_container(cfg, resolve=True), run_dir,
                                                           job_logging)))
         except _BAD_INPUT as e:

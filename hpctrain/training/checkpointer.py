@@ -191,9 +191,10 @@ class Checkpointer:
     def restore(self, start: str | None) -> str | None:
         """Load `start` ("auto": the run dir's newest loadable checkpoint; None: nothing); return what was loaded."""
         if start == "auto":
-            path, saved = checkpoint.load_newest(self.run_dir, self.model, self.optimizer, self.expected) or (None, None)
+            path, saved = checkpoint.load_newest(self.run_dir, self.model, self.optimizer, self.expected,
+                                                 check_trainer_state) or (None, None)
         elif start:
-            path, saved = start, checkpoint.load(start, self.model, self.optimizer, self.expected)
+            path, saved = start, checkpoint.load(start, self.model, self.optimizer, self.expected, check_trainer_state)
         else:
             return None
         if saved:
@@ -204,8 +205,7 @@ class Checkpointer:
         return path if saved else None
 
     def _load_parts(self, path: str, saved: dict) -> None:
-        """The JSON of a checkpoint's trainer_state.json (JSON, but maybe not hpctrain's) into the parts."""
-        check_trainer_state(path, saved)
+        """A checkpoint's trainer state (checked by `check_trainer_state` as it was opened) into the parts."""
         for name, part in self.parts.items():
             part.load_state_dict(saved[name])
         for name, part in self.optional.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ class AgreedGradScaler(torch.amp.GradScaler):
 
         if not isinstance(doc, dict):
             raise TypeError("scaler is not an object")
-        return number(doc, "scale", 2.0**-24, MAX_LOSS_SCALE), count(doc, "_growth_tracker")
+        return number(doc, "scale", math.ulp(0.0), MAX_LOSS_SCALE), count(doc, "_growth_tracker")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A checkpoint's scale and growth tracker, checked (TypeError); the growth settings stay this run's

@@ -256,6 +256,10 @@ def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
                 shared[2] = begin
             except BAD_INPUT as e:  # refused on every rank, not on this one alone
                 shared[1] = str(e)
+            except Exception as e:  # a rename or write failing (a full disk): no rank left waiting in the broadcast
+                if env.world == 1:
+                    raise
+                shared[1] = f"the main rank failed before training: {type(e).__name__}: {e}"
         if env.world > 1:
             torch.distributed.broadcast_object_list(shared, src=0)
         run_dir, refused, begin = shared

@@ -94,9 +94,6 @@ def _check_run(doc: dict) -> None:
                 "skipped_spike"):
         if key in doc:
             count(doc, key)
-    skipped = sum(doc.get(key, 0) for key in ("skipped_nonfinite", "skipped_overflow", "skipped_spike"))
-    if "step" in doc and skipped > doc["step"]:
-        raise TypeError(f"{skipped} skipped steps of {doc['step']}")
     for key in ("last_loss", "last_val_loss"):
         number(doc, key, -math.inf, math.inf, optional=True)
     if "wall_time_s" in doc:
