@@ -429,3 +429,21 @@ def test_a_multi_rank_checkpoint_loads_in_one_process(make_cfg, tmp_path):
     path, state = checkpoint.load_newest(str(tmp_path / "run"), model, build_optimizer(model, cfg.optim, 0.1))
     assert path == os.path.realpath(ckpt) and state["run"]["step"] == 2
     checkpoint.load_model(ckpt, Llama(model_args(cfg)))
+
+
+def test_rotation_keeps_what_it_just_wrote_and_cut_short_leaves_no_stray(small_run):
+    """Saving step 3 again after falling back past step 4 (keep=1): the new step 3 stays, the newer step 4 is not
+    counted (not removed either); an old checkpoint whose removal was cut short (renamed first) is no stray, and a
+    stray older than the newest complete checkpoint does not refuse a start."""
+    run = str(small_run)
+    model, optimizer = _linear()
+    checkpoint.save(run, 3, model, optimizer, {"step": 3}, keep=1)
+    names = sorted(os.listdir(checkpoint.root(run)))
+    assert "step-0000003" in names and "step-0000004" in names and "step-0000002" not in names, names
+    assert checkpoint.latest(run).endswith("step-0000003")
+    assert not [n for n in names if n.startswith(checkpoint.REMOVING)], names
+    os.makedirs(os.path.join(checkpoint.root(run), "step-0000001"))  # e.g. a removal by hand cut short
+    checkpoint.check_no_strays(run)
+    os.makedirs(os.path.join(checkpoint.root(run), "step-0000009"))  # a copy the user may expect to continue from
+    with pytest.raises(checkpoint.CheckpointError, match="step-0000009 is not a complete checkpoint"):
+        checkpoint.check_no_strays(run)
