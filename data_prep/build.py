@@ -313,15 +313,29 @@ def _remove_manifest(out_dir: str) -> None:
         fsync_dir(out_dir)
 
 
+def _clear_units(out_dir: str) -> None:
+    """The journal's unit records (every file in `.build/units/` is one the build wrote, or its temporary)."""
+    units_dir = _build_path(out_dir, UNITS_DIR)
+    if os.path.isdir(units_dir):
+        for name in os.listdir(units_dir):
+            os.remove(os.path.join(units_dir, name))
+
+
+def clear_journal(out_dir: str) -> None:
+    """The journal's records, the plan (and its temporaries) and the units'; `.build/` itself, the mark of an
+    hpctrain build, stays. Nothing else in `.build/` is touched."""
+    for name in os.listdir(_build_path(out_dir)):
+        if name.startswith(PLAN_NAME):
+            os.remove(_build_path(out_dir, name))
+    _clear_units(out_dir)
+
+
 def _wipe_stale(out_dir: str) -> None:
     """Remove the shards and journal of an unfinished build with other settings (no manifest refers to them)."""
     for name in os.listdir(out_dir):
         if is_shard_file(name):
             os.remove(os.path.join(out_dir, name))
-    units_dir = _build_path(out_dir, UNITS_DIR)
-    if os.path.isdir(units_dir):
-        for name in os.listdir(units_dir):
-            os.remove(os.path.join(units_dir, name))
+    _clear_units(out_dir)
 
 
 def build(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -27,6 +26,7 @@ from data_prep.build import (
     BuildConfig,
     build,
     check_out_dir,
+    clear_journal,
     make_out_dir,
     merge,
 )
@@ -78,11 +78,8 @@ def prepare_out_dir(out_dir: str, overwrite: bool = False) -> None:
     for name in sorted(os.listdir(out_dir)):
         if name.removesuffix(".tmp") == MANIFEST_NAME or is_shard_file(name):
             os.remove(os.path.join(out_dir, name))
-    journal = os.path.join(out_dir, BUILD_DIR)
-    os.makedirs(journal, exist_ok=True)  # the mark of an hpctrain build (a rerun may replace it), kept throughout
-    for name in os.listdir(journal):
-        shutil.rmtree(os.path.join(journal, name), ignore_errors=True) if os.path.isdir(
-            os.path.join(journal, name)) else os.remove(os.path.join(journal, name))
+    os.makedirs(os.path.join(out_dir, BUILD_DIR), exist_ok=True)  # the mark of an hpctrain build, kept throughout
+    clear_journal(out_dir)  # (a journaled build's records: this one replaces it)
 
 
 def write_shards(
