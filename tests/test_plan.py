@@ -148,6 +148,10 @@ def test_errors_are_one_line(tmp_path, overrides, words):
 # (7.1 M parameters, 4 blocks, 8192-token vocabulary, 4 × 256 tokens per micro-batch, two micro-batches a step),
 # two steps per run, on a synthetic shard set made for that vocabulary. `fsdp_tied64k`: a 64k-token tied
 # embedding and 16-token samples, so that the peak is the end of backward, the embedding's gradients being reduced.
+# In bf16 the blocks are 128 wide (and fused64k's vocabulary 16k on 64-token samples): on a CPU without AVX512-BF16
+# PyTorch's bf16 matmul takes a reference path ~15x slower than fp32 (pytorch#146508; g @ w of the 64k head, 1024
+# tokens: 75 s against 0.4 s), which made this test 17 minutes of the suite. Every term the planner has for bf16
+# (compute copies, autocast's casts, the loss's bf16 buffers) is still measured, within 8 % at this size.
 PEAK_MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_hidden=688",
               "model.vocab_size=8192", "model.max_seq_len=256", "model.tie_embeddings=false"]
 PEAK_RUN = ["train.max_steps=2", "train.eval_every=0", "train.checkpointing=false", "logging.trackers=[]",
@@ -159,6 +163,8 @@ PEAK_CASES = {"single": [], "ddp": ["parallel=ddp", "parallel.dp=2"], "fsdp": ["
                                "model.tie_embeddings=true", "model.n_layers=2"],
               # train.fused_loss on a 64k vocabulary, the loss's buffers a large part of the peak.
               "fused64k": ["train.fused_loss=true", "model.vocab_size=65536", "model.n_layers=2"]}
+PEAK_BF16 = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=344"]
+PEAK_BF16_CASES = {"fused64k": ["model.vocab_size=16384", "model.max_seq_len=64"]}
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +212,6 @@ def _profiled_rank(cfg, run_dir: str, prepared) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.timeout(600)  # four profiled runs: fused64k took 305 s on a slow 2-core VM (the default limit is 300 s)
 @pytest.mark.parametrize("case", PEAK_CASES)
 def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, tmp_path, case):
     """Per device, both activation-checkpointing modes, fp32 and bf16: the planner's estimate (the run reports it
@@ -214,19 +219,21 @@ def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, 
     from hpctrain.cluster.spawn import spawn
     from hpctrain.training.run import prepare
 
-    overrides = [*PEAK_MODEL, *PEAK_RUN, *PEAK_CASES[case]]
-    model = make_cfg(*overrides, small_model=False).model
-    data = synthetic_shards(model.vocab_size, model.max_seq_len)
     # fsdp_tied64k in fp32: one rank of one run in ~6 held one more gathered copy of the 64k embedding (+64 MiB,
     # −23 %) at backward's end, a timing effect of the asynchronous collectives; bf16 is the case that matters
     # (make bench-scale), and it has not varied.
     for precision in ("bf16",) if case == "fsdp_tied64k" else ("fp32", "bf16"):
+        overrides = [*PEAK_MODEL, *PEAK_RUN, *PEAK_CASES[case]]
+        if precision == "bf16":
+            overrides += [*PEAK_BF16, *PEAK_BF16_CASES.get(case, [])]
+        model = make_cfg(*overrides, small_model=False).model
+        data = synthetic_shards(model.vocab_size, model.max_seq_len)
         for ac in ("none", "full"):
             cfg = make_cfg(*overrides, f"data.path={data}", f"precision={precision}",
                            f"parallel.activation_checkpointing={ac}", small_model=False)
             prepared, run_dir = prepare(cfg), tmp_path / f"{precision}-{ac}"
             run_dir.mkdir()
-            spawn(prepared.shape.world, _profiled_rank, (cfg, str(run_dir), prepared), threads=1)
+            spawn(prepared.shape.world, _profiled_rank, (cfg, str(run_dir), prepared))
             memory = json.loads((run_dir / "result.json").read_text())["memory"]
             measured = [int((run_dir / f"peak.{r}").read_text()) / 2**30 for r in range(prepared.shape.world)]
             planned = memory["planned_gib"]
