@@ -32,7 +32,16 @@ from typing import Any
 
 from data_prep import lustre
 from data_prep.packing import DEFAULT_BATCH_CHARS, split_names, write_unit
-from data_prep.shard_format import (
+from data_prep.sources import BAD_LINES, Piece, ReadStats, iter_segments, plan_pieces
+from data_prep.tokenizer import (
+    TOKENIZER_JSON,
+    check_vocab,
+    load_tokenizer,
+    sample_documents,
+    train_tokenizer_from_docs,
+)
+from hpctrain.core.files import fsync_dir, read_json, write_json
+from hpctrain.core.shard_format import (
     MANIFEST_NAME,
     MAX_BLOCK_LEN,
     SPLITS,
@@ -47,15 +56,6 @@ from data_prep.shard_format import (
     token_dtype,
     write_manifest,
 )
-from data_prep.sources import BAD_LINES, Piece, ReadStats, iter_segments, plan_pieces
-from data_prep.tokenizer import (
-    TOKENIZER_JSON,
-    check_vocab,
-    load_tokenizer,
-    sample_documents,
-    train_tokenizer_from_docs,
-)
-from hpctrain.files import fsync_dir, read_json, write_json
 
 BUILD_DIR = ".build"
 DEMO_MARKER = ".hpctrain-demo"  # written first into a directory the demo build owns (data_prep.demo)

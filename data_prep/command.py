@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from data_prep.shard_format import DataError
+from hpctrain.core.shard_format import DataError
 
 
 def run(work: Callable[[], object], os_fix: str, interrupted: str) -> int:

@@ -16,8 +16,8 @@ import tokenizers
 
 from data_prep import command
 from data_prep.build import DEMO_MARKER
-from data_prep.shard_format import DataError, Manifest, read_manifest, sha256_file
 from data_prep.shards import build_from_files, read_text
+from hpctrain.core.shard_format import DataError, Manifest, read_manifest, sha256_file
 
 # encodings/ is mostly generated codec tables: a model trained on them samples tables, not code.
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "encodings"}

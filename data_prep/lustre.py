@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 
-from data_prep.shard_format import DataError
+from hpctrain.core.shard_format import DataError
 
 DEFAULT_STRIPE_COUNT = 4
 DEFAULT_STRIPE_SIZE = "4M"

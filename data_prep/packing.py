@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
-from data_prep.shard_format import (
+from data_prep.tokenizer import TextTokenizer
+from hpctrain.core.shard_format import (
     TAR_FORMAT,
     TOKENS_EXT,
     DataError,
@@ -26,7 +27,6 @@ from data_prep.shard_format import (
     tar_member_bytes,
     unit_shard_name,
 )
-from data_prep.tokenizer import TextTokenizer
 
 DEFAULT_BATCH_CHARS = 1_000_000  # characters per encode_batch call: bounds a worker at ~100-150 MB
 

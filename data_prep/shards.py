@@ -31,7 +31,10 @@ from data_prep.build import (
     merge,
 )
 from data_prep.packing import DEFAULT_BATCH_CHARS, pack_tokens, split_names, write_unit
-from data_prep.shard_format import (
+from data_prep.sources import expand_corpus
+from data_prep.tokenizer import TextTokenizer
+from hpctrain.core.files import fsync_dir
+from hpctrain.core.shard_format import (
     MANIFEST_NAME,
     SPLITS,
     TOKENIZER_DIR,
@@ -44,9 +47,6 @@ from data_prep.shard_format import (
     token_dtype,
     write_manifest,
 )
-from data_prep.sources import expand_corpus
-from data_prep.tokenizer import TextTokenizer
-from hpctrain.files import fsync_dir
 
 __all__ = ["DEFAULT_SHARD_MB", "build_from_files", "main", "pack_tokens", "prepare_out_dir", "read_text",
            "split_names", "write_shards"]

@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from data_prep.shard_format import DataError
+from hpctrain.core.shard_format import DataError
 
 TEXT_CHUNK_CHARS = 8_000_000
 SEGMENT_CHARS = 1_000_000  # what the tokenizer gets at once: it holds ~100 bytes a character while encoding

@@ -19,9 +19,9 @@ import sys
 import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from data_prep.shard_format import EOS_TOKEN, DataError, Manifest, token_dtype
 from data_prep.shards import write_shards
 from data_prep.tokenizer import TextTokenizer
+from hpctrain.core.shard_format import EOS_TOKEN, DataError, Manifest, token_dtype
 
 
 def word_tokenizer(vocab_size: int) -> TextTokenizer:
@@ -68,7 +68,7 @@ def build_synthetic(out_dir: str, vocab_size: int, seq_len: int, samples: int, v
 def cached_synthetic(out_dir: str, vocab_size: int, seq_len: int, samples: int, shards: int = 8) -> str:
     """`out_dir` holding a synthetic shard set of these settings: built once, reused by later calls (the
     benchmarks'); a DataError when it holds another shard set."""
-    from data_prep.shard_format import MANIFEST_NAME, read_manifest
+    from hpctrain.core.shard_format import MANIFEST_NAME, read_manifest
 
     if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
         m = read_manifest(out_dir)

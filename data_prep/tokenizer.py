@@ -13,9 +13,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from data_prep.shard_format import EOS_TOKEN, DataError
 from data_prep.sources import Piece, iter_segments
-from hpctrain.files import FileCheckError, MiB, atomic_write, check_file, read_json
+from hpctrain.core.files import FileCheckError, MiB, atomic_write, check_file, read_json
+from hpctrain.core.shard_format import EOS_TOKEN, DataError
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

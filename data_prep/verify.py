@@ -14,7 +14,14 @@ import os
 import sys
 import tarfile
 
-from data_prep.shard_format import DataError, Manifest, ShardInfo, decode_tokens, read_manifest, sha256_file
+from hpctrain.core.shard_format import (
+    DataError,
+    Manifest,
+    ShardInfo,
+    decode_tokens,
+    read_manifest,
+    sha256_file,
+)
 
 
 def check_shard(data_dir: str, manifest: Manifest, shard: ShardInfo, quick: bool) -> str | None:

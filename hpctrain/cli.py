@@ -17,11 +17,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hpctrain import rundir
-from hpctrain.compose import compose, conf_dir, register
-from hpctrain.config import unknown_key_message
-from hpctrain.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED, fail
-from hpctrain.files import no_space
+from hpctrain.core.config import unknown_key_message
+from hpctrain.core.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED, fail
+from hpctrain.core.files import no_space
+from hpctrain.runs import rundir
+from hpctrain.runs.compose import compose, conf_dir, register
 
 PROG = "python -m hpctrain"
 # When the command started: what was made after it (by Hydra, for this run) may be removed again.
@@ -41,8 +41,8 @@ def _restore_full_error() -> None:
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
 def _task(cfg: DictConfig) -> dict | None:
-    from hpctrain.cluster.job import Stopped, quiet_other_ranks
     from hpctrain.parallel.process_group import launched_rank
+    from hpctrain.runtime.job import Stopped, quiet_other_ranks
     from hpctrain.training.run import prepare, start, train
 
     global _in_task
@@ -150,7 +150,7 @@ def _announce_sweep(argv: list[str]) -> None:
     silence): how many there are, and, bound for Slurm, whether one job array holds them (one line otherwise)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from hpctrain.cluster.submit import check_array_size
+    from hpctrain.launch.submit import check_array_size
 
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
@@ -181,13 +181,13 @@ def plan(argv: list[str]) -> int:
         cfg = compose(argv)
     except (HydraException, OmegaConfBaseException) as e:
         fail(hydra_error_line(e))
-    from hpctrain.tools.planner import main as plan_main
+    from hpctrain.training.planner import main as plan_main
 
     return plan_main(cfg)
 
 
 def preflight(argv: list[str]) -> int:
-    from hpctrain.cluster.preflight import main as preflight_main
+    from hpctrain.launch.preflight import main as preflight_main
 
     return preflight_main(argv)
 
@@ -196,8 +196,8 @@ def check_grid(argv: list[str]) -> int:
     """`python -m hpctrain check key=v1,v2 ... [-- overrides]`: every point of the grid checked as its job would
     check it at its start (config, layout, data), and the cluster's array limit; one line and exit 2 at the first
     bad point. sbatch/sweep.sbatch runs it before it submits anything."""
-    from hpctrain.cluster.submit import Progress, check, check_array_size, grid
-    from hpctrain.config import ConfigError
+    from hpctrain.core.config import ConfigError
+    from hpctrain.launch.submit import Progress, check, check_array_size, grid
 
     if any(a in ("-h", "--help") for a in argv):
         print(f"usage: {PROG} check key=v1,v2 [key=v1,v2 ...] [-- overrides]\nchecks every point of the grid as its "
@@ -239,9 +239,9 @@ COMMANDS = {
               check_grid),
     "generate": ("sample text from a run: generate run_dir=DIR prompt=TEXT", _tool("hpctrain.tools.generate")),
     "export-hf": ("a run's checkpoint as a transformers model: export-hf RUN_DIR OUT",
-                  _tool("hpctrain.tools.export_hf")),
+                  _tool("hpctrain.weights.export_hf")),
     "summary": ("a run's status and loss curve in one line: summary RUN_DIR", _tool("hpctrain.tools.summary")),
-    "report": ("a sweep's table and plots: report SWEEP_DIR", _tool("hpctrain.cluster.sweep", "report")),
+    "report": ("a sweep's table and plots: report SWEEP_DIR", _tool("hpctrain.launch.sweep", "report")),
     "bench": ("throughput against a plain transformers loop", _tool("hpctrain.tools.bench")),
 }
 

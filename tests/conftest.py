@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from hpctrain.compose import register
+from hpctrain.runs.compose import register
 
 CONF_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
 

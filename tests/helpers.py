@@ -15,8 +15,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from hpctrain.cluster.sweep import sacct_state
-from hpctrain.files import read_metrics
+from hpctrain.core.files import read_metrics
+from hpctrain.launch.sweep import sacct_state
 
 
 def read(path) -> str:
@@ -90,7 +90,7 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
     main's return value, a SystemExit's code, or 1 with the traceback on stderr, as `python -m` would give.
     `interrupt_when()`: polled while the child runs; once true, the child gets SIGINT (a Ctrl-C)."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        gc.collect()  # as hpctrain.cluster.spawn does: garbage process groups destroyed here, never in the child
+        gc.collect()  # as hpctrain.runtime.spawn does: garbage process groups destroyed here, never in the child
         pid = os.fork()
         if pid == 0:  # the child: never returns into pytest
             gc.freeze()
@@ -178,7 +178,13 @@ def edit_tokens(data_dir: str, index: int, edit, fix_sha256: bool = False) -> st
 
     import numpy as np
 
-    from data_prep.shard_format import MANIFEST_NAME, decode_tokens, encode_tokens, read_manifest, sha256_file
+    from hpctrain.core.shard_format import (
+        MANIFEST_NAME,
+        decode_tokens,
+        encode_tokens,
+        read_manifest,
+        sha256_file,
+    )
 
     m = read_manifest(data_dir)
     path = os.path.join(data_dir, m.splits["train"][index].name)

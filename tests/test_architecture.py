@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hpctrain", "data_prep", "hydra_plugins")
@@ -94,14 +94,64 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     assert cycles(import_graph(tmp_path)) == [["hpctrain.a", "hpctrain.b"]]
 
 
+# The layers, lowest first: a module imports only from its own layer or below. Folders are the layers (the
+# package root holds only the version; cli.py and __main__.py are the top). docs/architecture.md draws the same.
+LAYERS = (
+    ("core", ("hpctrain", "hpctrain.core")),  # schema, errors, files, the shard format, argument parsing
+    ("models, data_prep", ("hpctrain.models", "data_prep")),  # model families; corpus -> shards (offline)
+    ("parallel, data", ("hpctrain.parallel", "hpctrain.data")),  # layouts and their application; the loader
+    ("storage, runtime, monitoring", ("hpctrain.storage", "hpctrain.runtime", "hpctrain.monitoring")),
+    ("runs", ("hpctrain.runs",)),  # composing, resolving and checking a run's config; its directory
+    ("weights", ("hpctrain.weights",)),  # weights out to other formats
+    ("training", ("hpctrain.training",)),  # the trainer's components, the loop, the memory planner
+    ("launch", ("hpctrain.launch",)),  # Slurm submission, sweeps, preflight
+    ("tools", ("hpctrain.tools",)),  # generate, summary, benchmarks, gpu-check
+    ("cli", ("hpctrain.cli", "hpctrain.__main__", "hydra_plugins")),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest prefix that owns `module`."""
+    owners = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+              if module == prefix or module.startswith(prefix + ".")]
+    assert owners, f"{module} is in no layer: add its folder to LAYERS (tests/test_architecture.py)"
+    return max(owners)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+                  for a, imported in graph.items() for b in imported if layer_of(b) > layer_of(a))
+
+
+def test_layers_import_only_downward():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path):
+    """The check itself: the model layer importing the trainer, inside a function, is reported."""
+    for pkg in ("hpctrain", "hpctrain/models", "hpctrain/training"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "hpctrain/training/trainer.py").write_text("from hpctrain.models import llama\n")
+    (tmp_path / "hpctrain/models/llama.py").write_text("def f():\n    from hpctrain.training.trainer import x\n")
+    assert upward_imports(import_graph(tmp_path)) == [
+        "hpctrain.models.llama (models, data_prep) imports hpctrain.training.trainer (training)"]
+
+
+def test_the_package_root_holds_only_the_version_and_the_entry_points():
+    """Folders are the layers: a new module belongs in one of them, not beside them."""
+    loose = sorted(p.name for p in (ROOT / "hpctrain").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "cli.py"]
+
+
 def test_config_is_a_leaf():
     """Every module may read the schema: config.py imports nothing of the project."""
-    assert import_graph()["hpctrain.config"] == set()
+    assert import_graph()["hpctrain.core.config"] == set()
 
 
 @pytest.mark.parametrize("module", ["hpctrain.parallel.parallelize", "hpctrain.parallel.layout",
                                     "hpctrain.training.trainer", "hpctrain.training.step",
-                                    "hpctrain.training.model_init", "hpctrain.tools.planner",
+                                    "hpctrain.training.model_init", "hpctrain.training.planner",
                                     "hpctrain.tools.generate"])
 def test_generic_code_names_no_model_modules(module):
     """Module names of one family (Llama's) belong to its spec: generic code takes them from there."""
@@ -122,8 +172,8 @@ def test_training_functions_fit_on_a_screen():
 def test_generate_does_not_load_the_cluster_code():
     """Sampling text needs the model and a checkpoint, not the Slurm launcher or the trainer."""
     code = ("import sys, hpctrain.tools.generate; "
-            "print(sorted(m for m in sys.modules if m.startswith(('hpctrain.cluster', 'hpctrain.training', "
-            "'hydra_plugins', 'submitit'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('hpctrain.launch', 'hpctrain.runtime', "
+            "'hpctrain.training', 'hydra_plugins', 'submitit'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
@@ -155,7 +205,7 @@ def test_the_schema_holds_every_model_argument():
     model knows nothing of configs and config imports nothing: every argument must be a key, with its default."""
     import dataclasses
 
-    from hpctrain.config import ModelConfig
+    from hpctrain.core.config import ModelConfig
     from hpctrain.models import FAMILIES, get_spec
 
     keys = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

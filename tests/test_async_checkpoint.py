@@ -15,8 +15,8 @@ import pytest
 from helpers import last_step, losses, run_layout
 from test_train import _cli, read_json, read_text
 
-from hpctrain import checkpoint
-from hpctrain.errors import TrainingError
+from hpctrain.core.errors import TrainingError
+from hpctrain.storage import checkpoint
 from hpctrain.training.run import train
 
 ASYNC = "train.ckpt_async=true"
@@ -149,7 +149,7 @@ def test_a_stop_signal_publishes_the_background_write_before_the_run_stops(make_
     so `latest` names the step the run stopped at when it exits (and requeues)."""
     import threading
 
-    from hpctrain.cluster import job
+    from hpctrain.runtime import job
 
     def preempt_after_step_3():
         while last_step(tmp_path) < 3:

@@ -22,9 +22,12 @@ from helpers import edit_tokens, run_forked, tree_digest
 from data_prep import demo as demo_cli
 from data_prep import shards as shards_cli
 from data_prep import tokenizer as tokenizer_cli
-from hpctrain import checkpoint, cli, rundir
-from hpctrain.tools import export_hf, generate
+from hpctrain import cli
+from hpctrain.runs import rundir
+from hpctrain.storage import checkpoint
+from hpctrain.tools import generate
 from hpctrain.tools import summary as metrics
+from hpctrain.weights import export_hf
 
 BASE = [*SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=2", "train.log_every=1",
         "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1"]
@@ -176,7 +179,7 @@ def world(tmp_path_factory, demo_data, lock_holder):
             f.write("{not json")
     # Shards whose every token was altered (same size: only the checksum can tell), and shards holding a token id
     # beyond the vocabulary under a matching checksum (only the range check can tell).
-    from data_prep.shard_format import read_manifest
+    from hpctrain.core.shard_format import read_manifest
 
     shutil.copytree(demo_data, w / "altered")
     vocab = read_manifest(str(w / "altered")).vocab_size

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import WarningLines, one_line
 
-from hpctrain import checkpoint
+from hpctrain.storage import checkpoint
 from hpctrain.training.run import train
 
 
@@ -332,7 +332,7 @@ def test_load_newest_falls_back_to_an_older_checkpoint(run_with_ckpts, make_cfg,
     """A real training run's checkpoints (steps 2, 3, 4): step 4's data file is cut to half its size."""
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
-    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.optimizer import build_optimizer
 
     cfg = make_cfg()
 
@@ -391,7 +391,7 @@ def _two_ranks_fall_back(run: str, out: str) -> None:
 @pytest.mark.multiproc
 def test_load_newest_falls_back_on_every_rank_when_one_rank_fails(tmp_path):
     """DCP raises a rank's read failure on all ranks: both ranks fall back to step 3 together (no hang)."""
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     spawn(2, _two_ranks_fall_back, (str(tmp_path / "run"), str(tmp_path)), threads=1)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -401,7 +401,7 @@ def test_load_newest_falls_back_on_every_rank_when_one_rank_fails(tmp_path):
 def test_real_checkpoints_load(run_with_ckpts, make_cfg):
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
-    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.optimizer import build_optimizer
 
     model = Llama(model_args(make_cfg()))
     path, state = checkpoint.load_newest(str(run_with_ckpts), model, build_optimizer(model, make_cfg().optim, 0.1))
@@ -417,7 +417,7 @@ def test_a_multi_rank_checkpoint_loads_in_one_process(make_cfg, tmp_path):
     by one process."""
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
-    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.optimizer import build_optimizer
 
     cfg = make_cfg("parallel=fsdp", "parallel.dp=2", "train.max_steps=2", "train.ckpt_every=2",
                    "train.eval_every=0", "cluster.num_threads=1")

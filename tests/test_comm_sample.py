@@ -13,9 +13,9 @@ import sys
 import pytest
 from helpers import cli_args, records, until
 
-from hpctrain.cluster.sweep import format_table, report
+from hpctrain.launch.sweep import format_table, report
+from hpctrain.monitoring.comm_sample import comm_seconds
 from hpctrain.parallel.process_group import node_name
-from hpctrain.training.comm_sample import comm_seconds
 
 
 def _alerts(run_dir) -> list[dict]:

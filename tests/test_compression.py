@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import deltas, one_line, run_layout
 
-from hpctrain.config import ConfigError, GradCompression
-from hpctrain.resolve import resolve
+from hpctrain.core.config import ConfigError, GradCompression
+from hpctrain.runs.resolve import resolve
 
 DDP2 = ("parallel=ddp", "parallel.dp=2")
 
@@ -75,7 +75,7 @@ def _expected_topk(fraction: float = 0.25, steps: int = 2):
 
 @pytest.mark.multiproc
 def test_topk_sends_each_ranks_largest_entries_and_keeps_the_rest(tmp_path):
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     spawn(2, _two_rank_exchange, (str(tmp_path), _grads), threads=1)
     sums, errors = _expected_topk()
@@ -101,7 +101,7 @@ def _exchange_then_undo(out: str) -> None:
 def test_a_dropped_step_leaves_the_compressor_as_before_it(tmp_path):
     """monitor.loss_spike.action=skip_batch: the step's exchange already made new residuals; undo puts back the
     previous ones and the step count, so nothing of the dropped batch is sent later."""
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     spawn(2, _exchange_then_undo, (str(tmp_path),), threads=1)
     for r in (0, 1):
@@ -122,7 +122,7 @@ def _nonfinite_on_rank_1(rank: int) -> list[torch.Tensor]:
 def test_a_nonfinite_gradient_is_summed_plainly_and_leaves_the_residual_alone(tmp_path):
     """An fp16-style overflow on one rank: both ranks get the plain (non-finite) sum, so the step is skipped
     everywhere, and no residual is made from it."""
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     spawn(2, _two_rank_exchange, (str(tmp_path), _nonfinite_on_rank_1), threads=1)
     for r in (0, 1):
@@ -155,7 +155,7 @@ def test_compression_trains_and_its_residuals_survive_a_resume(make_cfg, tmp_pat
     """6 steps, compressed from step 2: they differ from the plain sum from step 3 on (it is applied), the loss
     falls, and a run stopped after step 3 and resumed takes steps 4-6 exactly as the uninterrupted one: the
     checkpoint holds each rank's residuals (and PowerSGD's warm-start matrices)."""
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     six = (*DDP2, "train.max_steps=6", "train.ckpt_every=3", "parallel.compression_start_step=2")
     plain = run_layout(make_cfg, tmp_path / "plain", *six)
@@ -261,7 +261,7 @@ def test_bench_comm_prints_bytes_and_loss_per_option(demo_data, tmp_path, capsys
 def test_the_planner_counts_the_residual_and_one_bucket(make_cfg):
     """Compared with ddp's plan: a residual of 4·P (8·P when a skipped batch can be undone), three buckets' worth
     (the whole model here, under 25 MB) instead of replicate's reduce buffers."""
-    from hpctrain.tools.planner import estimate
+    from hpctrain.training.planner import estimate
 
     plain, topk, undo = (estimate(cfg, resolve(cfg, 2), 64)["rows"][0] for cfg in (
         make_cfg("parallel=ddp"), make_cfg("parallel=ddp", "parallel.grad_compression=topk"),

@@ -10,10 +10,10 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 from hpctrain.models.llama.model import num_params
-from hpctrain.resolve import resolve, scaled_lr
-from hpctrain.training.optim import lr_factor
+from hpctrain.runs.resolve import resolve, scaled_lr
+from hpctrain.training.optimizer import lr_factor
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 
@@ -77,7 +77,7 @@ def test_lr_scaling_and_schedule(make_cfg):
     assert scaled_lr(cfg.optim, 8) == pytest.approx(2.0)
     cfg = make_cfg("optim.lr_scaling=linear", "optim.ref_global_batch=2", "optim.lr=1.0")
     assert scaled_lr(cfg.optim, 8) == pytest.approx(4.0)
-    from hpctrain.config import Decay
+    from hpctrain.core.config import Decay
 
     f = [lr_factor(s, 10, 100, Decay.cosine, 0.1) for s in range(120)]
     assert f[0] < f[5] < f[9] < 1.0 and f[10] == pytest.approx(1.0)

@@ -19,7 +19,9 @@ from helpers import one_line
 
 from data_prep import demo as demo_mod
 from data_prep.demo import build_demo
-from data_prep.shard_format import (
+from data_prep.shards import build_from_files, read_text, split_names, write_shards
+from data_prep.tokenizer import load_tokenizer, train_tokenizer
+from hpctrain.core.shard_format import (
     MANIFEST_NAME,
     DataError,
     decode_tokens,
@@ -28,10 +30,8 @@ from data_prep.shard_format import (
     sha256_file,
     token_dtype,
 )
-from data_prep.shards import build_from_files, read_text, split_names, write_shards
-from data_prep.tokenizer import load_tokenizer, train_tokenizer
-from hpctrain import data as data_mod
-from hpctrain.data import ShardStream, check_compat, read_shard
+from hpctrain.data import loader as data_mod
+from hpctrain.data.loader import ShardStream, check_compat, read_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega",

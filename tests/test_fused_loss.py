@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from helpers import deltas, run_layout
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 from hpctrain.models.cross_entropy import IGNORE_INDEX, chunk_tokens, linear_cross_entropy
 from hpctrain.models.llama.model import Llama, ModelArgs
 
@@ -143,7 +143,7 @@ def test_fused_loss_under_fsdp_equals_one_process(make_cfg, tmp_path):
 
 @pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=pp2"]])
 def test_refused_with_tensor_or_pipeline_parallelism(make_cfg, layout):
-    from hpctrain.resolve import resolve
+    from hpctrain.runs.resolve import resolve
 
     with pytest.raises(ConfigError, match="train.fused_loss=true needs parallel.tp=1 and parallel.pp=1"):
         resolve(make_cfg("train.fused_loss=true", *layout), world=2)

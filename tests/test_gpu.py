@@ -61,8 +61,8 @@ def test_fused_loss_on_cuda_equals_the_logits_path(make_cfg, tmp_path):
 def test_sdpa_runs_a_fused_attention_kernel():
     """llama_1b's attention (head_dim 64, GQA 32/8) in bf16 at 2048 tokens: flash, cuDNN or memory-efficient
     attention, not SDPA's math fallback (which has no kernel of its own: bmm and softmax)."""
-    from hpctrain.compose import compose
     from hpctrain.models import model_args
+    from hpctrain.runs.compose import compose
     from hpctrain.tools.bench_gpu import attention_kernels
 
     kernels = attention_kernels(model_args(compose(["model=llama_1b"])), 2048, "bf16")
@@ -73,7 +73,7 @@ def test_sdpa_runs_a_fused_attention_kernel():
 def test_batches_arrive_pinned_and_on_the_gpu(make_cfg, demo_data):
     """On CUDA the feed pins its batches (data.pin_memory unset), so the copy to the GPU is asynchronous."""
     from hpctrain.parallel import process_group
-    from hpctrain.resolve import resolve
+    from hpctrain.runs.resolve import resolve
     from hpctrain.training.feed import TrainFeed
     from hpctrain.training.state import RunState
 
@@ -125,9 +125,9 @@ def test_nccl_fsdp2_step_and_dcp_round_trip(make_cfg, tmp_path):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from hpctrain import checkpoint
     from hpctrain.models import build_model
     from hpctrain.parallel import process_group
+    from hpctrain.storage import checkpoint
     from hpctrain.training.precision import setup_precision
     from hpctrain.training.step import TrainStep
 
@@ -168,7 +168,7 @@ def test_nccl_fsdp2_step_and_dcp_round_trip(make_cfg, tmp_path):
 def test_preflight_gemm_and_allreduce_on_the_gpu(tmp_path):
     out = tmp_path / "pf.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    p = subprocess.run([sys.executable, "-m", "hpctrain.cluster.preflight", "--gemm", "8192", "--size-mb", "256",
+    p = subprocess.run([sys.executable, "-m", "hpctrain.launch.preflight", "--gemm", "8192", "--size-mb", "256",
                         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads(out.read_text())

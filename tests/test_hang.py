@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from hpctrain.errors import TrainingError
-from hpctrain.training.hang import HangWatch, apply_flight_recorder, flight_recorder_env, is_timeout
+from hpctrain.core.errors import TrainingError
+from hpctrain.monitoring.hang import HangWatch, apply_flight_recorder, flight_recorder_env, is_timeout
 
 
 def _stuck_in_a_step(seconds: float) -> None:

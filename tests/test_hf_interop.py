@@ -180,7 +180,7 @@ def test_hf_weights_load_into_our_model(tmp_path, tie, dtype):
 
 
 def _step_one(run_dir) -> tuple[float, float]:
-    from hpctrain.files import read_metrics
+    from hpctrain.core.files import read_metrics
 
     (first,) = [(r["loss"], r["grad_norm"]) for r in read_metrics(str(run_dir)) if r.get("step") == 1]
     return first
@@ -199,7 +199,7 @@ def test_runs_start_from_hf_weights_in_every_layout(make_cfg, tmp_path):
     assert train(make_cfg(*run), str(tmp_path / "one"))["status"] == "completed"
     ref = _step_one(tmp_path / "one")
     # The same global batch through transformers: the run's first two micro-batches (one process, in order).
-    from hpctrain.data import ShardStream, choose_lanes, read_manifest
+    from hpctrain.data.loader import ShardStream, choose_lanes, read_manifest
 
     cfg = make_cfg(*run)
     manifest = read_manifest(cfg.data.path)
@@ -234,9 +234,9 @@ def test_init_from_a_mismatched_or_missing_model_is_one_line(make_cfg, tmp_path)
 
 def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path):
     """model.init_from=<checkpoint dir>: a fresh run (step 0, new optimizer) that starts from those weights."""
-    from hpctrain import checkpoint
-    from hpctrain.files import read_metrics
+    from hpctrain.core.files import read_metrics
     from hpctrain.models import model_args
+    from hpctrain.storage import checkpoint
     from hpctrain.training.run import TrainingError, train
     from hpctrain.training.step import TrainStep
 
@@ -252,7 +252,7 @@ def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path)
     result = train(make_cfg("train.eval_every=0", "train.max_steps=1", f"model.init_from={ckpt}",
                             "logging.trackers=[]"), str(tmp_path / "b"))
     assert result["status"] == "completed" and result["steps"] == 1
-    from hpctrain.data import ShardStream, choose_lanes, read_manifest
+    from hpctrain.data.loader import ShardStream, choose_lanes, read_manifest
 
     cfg = make_cfg()
     stream = iter(ShardStream(cfg.data.path, "train", 4, cfg.train.seed,
@@ -279,11 +279,11 @@ def test_export_hf_from_every_layout(make_cfg, tmp_path, monkeypatch):
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpctrain import checkpoint
     from hpctrain.models import model_args
-    from hpctrain.tools import export_hf
+    from hpctrain.storage import checkpoint
     from hpctrain.tools.generate import sample
     from hpctrain.training.run import train
+    from hpctrain.weights import export_hf
 
     run = ("train.max_steps=2", "train.eval_every=0", "train.global_batch=4", "train.micro_batch=2",
            "train.grad_accum=null", "logging.trackers=[]", "cluster.num_threads=1")
@@ -319,8 +319,8 @@ def test_export_hf_at_end(make_cfg, tmp_path):
     loads with our logits; starting the finished run again leaves it as it is."""
     from transformers import AutoModelForCausalLM
 
-    from hpctrain import checkpoint
     from hpctrain.models import model_args
+    from hpctrain.storage import checkpoint
     from hpctrain.training.run import train
 
     cfg = make_cfg("train.max_steps=2", "train.eval_every=0", "train.global_batch=4", "train.micro_batch=2",
@@ -367,7 +367,7 @@ def _swap_token_ids(tokenizer_json) -> None:
 def test_init_from_hf_weights_of_another_tokenizer_is_one_line(make_cfg, tmp_path):
     """A transformers directory that ships its tokenizer.json starts a run only on shards whose tokenizer numbers
     every token the same way (the embedding's rows are token ids); a directory without one is not compared."""
-    from data_prep.shard_format import read_manifest
+    from hpctrain.core.shard_format import read_manifest
     from hpctrain.training.run import TrainingError, prepare
 
     path = Path(_published(tmp_path))

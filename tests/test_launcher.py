@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_MODEL
 from helpers import last_step, losses, until
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -78,7 +78,7 @@ def test_bad_sweep_point_is_refused_before_submitting(demo_data, tmp_path):
 @pytest.mark.timeout(240)
 def test_local_launcher_runs_a_sweep(demo_data, tmp_path):
     """hydra/launcher=local (submitit_local): the same sweep command, on this machine."""
-    from hpctrain.cluster.sweep import report
+    from hpctrain.launch.sweep import report
 
     sweep = tmp_path / "s"
     p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "hydra/launcher=local",
@@ -125,7 +125,7 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
 
 def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
     """A job requeued again and again without reaching a new checkpoint gives up after max_stalled_restarts."""
-    from hpctrain.cluster.job import record_attempt
+    from hpctrain.runtime.job import record_attempt
 
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
@@ -141,7 +141,7 @@ def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
 
 
 def test_no_record_outside_slurm(tmp_path, monkeypatch):
-    from hpctrain.cluster.job import record_attempt
+    from hpctrain.runtime.job import record_attempt
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert record_attempt(str(tmp_path), 0, 3) is None and not (tmp_path / "slurm.json").exists()
@@ -185,7 +185,7 @@ def test_nccl_settings_exported_unless_the_job_sets_them(monkeypatch):
 
 def test_a_damaged_attempt_record_starts_the_counts_afresh(tmp_path, monkeypatch):
     """slurm.json damaged, or holding values no attempt wrote: the counts restart (a warning says so), the job runs."""
-    from hpctrain.cluster.job import node_failures, record_attempt
+    from hpctrain.runtime.job import node_failures, record_attempt
 
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
@@ -201,7 +201,7 @@ def test_a_damaged_attempt_record_starts_the_counts_afresh(tmp_path, monkeypatch
 def test_a_grid_is_numbered_as_the_sbatch_template_numbers_it():
     """`python -m hpctrain check`'s grid: an axis is an override with a comma before `--`, the last axis fastest;
     the rest (everything after `--`, commas included) on every point."""
-    from hpctrain.cluster.submit import grid
+    from hpctrain.launch.submit import grid
 
     assert grid(["a=1,2", "b=x,y", "c=3", "--", "d=[1,2]"]) == [
         ["a=1", "b=x", "c=3", "d=[1,2]"], ["a=1", "b=y", "c=3", "d=[1,2]"],
@@ -212,7 +212,7 @@ def test_a_grid_is_numbered_as_the_sbatch_template_numbers_it():
 @pytest.mark.timeout(120)
 def test_a_sweep_beyond_the_clusters_array_size_is_refused_before_anything(slurm, demo_data, tmp_path):
     """More points than the cluster's MaxArraySize: one line, before any point is composed or anything written."""
-    from hpctrain.cluster.submit import max_array_size
+    from hpctrain.launch.submit import max_array_size
 
     n = (max_array_size() or 1001) + 1
     p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path}/s",

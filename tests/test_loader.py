@@ -19,13 +19,13 @@ import torch
 from helpers import WarningLines, edit_tokens
 
 from data_prep.demo import build_demo
-from data_prep.shard_format import (
+from hpctrain.core.shard_format import (
     DataError,
     read_manifest,
     sha256_file,
 )
-from hpctrain import data as data_mod
-from hpctrain.data import (
+from hpctrain.data import loader as data_mod
+from hpctrain.data.loader import (
     ShardStream,
     choose_lanes,
     interleave_ranks,
@@ -49,7 +49,7 @@ def shards(tmp_path_factory) -> str:
 
 def oracle(data_dir: str, n: int, lanes: int = LANES, seed: int = SEED, shuffle: bool = True,
            loop: bool = True) -> np.ndarray:
-    """The first n global samples, straight from the definition in hpctrain/data.py's docstring."""
+    """The first n global samples, straight from the definition in hpctrain/data/loader.py's docstring."""
     m = read_manifest(data_dir)
     shards = m.splits["train"]
     blocks = [read_shard_wds(os.path.join(data_dir, s.name), s, m) for s in shards]
@@ -208,12 +208,12 @@ def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path):
     epoch = read_manifest(bad).num_samples("train")
     steps = epoch // 16 + 2
     records = WarningLines()
-    logging.getLogger("hpctrain.data").addHandler(records)
+    logging.getLogger("hpctrain.data.loader").addHandler(records)
     try:
         s = ShardStream(bad, "train", 16, SEED, lanes=LANES, on_corrupt="skip", num_workers=2)
         run = take(s, steps)
     finally:
-        logging.getLogger("hpctrain.data").removeHandler(records)
+        logging.getLogger("hpctrain.data.loader").removeHandler(records)
     assert s.corrupt_shards >= 1 and set(s.corrupt_names) == {name}  # counted in the main process
     assert len(records.messages) == s.corrupt_shards
     assert all(name in m and "skipped" in m for m in records.messages)
@@ -231,12 +231,12 @@ def test_corrupt_shard_skipped_counted_and_resumable(shards, tmp_path):
 
 def _skip_run(data_dir: str, steps: int) -> tuple[ShardStream, list[torch.Tensor], list[str]]:
     records = WarningLines()
-    logging.getLogger("hpctrain.data").addHandler(records)
+    logging.getLogger("hpctrain.data.loader").addHandler(records)
     try:
         s = ShardStream(data_dir, "train", 16, SEED, lanes=LANES, on_corrupt="skip")
         return s, take(s, steps), records.messages
     finally:
-        logging.getLogger("hpctrain.data").removeHandler(records)
+        logging.getLogger("hpctrain.data.loader").removeHandler(records)
 
 
 def test_altered_tokens_fail_the_checksum(shards, tmp_path):

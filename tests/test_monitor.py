@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import records
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 from hpctrain.training.run import prepare, train
 
 RUN = ("train.max_steps=30", "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0")
@@ -86,7 +86,7 @@ def test_checkpoint_action_saves_at_the_next_step_boundary(make_cfg, tmp_path):
 def test_stop_action_stops_every_rank_after_a_checkpoint_and_the_run_resumes(make_cfg, tmp_path):
     """dp=2: the main rank's rule fires at step 1; the ranks agree through the stop vote and all stop at the same
     step with a checkpoint; status "stopped" naming the rule, and the same command without the rule resumes."""
-    from hpctrain.cluster.job import Stopped
+    from hpctrain.runtime.job import Stopped
 
     base = (*RUN, "train.max_steps=8", "parallel=ddp", "parallel.dp=2", "cluster.num_threads=1")
     with pytest.raises(Stopped, match="stopped by alert halt after step 2"):
@@ -108,9 +108,9 @@ def test_node_failures_are_the_restarts_the_run_did_not_ask_for(tmp_path, monkey
     import torch
     from omegaconf import OmegaConf
 
-    from hpctrain.cluster import job
-    from hpctrain.config import MonitorConfig
-    from hpctrain.training.monitor import AlertSink, Context
+    from hpctrain.core.config import MonitorConfig
+    from hpctrain.monitoring.monitor import AlertSink, Context
+    from hpctrain.runtime import job
 
     run = str(tmp_path)
     for key, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "4", "SLURM_RESTART_COUNT": "0"}.items():

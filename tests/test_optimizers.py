@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import deltas, one_line, run_layout
 
-from hpctrain.config import ConfigError
-from hpctrain.resolve import resolve
-from hpctrain.training.optim import param_groups
-from hpctrain.training.optimizers import Lamb, SophiaG
+from hpctrain.core.config import ConfigError
+from hpctrain.runs.resolve import resolve
+from hpctrain.training.lamb_sophia import Lamb, SophiaG
+from hpctrain.training.optimizer import param_groups
 from hpctrain.training.step import sampled_labels
 
 
@@ -95,7 +95,7 @@ def _lamb_on_row_shards(out: str) -> None:
 def test_lamb_trust_ratio_uses_the_whole_parameter(tmp_path):
     """Row-sharded over two gloo ranks (as FSDP2 shards), halves 100× apart: the same weights as one process.
     A trust ratio from each shard's own norms moves the halves by other amounts (checked: the assert fails)."""
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     spawn(2, _lamb_on_row_shards, (str(tmp_path),), threads=1)
     w, g = _unequal_halves()

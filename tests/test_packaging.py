@@ -55,7 +55,7 @@ def _run(cmd, cwd) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_wheel_carries_the_configs(fresh):
     venv, empty = fresh
-    p = _run([venv / "bin" / "python", "-c", "import hpctrain.compose as c; print(c.__file__); print(c.conf_dir())"],
+    p = _run([venv / "bin" / "python", "-c", "import hpctrain.runs.compose as c; print(c.__file__); print(c.conf_dir())"],
              empty)
     module, conf = p.stdout.split()
     assert module.startswith(str(venv)) and conf.startswith(str(venv)), p.stdout  # the wheel, not the checkout

@@ -23,8 +23,8 @@ from helpers import (
     step_metrics,
 )
 
-from hpctrain.config import ConfigError
-from hpctrain.resolve import resolve
+from hpctrain.core.config import ConfigError
+from hpctrain.runs.resolve import resolve
 from hpctrain.training.run import TrainingError, train
 
 LAYOUTS = {
@@ -114,9 +114,9 @@ def test_dp_auto_fills_the_world(make_cfg):
 @pytest.mark.multiproc
 def test_sub_groups_get_the_timeout():
     """Every mesh dim's group, sub-groups included, gets cluster.pg_timeout_s (c10d would give them 30 min)."""
-    from hpctrain.cluster import spawn as launch
     from hpctrain.parallel import process_group as distributed
     from hpctrain.parallel.layout import Layout, group_timeouts
+    from hpctrain.runtime import spawn as launch
 
     def check():
         env = distributed.init(7.0)
@@ -131,7 +131,7 @@ def test_sub_groups_get_the_timeout():
 @pytest.mark.multiproc
 def test_failed_rank_is_named(make_cfg, tmp_path):
     # Damaged checkpoints are only found inside the ranks, when they resume: the parent reports which rank failed.
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     run = str(tmp_path / "run")
     train(make_cfg(*LAYOUT_RUN, "train.max_steps=2"), run)
@@ -221,7 +221,7 @@ def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
     from hpctrain.parallel import process_group
     from hpctrain.parallel.layout import Layout
     from hpctrain.training.model_init import build_model
-    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.optimizer import build_optimizer
     from hpctrain.training.precision import setup_precision
     from hpctrain.training.step import build_train_step
 
@@ -252,7 +252,7 @@ def test_accumulation_keeps_zero2_gradients_sharded(make_cfg, tmp_path, sharded)
     """parallel.sharded_accumulation (the default) reduce-scatters after every micro-batch: between micro-batches
     a rank holds its 1/dp share of the fp32 gradients, not the whole of them; false holds the whole (and is the
     faster choice the planner counts)."""
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     cfg = make_cfg("parallel=zero2", "parallel.dp=2", "model.tie_embeddings=false")
     out = str(tmp_path / "held")
@@ -292,8 +292,8 @@ def test_sharded_init_equals_one_process(make_cfg, tmp_path, overrides):
     """Every rank draws only its shards, and the whole is bit-identical to one process's initialisation."""
     import torch
 
-    from hpctrain.cluster.spawn import spawn
-    from hpctrain.resolve import resolve
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.runtime.spawn import spawn
 
     cfg = make_cfg(*overrides, "train.micro_batch=2", "train.grad_accum=null")
     layout = resolve(cfg, 4 if "dp2_tp2" in overrides[0] or "dp=4" in " ".join(overrides) else 2).layout
@@ -335,10 +335,10 @@ def _startup_excess(cfg, layout, out: str) -> None:
 @pytest.mark.parametrize("dp", [2, 4])
 def test_startup_peak_is_even_across_ranks(make_cfg, tmp_path, dp):
     """llama_350m under fsdp: rank 0 holds no full copy any more; every rank's start-up peak is about its shard."""
-    from hpctrain.cluster.spawn import spawn
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import num_params
-    from hpctrain.resolve import resolve
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.runtime.spawn import spawn
 
     cfg = make_cfg("model=llama_350m", "parallel=fsdp", f"parallel.dp={dp}", "train.micro_batch=1",
                    "train.grad_accum=null", "train.global_batch=8", small_model=False)
@@ -409,9 +409,9 @@ def test_bf16_fsdp_keeps_no_whole_copy_alive_in_forward(make_cfg, tmp_path):
     """bf16 under FSDP gathers bf16 parameters and frees each block's after its forward: during forward at most the
     root unit (embedding, norm, head) and ~2 blocks' worth of parameter copies are alive, where autocast's weight
     cache kept the whole model."""
-    from hpctrain.cluster.spawn import spawn
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import num_params
+    from hpctrain.runtime.spawn import spawn
 
     cfg = make_cfg("parallel=fsdp", "parallel.dp=2", "precision=bf16", "model.n_layers=8", "model.dim=256",
                    "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_hidden=688", "model.tie_embeddings=false")
@@ -434,8 +434,8 @@ def test_evaluation_is_split_over_data_parallel_ranks(make_cfg, tmp_path, layout
     process's over the same samples (to 1e-6), and each rank ran half of the micro-batches."""
     import torch
 
-    from hpctrain.files import read_metrics
-    from hpctrain.resolve import resolve
+    from hpctrain.core.files import read_metrics
+    from hpctrain.runs.resolve import resolve
     from hpctrain.training.feed import eval_microbatches, val_share
     from hpctrain.training.run import train
 
@@ -484,7 +484,7 @@ def _agreed_overflow(out: str) -> None:
 
 @pytest.mark.multiproc
 def test_fp16_overflow_is_agreed_by_every_rank(tmp_path):
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     spawn(2, _agreed_overflow, (str(tmp_path / "r"),), threads=1)
     assert read(tmp_path / "r.0") == read(tmp_path / "r.1") == "512.0 [1.0, 1.0, 1.0, 1.0]"

@@ -10,8 +10,8 @@ import sys
 import pytest
 from helpers import cli_args, deltas, run_layout, step_metrics
 
-from hpctrain.config import ConfigError
-from hpctrain.resolve import resolve
+from hpctrain.core.config import ConfigError
+from hpctrain.runs.resolve import resolve
 
 # 4 layers (2 stages × 2 virtual stages), untied embeddings (they would sit on different stages);
 # 8 samples per step in micro-batches of 2: accumulation 4 in one process, each micro-batch in 2 pipeline chunks.
@@ -147,7 +147,7 @@ def _tied_weights(run_dir) -> tuple:
     """(tok_embeddings.weight, output.weight) of a run's latest checkpoint."""
     import torch
 
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     shape = (512, 64)  # the conftest model: vocab × dim
     tensors = {"tok_embeddings.weight": torch.empty(shape), "output.weight": torch.empty(shape)}

@@ -14,9 +14,9 @@ import torch
 
 from hpctrain.models import model_args
 from hpctrain.models.llama.model import Llama, num_params
-from hpctrain.resolve import resolve
-from hpctrain.tools.planner import estimate, layer_map, report, stage_params
-from hpctrain.training.optim import build_optimizer
+from hpctrain.runs.resolve import resolve
+from hpctrain.training.optimizer import build_optimizer
+from hpctrain.training.planner import estimate, layer_map, report, stage_params
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 LLAMA_70B = ["model=llama_70b", "parallel.dp=8", "parallel.tp=8", "parallel.pp=4", "parallel.sequence_parallel=true",
@@ -216,7 +216,7 @@ def _profiled_rank(cfg, run_dir: str, prepared) -> None:
 def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, tmp_path, case):
     """Per device, both activation-checkpointing modes, fp32 and bf16: the planner's estimate (the run reports it
     per rank in result.json) against the tensor bytes the rank's allocator held at its peak."""
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
     from hpctrain.training.run import prepare
 
     # fsdp_tied64k in fp32: one rank of one run in ~6 held one more gathered copy of the 64k embedding (+64 MiB,

@@ -1,4 +1,4 @@
-"""`hpctrain.cluster.preflight`: real local ranks, the pure verdict on measured numbers, and real Slurm jobs.
+"""`hpctrain.launch.preflight`: real local ranks, the pure verdict on measured numbers, and real Slurm jobs.
 
 The Slurm tests are skipped when no cluster answers; with HPCTRAIN_REQUIRE_SLURM=1 a missing cluster is a
 failure instead (the same rule as tests/test_slurm.py).
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from hpctrain.cluster.preflight import main, ring_phases, verdict
-from hpctrain.cluster.spawn import free_port
+from hpctrain.launch.preflight import main, ring_phases, verdict
+from hpctrain.runtime.spawn import free_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SMALL = ["--size-mb", "1", "--gemm", "256", "--iters", "3"]
@@ -29,7 +29,7 @@ def _local_env(**extra: str) -> dict[str, str]:
 
 
 def _preflight(args: list[str], env: dict[str, str] | None = None, timeout: int = 120):
-    return subprocess.run([sys.executable, "-m", "hpctrain.cluster.preflight", *args], cwd=ROOT, env=env or _local_env(),
+    return subprocess.run([sys.executable, "-m", "hpctrain.launch.preflight", *args], cwd=ROOT, env=env or _local_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -144,7 +144,7 @@ def _srun(shell: str, timeout: int = 120):
 def test_slurm_two_nodes_ok(slurm, tmp_path):
     out = tmp_path / "pf.json"
     p = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", sys.executable, "-m",
-                        "hpctrain.cluster.preflight", *SMALL, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        "hpctrain.launch.preflight", *SMALL, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "preflight: ok (2 ranks on 2 nodes)" in p.stdout, p.stdout
@@ -158,7 +158,7 @@ def test_slurm_two_nodes_ok(slurm, tmp_path):
 @pytest.mark.timeout(150)
 def test_slurm_node_whose_rank_never_starts(slurm):
     """The task on the second node exits before starting preflight: rank 0 names it after --timeout."""
-    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && exit 0; exec "$PY" -m hpctrain.cluster.preflight {" ".join(SMALL)} --timeout 5')
+    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && exit 0; exec "$PY" -m hpctrain.launch.preflight {" ".join(SMALL)} --timeout 5')
     assert p.returncode == 1, p.stdout + p.stderr
     assert "preflight: BROKEN: rank 1 of 2 never joined within 5s" in p.stderr, p.stderr
 
@@ -171,7 +171,7 @@ def test_slurm_slow_node_detected(slurm, tmp_path):
     Each GEMM (1024^3, tens of ms) spans many scheduler slices, so the median iteration sees the slowdown."""
     out = tmp_path / "pf.json"
     hog = 'for i in 1 2 3 4 5 6; do timeout 60 taskset -c 1 "$PY" -c "while True: pass" & done'
-    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && {{ {hog}; }}; taskset -c "$SLURM_PROCID" "$PY" -m hpctrain.cluster.preflight '
+    p = _srun(f'[ "$SLURM_PROCID" = 1 ] && {{ {hog}; }}; taskset -c "$SLURM_PROCID" "$PY" -m hpctrain.launch.preflight '
               f'--size-mb 1 --gemm 1024 --iters 3 --out {out}; rc=$?; kill $(jobs -p) 2>/dev/null; exit $rc')
     assert p.returncode == 1, p.stdout + p.stderr
     data = json.loads(out.read_text())

@@ -21,9 +21,9 @@ import pytest
 
 from data_prep import sources as sources_mod
 from data_prep.build import BuildConfig, build, merge
-from data_prep.shard_format import MANIFEST_NAME, DataError, decode_tokens, read_manifest, sha256_file
 from data_prep.sources import Piece, iter_documents, plan_pieces
 from data_prep.tokenizer import load_tokenizer, train_tokenizer_from_docs
+from hpctrain.core.shard_format import MANIFEST_NAME, DataError, decode_tokens, read_manifest, sha256_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["alpha", "beta", "gamma", "delta", "shard", "token", "batch", "epoch", "lustre", "rank", "ünïcödé",
@@ -440,7 +440,7 @@ def test_synthetic_shards_for_a_vocabulary_beyond_uint16(tmp_path, capsys):
     the corpus writer; ids above 65535 occur (uint32 shards), the tokenizer maps w<i> to i, and a set already there
     is refused, never overwritten."""
     from data_prep import synthetic
-    from hpctrain.data import ShardStream
+    from hpctrain.data.loader import ShardStream
 
     out = str(tmp_path / "syn")
     m = synthetic.build_synthetic(out, 70_000, 32, samples=40, val_samples=4, shards=4)

@@ -5,7 +5,7 @@ import json
 import pytest
 from helpers import WarningLines, one_line
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 from hpctrain.training.run import train
 
 RUN = ("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=0", "logging.trackers=[]")
@@ -49,7 +49,7 @@ def test_a_resumed_run_keeps_the_earlier_profile(make_cfg, tmp_path):
 
 @pytest.mark.parametrize("steps", ["[3,2]", "[0,1]", "[2]", "[1,9]"])
 def test_bad_profile_window_is_one_line(make_cfg, steps):
-    from hpctrain.resolve import resolve
+    from hpctrain.runs.resolve import resolve
 
     with pytest.raises(ConfigError) as e:
         resolve(make_cfg(*RUN, f"train.profile_steps={steps}"))

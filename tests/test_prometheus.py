@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 from helpers import one_line, records
 
-from hpctrain.cluster.spawn import free_port
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
+from hpctrain.runtime.spawn import free_port
 
 
 def _scrape(port: int) -> str:

@@ -19,8 +19,10 @@ from conftest import SMALL_MODEL
 from helpers import read, records, run_forked, tree_digest, until
 
 from data_prep import shards as shards_cli
-from hpctrain import checkpoint, cli, rundir
-from hpctrain.files import FileCheckError, lines, read_json
+from hpctrain import cli
+from hpctrain.core.files import FileCheckError, lines, read_json
+from hpctrain.runs import rundir
+from hpctrain.storage import checkpoint
 from hpctrain.tools import summary as summary_cli
 
 BASE = [*SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.log_every=1", "train.eval_every=0",
@@ -160,8 +162,8 @@ def test_a_tokenizer_directory_never_runs_its_code(demo_data, tmp_path):
 def test_the_planner_counts_the_rope_tables_and_building_them_makes_no_copy(make_cfg):
     """model.max_seq_len's RoPE tables (cos and sin, fp32) are in the estimate; they are filled in place, so the
     build holds no temporary of their size (49 MB of tables: the peak grows by them, not by several of them)."""
-    from hpctrain.resolve import resolve
-    from hpctrain.tools.planner import stage_bytes
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.training.planner import stage_bytes
 
     def planned(n: int) -> float:
         cfg = make_cfg(f"model.max_seq_len={n}", "train.seq_len=64")
@@ -173,7 +175,7 @@ def test_the_planner_counts_the_rope_tables_and_building_them_makes_no_copy(make
 torch.set_num_threads(1)
 sys.path.insert(0, "tests")
 from conftest import SMALL_MODEL
-from hpctrain.compose import compose
+from hpctrain.runs.compose import compose
 from hpctrain.models import build_model
 small = {SMALL_MODEL!r} + ["data.path=/unused"]
 build_model(compose(small))  # warm-up: lazy imports and first allocations
@@ -210,15 +212,15 @@ def test_a_notify_command_that_prints_without_end_costs_no_memory(tmp_path):
             "sys.stderr.write('e' * 2**19)\nsys.exit(3)"]
     setup = f"""import torch
 from omegaconf import OmegaConf
-from hpctrain.config import MonitorConfig
-from hpctrain.training.monitor import AlertSink, Context
+from hpctrain.core.config import MonitorConfig
+from hpctrain.monitoring.monitor import AlertSink, Context
 mcfg = OmegaConf.structured(MonitorConfig)
 mcfg.rules = {{"hot": {{"metric": "loss", "threshold": 1.0, "when": "above", "for_s": 0.0}}}}
 mcfg.notify_cmd = {spam!r}
 sink = AlertSink({str(tmp_path)!r}, mcfg, Context(torch.device("cpu"), 1))"""
     growth, _ = _peak_growth(setup, 'sink.write({"step": 1, "loss": 9.0})')
     assert read(tmp_path / "alerts.jsonl").count("firing") == 1 and growth < 60, growth
-    from hpctrain.training.monitor import run_bounded
+    from hpctrain.monitoring.monitor import run_bounded
 
     code, tail = run_bounded(spam, b"", timeout=60)
     assert code == 3 and 0 < len(tail) <= 500
@@ -264,7 +266,7 @@ def test_a_run_of_an_older_hpctrain_resumes(demo_data, tmp_path):
 def test_one_run_per_run_directory_and_a_killed_one_leaves_no_lock(demo_data, tmp_path):
     """A second run started in the directory of a live one stops at once, naming it, and the first one's checkpoints
     stay; once the first is killed (-9), the directory is free again: the kernel dropped its lock."""
-    from hpctrain.compose import compose
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
     run = tmp_path / "run"
@@ -383,7 +385,7 @@ def _sampling_until_interrupted(started):
 def _exporting_until_interrupted(started):
     """`hpctrain export-hf`'s main, stopping once the weights are written (before the tokenizer and config.json),
     `started` marked, until the Ctrl-C comes."""
-    from hpctrain.tools import export_hf
+    from hpctrain.weights import export_hf
 
     def main(argv):
         def copy_tokenizer(cfg, dest):

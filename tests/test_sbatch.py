@@ -103,7 +103,7 @@ def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg,
 def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, slurm_jobs):
     from omegaconf import OmegaConf
 
-    from hpctrain.cluster.sweep import report
+    from hpctrain.launch.sweep import report
     from hpctrain.training.run import train
 
     sweep = tmp_path / "sweep"
@@ -119,7 +119,7 @@ def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, slur
     until("every array task to end", lambda: job_gone(job), 300, every=1)
     logs = "".join(_logs(d)[-2000:] for d in sorted(glob.glob(str(sweep / "*"))))
 
-    rep = subprocess.run([sys.executable, "-m", "hpctrain.cluster.sweep", "report", str(sweep), "--no-plot"], cwd=ROOT,
+    rep = subprocess.run([sys.executable, "-m", "hpctrain.launch.sweep", "report", str(sweep), "--no-plot"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0 and "4 points: 4 completed" in rep.stdout, rep.stdout + rep.stderr + logs
     grid = [["optim.lr=1e-2", "train.global_batch=8"], ["optim.lr=1e-2", "train.global_batch=16"],
@@ -142,7 +142,7 @@ def test_sweep_sbatch_grid_and_report(slurm, demo_data, make_cfg, tmp_path, slur
 
 
 def _max_array_size() -> int:
-    from hpctrain.cluster.submit import max_array_size
+    from hpctrain.launch.submit import max_array_size
 
     return max_array_size() or 1001  # (Slurm's default)
 

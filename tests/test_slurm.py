@@ -160,7 +160,7 @@ def test_submitted_run_preempted_requeues_and_matches(slurm, data_env, make_cfg,
 def test_cancelled_job_is_reported_cancelled(slurm, data_env, tmp_path):
     """scancel while the submitting command waits: it ends with one line naming the cancelled job (no hang),
     and the report says cancelled."""
-    from hpctrain.cluster.sweep import report
+    from hpctrain.launch.sweep import report
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpctrain", "hydra/launcher=slurm", f"run_dir={run}",
@@ -250,7 +250,7 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
 def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path):
     """`python -m hpctrain -m optim.lr=… train.global_batch=… hydra/launcher=slurm`: one job array; the
     report lists every point with its final losses and writes the plot."""
-    from hpctrain.cluster.sweep import report
+    from hpctrain.launch.sweep import report
 
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "train.global_batch=8,16",
@@ -273,7 +273,7 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path)
         assert json.loads(read(os.path.join(r["dir"], "slurm.json")))["array_job_id"] == array
         # No cluster.num_threads: torch threads per rank = the task's CPUs (OMP_NUM_THREADS from the job).
         assert "1 CPU threads/rank" in read(os.path.join(r["dir"], "train.log"))
-    out = subprocess.run([sys.executable, "-m", "hpctrain.cluster.sweep", "report", str(sweep)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "hpctrain.launch.sweep", "report", str(sweep)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "4 completed" in out.stdout, out.stdout + out.stderr
     assert (sweep / "sweep_report.png").stat().st_size > 10_000

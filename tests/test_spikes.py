@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import edit_tokens, losses, records
 
-from hpctrain.config import ConfigError
-from hpctrain.errors import TrainingError
+from hpctrain.core.config import ConfigError
+from hpctrain.core.errors import TrainingError
 from hpctrain.training.run import prepare, train
 
 # One lane, no shuffling: shard k holds samples 48k..48k+47 in order, so shard 4's first 8 samples are exactly the

@@ -1,4 +1,4 @@
-"""`python -m hpctrain.cluster.sweep report`: on a real 2x2 local multirun of tiny training runs."""
+"""`python -m hpctrain.launch.sweep report`: on a real 2x2 local multirun of tiny training runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import SMALL_MODEL
 
-from hpctrain.cluster.sweep import main, report
+from hpctrain.launch.sweep import main, report
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 COMBOS = ["optim.lr=0.01 train.global_batch=8", "optim.lr=0.01 train.global_batch=16",
@@ -127,7 +127,7 @@ def test_slurm_state_from_sacct(sweep_copy, tmp_path, monkeypatch):
 @pytest.mark.timeout(60)
 def test_bad_path_is_one_line_exit_2(tmp_path):
     for path in (str(tmp_path / "missing"), str(tmp_path)):
-        proc = subprocess.run([sys.executable, "-m", "hpctrain.cluster.sweep", "report", path], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "hpctrain.launch.sweep", "report", path], cwd=ROOT,
                               capture_output=True, text=True, timeout=50)
         assert proc.returncode == 2
         assert proc.stderr.startswith("hpctrain report: error: ") and len(proc.stderr.strip().splitlines()) == 1

@@ -19,8 +19,8 @@ from conftest import CONF_DIR, SMALL_MODEL
 from helpers import one_line, records, run_forked, until
 
 from hpctrain import cli
-from hpctrain.config import ConfigError
-from hpctrain.files import read_json
+from hpctrain.core.config import ConfigError
+from hpctrain.core.files import read_json
 from hpctrain.training.run import prepare, train
 
 ALERT = "+monitor.rules.low={metric:loss,threshold:1000,when:below,for_s:0}"  # fires at the first logged step

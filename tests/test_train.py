@@ -93,7 +93,7 @@ def test_mfu_with_peak_tflops(make_cfg, tmp_path):
 def test_peak_named_per_device():
     """The peak MFU divides by: the device's dense figure for the precision (never the sparse one), and the reason
     when there is none."""
-    from hpctrain.training.metrics import PEAK_TFLOPS, peak_flops
+    from hpctrain.monitoring.metrics import PEAK_TFLOPS, peak_flops
 
     assert PEAK_TFLOPS["H100"]["bf16"] == PEAK_TFLOPS["H200"]["bf16"] == 989.0
     assert (PEAK_TFLOPS["A100"]["bf16"], PEAK_TFLOPS["B200"]["bf16"]) == (312.0, 2250.0)
@@ -157,7 +157,7 @@ def test_fp16_overflow_is_skipped_and_logged(make_cfg, tmp_path):
 def test_fp16_skipped_step_leaves_weights_untouched(make_cfg):
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
-    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.optimizer import build_optimizer
     from hpctrain.training.precision import setup_precision
     from hpctrain.training.step import TrainStep
 
@@ -190,7 +190,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path):
 def test_nonfinite_step_does_not_touch_weights(make_cfg):
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
-    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.optimizer import build_optimizer
     from hpctrain.training.precision import setup_precision
     from hpctrain.training.step import TrainStep
 
@@ -295,7 +295,7 @@ def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
     """Accumulation streams: the step holds one micro-batch (plus one looked ahead), never the whole global batch."""
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
-    from hpctrain.training.optim import build_optimizer
+    from hpctrain.training.optimizer import build_optimizer
     from hpctrain.training.precision import setup_precision
     from hpctrain.training.step import TrainStep
 
@@ -326,10 +326,10 @@ def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
 def _checkpoint_with_nan_weight(make_cfg, tmp_path) -> str:
     """A step-2 checkpoint in tmp_path/nan-ckpt holding one NaN weight, as an older version or a flipped bit would
     leave it; returns its directory."""
-    from hpctrain import checkpoint
     from hpctrain.models import model_args
     from hpctrain.models.llama.model import Llama
-    from hpctrain.training.optim import build_optimizer, build_scheduler
+    from hpctrain.storage import checkpoint
+    from hpctrain.training.optimizer import build_optimizer, build_scheduler
 
     cfg = make_cfg("train.max_steps=2", "train.eval_every=0", "train.ckpt_every=2")
     train(cfg, str(tmp_path / "good"))
@@ -360,7 +360,7 @@ def test_nonfinite_parameters_are_never_saved(make_cfg, tmp_path, ckpt_async, mo
     """A run whose weights are not finite at a checkpoint fails: no checkpoint, status failed (here: a weight turned
     NaN after the start, resumed from a good step-2 checkpoint). Written in the background, the host copy is what is
     checked."""
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     train(make_cfg("train.max_steps=2", "train.eval_every=0", "train.ckpt_every=2"), str(tmp_path / "run"))
     _poison_after_start(monkeypatch)
@@ -386,7 +386,7 @@ def test_a_checkpoint_with_nonfinite_weights_is_refused_at_the_start(make_cfg, t
 def test_checkpointing_off_writes_nothing_but_still_refuses_nonfinite_weights(make_cfg, tmp_path, monkeypatch):
     """train.checkpointing=false (benchmarks): no checkpoint at ckpt_every or at the end; the run reports its memory
     peaks; and weights that are not finite where a save was due still fail the run."""
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     result = train(make_cfg("train.max_steps=3", "train.eval_every=0", "train.ckpt_every=1",
                             "train.checkpointing=false"), str(tmp_path / "off"))
@@ -414,7 +414,7 @@ def test_fused_and_foreach_optimizers_agree(make_cfg, tmp_path, optim):
 def test_resume_never_moves_the_previous_run_aside(make_cfg, tmp_path):
     """Starting over in a used run dir: the old run's checkpoints, metrics and result move to previous/<time>/;
     the new run's rotation and `latest` see only its own checkpoints, and resuming continues the new run."""
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     run = tmp_path / "run"
     train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=2"), str(run))
@@ -450,9 +450,9 @@ def test_an_evaluation_failure_keeps_the_steps_checkpoint(make_cfg, tmp_path, de
     no finished step (written in the background: it is finished and published before the run ends)."""
     import shutil
 
-    from data_prep.shard_format import read_manifest
-    from hpctrain import checkpoint
-    from hpctrain.data import DataError
+    from hpctrain.core.shard_format import read_manifest
+    from hpctrain.data.loader import DataError
+    from hpctrain.storage import checkpoint
 
     data = tmp_path / "data"
     shutil.copytree(demo_data, data)
@@ -484,7 +484,7 @@ def test_cli_start_over_moves_the_old_config_and_log_too(demo_data, tmp_path):
 def test_a_requeued_job_continues_its_own_run(make_cfg, tmp_path, monkeypatch):
     """SLURM_RESTART_COUNT > 0: train.resume=never or a path never starts over again; before its first checkpoint
     a requeued job starts where its first attempt did, following a path that attempt moved aside."""
-    from hpctrain import rundir
+    from hpctrain.runs import rundir
 
     run = tmp_path / "run"
     train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=2"), str(run))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 
 FAMILIES = {"llama": "hpctrain.models.llama"}
 

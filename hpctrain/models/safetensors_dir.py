@@ -14,7 +14,7 @@ import math
 import os
 import struct
 
-from hpctrain.files import FileCheckError, open_checked
+from hpctrain.core.files import FileCheckError, open_checked
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,

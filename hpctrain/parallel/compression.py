@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from hpctrain.config import GradCompression
+from hpctrain.core.config import GradCompression
 from hpctrain.parallel.norms import all_finite
 
 log = logging.getLogger("hpctrain")

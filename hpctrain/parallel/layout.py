@@ -2,7 +2,7 @@
 
 It derives `parallel.dp=auto`, checks the degrees against each other and against the ranks there are,
 places them on Slurm nodes (`job_shape`), and builds the named device mesh. The planner, the config
-checks (`hpctrain.resolve`), the launcher and the step builder all read it; nothing else multiplies
+checks (`hpctrain.runs.resolve`), the launcher and the step builder all read it; nothing else multiplies
 degrees. Model-specific rules (which sizes a tensor-parallel degree must divide, how layers split into
 pipeline stages) are the model spec's (`hpctrain.models`).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpctrain.config import ConfigError, GradCompression, ReduceDtype
+from hpctrain.core.config import ConfigError, GradCompression, ReduceDtype
 
 # Mesh order, outermost first: pipeline stages span nodes, tensor parallel stays inside one (fastest links).
 DIMS = ("pp", "dp", "tp")

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hpctrain.config import ActCkpt, GradCompression, ReduceDtype
+from hpctrain.core.config import ActCkpt, GradCompression, ReduceDtype
 from hpctrain.models import ModelSpec
 from hpctrain.parallel.compression import apply_grad_compression
 from hpctrain.parallel.layout import Layout

@@ -19,10 +19,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hpctrain.compose import compose, register
-from hpctrain.files import read_metrics, write_json
+from hpctrain.core.files import read_metrics, write_json
 from hpctrain.models import model_args
-from hpctrain.resolve import resolve
+from hpctrain.runs.compose import compose, register
+from hpctrain.runs.resolve import resolve
 
 BATCH = 8
 VARIANTS = {"hf": "transformers (HF)", "hpctrain": "hpctrain", "compile": "hpctrain + compile"}
@@ -65,7 +65,7 @@ def run_hpctrain(precision: str, compile_: bool, steps: int, warmup: int, thread
 def run_hf(precision: str, steps: int, warmup: int, args, data_dir: str, seed: int) -> dict:
     import transformers
 
-    from hpctrain.data import ShardStream
+    from hpctrain.data.loader import ShardStream
     from hpctrain.models import get_spec
 
     torch.manual_seed(seed)

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from hpctrain.files import read_metrics
+from hpctrain.core.files import read_metrics
 
 SEQ_LEN = 64
 BLOCK = 64 * 2**20
@@ -66,14 +66,14 @@ def _overrides(model: str, data: str, run_dir: str, steps: int, every: int, ckpt
 
 
 def _checkpoint_bytes(run_dir: str) -> int:
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     path = checkpoint.latest(run_dir)
     return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
 
 
 def _run(model: str, data: str, run_dir: str, steps: int, every: int, ckpt_async: bool, extra: list[str]) -> dict:
-    from hpctrain.compose import compose
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
     result = train(compose(_overrides(model, data, run_dir, steps, every, ckpt_async, extra)), run_dir)
@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("overrides", nargs="*", help="more Hydra overrides for both runs, e.g. train.ckpt_write_threads=4")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from data_prep.shard_format import DataError
     from data_prep.synthetic import cached_synthetic
-    from hpctrain.compose import compose
+    from hpctrain.core.shard_format import DataError
+    from hpctrain.runs.compose import compose
 
     vocab = compose([f"model={a.model}", *a.overrides]).model.vocab_size
     os.makedirs(a.out, exist_ok=True)

@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.steps < 20 or not 1 <= a.tail <= a.steps:
         sys.exit("bench-comm: --steps must be >= 20 and --tail within [1, --steps]")
     from data_prep.demo import build_demo, default_out_dir
-    from hpctrain.compose import compose
-    from hpctrain.files import read_metrics
+    from hpctrain.core.files import read_metrics
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
     data = a.data

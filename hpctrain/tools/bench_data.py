@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from hpctrain import data as data_mod
-from hpctrain.data import ShardStream, read_manifest, read_shard_wds
-from hpctrain.files import read_metrics, write_json
+from hpctrain.core.files import read_metrics, write_json
+from hpctrain.data import loader as data_mod
+from hpctrain.data.loader import ShardStream, read_manifest, read_shard_wds
 
 TARGET = 10e6  # loader tokens/s per process
 
@@ -56,7 +56,7 @@ def stream_rate(data_dir: str, samples: int, repeats: int, batch: int = 8, **kw)
 
 
 def train_rate(steps: int, warmup: int, threads: int) -> dict:
-    from hpctrain.compose import compose
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
     cfg = compose([

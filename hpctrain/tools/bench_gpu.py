@@ -8,7 +8,7 @@ the device (halved on an out-of-memory error), with `--grad-accum` micro-batches
 hand-written `transformers.LlamaForCausalLM` loop: fp32 weights under bf16 autocast (as hpctrain), SDPA attention,
 `torch.optim.AdamW` with its defaults, gradient clipping, the same global batch (its own largest micro-batch).
 
-MFU = tokens/s per device × FLOPs per token / the device's dense peak (`hpctrain.training.metrics.PEAK_TFLOPS`),
+MFU = tokens/s per device × FLOPs per token / the device's dense peak (`hpctrain.monitoring.metrics.PEAK_TFLOPS`),
 FLOPs per token = 6·N + 12·L·H·Q·T (N: every matmul weight, output head included; full attention, no causal
 discount). Steps before `--warmup` (compile, allocator growth) are excluded. Whatever is measured is reported.
 `--variants` adds hpctrain runs with one optimisation taken away each (their effect, in the same process).
@@ -55,9 +55,9 @@ def _overrides(a, data: str, run_dir: str, variant: str, micro_batch: int, grad_
 def largest_micro_batch(a, data: str, variant: str, capacity: float, limit: int = 64) -> int:
     """The largest power-of-two micro-batch whose planner estimate fits `capacity` bytes (the planner's headroom
     applied); 1 if none does."""
-    from hpctrain.compose import compose
-    from hpctrain.resolve import resolve
-    from hpctrain.tools.planner import HEADROOM, stage_bytes
+    from hpctrain.runs.compose import compose
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.training.planner import HEADROOM, stage_bytes
 
     best, mb = 1, 1
     while mb <= limit:
@@ -93,8 +93,8 @@ def _summary(name: str, micro_batch: int, grad_accum: int, step_times: list[floa
 def run_hpctrain(a, data: str, variant: str, micro_batch: int, global_batch: int, flops_per_token: float,
                  peak: float | None) -> dict:
     """One hpctrain run at `micro_batch` (or a smaller one on an out-of-memory error)."""
-    from hpctrain.compose import compose
-    from hpctrain.files import read_metrics
+    from hpctrain.core.files import read_metrics
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
     run_dir = os.path.join(a.out, f"run-{variant}")
@@ -137,7 +137,7 @@ def _shrinking_on_oom(side: str, global_batch: int, micro_batch: int, attempt):
 def _transformers_loop(a, data, model_args, micro_batch, global_batch, flops_per_token, peak, seed) -> dict:
     from transformers import LlamaForCausalLM
 
-    from hpctrain.data import ShardStream
+    from hpctrain.data.loader import ShardStream
     from hpctrain.models.llama.hf import to_hf_config
 
     dev = device()
@@ -248,9 +248,9 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     from data_prep.synthetic import cached_synthetic
-    from hpctrain.compose import compose
     from hpctrain.models import model_args, spec_of
-    from hpctrain.training.metrics import peak_flops
+    from hpctrain.monitoring.metrics import peak_flops
+    from hpctrain.runs.compose import compose
 
     cfg = compose([f"model={a.model}", f"precision={a.precision}", *a.overrides])
     args, spec, dev = model_args(cfg), spec_of(cfg), device()

@@ -58,8 +58,8 @@ def bench_norm(repeats: int) -> dict:
 def _vote_rank(steps: int, out: str) -> None:
     import torch.distributed as dist
 
-    from hpctrain.cluster.job import StopSignals
     from hpctrain.parallel import process_group
+    from hpctrain.runtime.job import StopSignals
 
     env = process_group.init(60.0)
     signals = StopSignals("USR2")
@@ -88,7 +88,7 @@ def _vote_rank(steps: int, out: str) -> None:
 
 
 def bench_vote(ranks: list[int], steps: int) -> dict:
-    from hpctrain.cluster.spawn import spawn
+    from hpctrain.runtime.spawn import spawn
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

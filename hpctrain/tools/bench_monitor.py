@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.steps < 1 or a.repeats < 1:
         sys.exit("bench-monitor: --steps and --repeats must be >= 1")
     from data_prep.demo import build_demo, default_out_dir
-    from hpctrain.compose import compose
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
     data = a.data

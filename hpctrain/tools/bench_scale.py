@@ -5,7 +5,7 @@ dp=2 local ranks, on a synthetic shard set made for that vocabulary (`data_prep.
 rank's start-up and step peaks against the planner's estimate for its device, with the start-up and step times.
 
 On CPU a peak is the rank's resident high-water mark over its size before the model was built (see
-`hpctrain.training.memory`); glibc's mmap threshold is fixed at 64 KiB first, so that freed tensors leave the
+`hpctrain.monitoring.memory`); glibc's mmap threshold is fixed at 64 KiB first, so that freed tensors leave the
 resident set as they leave a GPU allocator's count, instead of lingering in malloc's heap. The planner counts
 tensor bytes only: the rest of a step peak is the runtime's own (gloo buffers, autograd, Python).
 Nothing is saved (train.checkpointing=false): a 1.24 B-parameter AdamW checkpoint is 15 GB.
@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 
-from hpctrain.files import read_metrics
+from hpctrain.core.files import read_metrics
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 SEQ_LEN = 256
@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     fixed = _fix_mmap_threshold()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the run's lines: init time, memory, steps
-    from data_prep.shard_format import DataError
     from data_prep.synthetic import cached_synthetic
-    from hpctrain.compose import compose
+    from hpctrain.core.shard_format import DataError
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
     try:

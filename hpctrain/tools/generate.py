@@ -9,7 +9,7 @@ import sys
 import torch
 from omegaconf.errors import OmegaConfBaseException
 
-from hpctrain import checkpoint
+from hpctrain.storage import checkpoint
 
 USAGE = ("usage: python -m hpctrain generate run_dir=DIR [prompt=TEXT] [max_new_tokens=N] [temperature=T] "
          "[top_k=K] [seed=S] [checkpoint=DIR]\nsamples from the run's latest checkpoint (or checkpoint=DIR); "
@@ -45,7 +45,7 @@ class GenerateError(ValueError):
 def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, object, str]:
     """The model of a run's latest (or the given) checkpoint, its config, and its data directory."""
     from hpctrain.models import build_model
-    from hpctrain.rundir import run_config
+    from hpctrain.runs.rundir import run_config
 
     cfg, ckpt = run_config(run_dir, ckpt)
     model = build_model(cfg)
@@ -87,8 +87,8 @@ def parse(argv: list[str]) -> dict:
 
 
 def run(opts: dict) -> str:
-    from data_prep.shard_format import read_manifest
     from data_prep.tokenizer import load_tokenizer
+    from hpctrain.core.shard_format import read_manifest
 
     model, cfg, data_dir = load_run(opts["run_dir"], opts["checkpoint"])
     manifest = read_manifest(data_dir)
@@ -104,9 +104,9 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    from hpctrain.data import DataError
-    from hpctrain.errors import CheckpointError
-    from hpctrain.rundir import RunDirError
+    from hpctrain.core.errors import CheckpointError
+    from hpctrain.data.loader import DataError
+    from hpctrain.runs.rundir import RunDirError
 
     try:
         print(run(parse(argv)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hpctrain.files import read_metrics, read_result
+from hpctrain.core.files import read_metrics, read_result
 
 
 def _status(run_dir: str) -> str:
@@ -44,7 +44,7 @@ def _numbers(record: dict, *keys: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpctrain.cmdline import Parser
+    from hpctrain.core.argparser import Parser
 
     p = Parser(prog="python -m hpctrain summary", description="A run's status and loss curve in one line.")
     p.add_argument("run_dir", help="the directory of a training run")

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
-from hpctrain.data import ShardStream, choose_lanes, read_manifest
-from hpctrain.errors import TrainingError
+from hpctrain.core.errors import TrainingError
+from hpctrain.data.loader import ShardStream, choose_lanes, read_manifest
 
 
 def val_stream(data_dir: str, micro_batch: int, cfg) -> ShardStream:

@@ -45,7 +45,7 @@ def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None,
     (their tokenizer: `tokenizer_sha256`, `tokenizer_json`) when the source says which — a checkpoint's recorded
     sha, a transformers directory's own tokenizer.json — (one-line ValueError/CheckpointError otherwise); reads
     only metadata and tokenizers, before anything is spawned."""
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     source = _init_source(cfg)
     if source is None:
@@ -67,8 +67,8 @@ def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None,
 def _check_hf_tokenizer(path: str, tokenizer_json: str | None) -> None:
     """A transformers directory that ships its tokenizer.json gives its tokens the ids of the shards' tokenizer
     (a directory without one: nothing to compare)."""
-    from data_prep.shard_format import DataError
     from data_prep.tokenizer import TOKENIZER_JSON, vocab_difference
+    from hpctrain.core.shard_format import DataError
 
     theirs = os.path.join(path, TOKENIZER_JSON)
     if tokenizer_json is None or not os.path.lexists(theirs):
@@ -86,7 +86,7 @@ def _check_hf_tokenizer(path: str, tokenizer_json: str | None) -> None:
 def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | None:
     """Overwrite the drawn weights with model.init_from's, in place, each rank reading its own shards; returns
     what was loaded (None when unset). Collective when distributed."""
-    from hpctrain import checkpoint
+    from hpctrain.storage import checkpoint
 
     source = _init_source(cfg)
     if source is None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpctrain.config import MAX_LOSS_SCALE, PrecisionName
+from hpctrain.core.config import MAX_LOSS_SCALE, PrecisionName
 
 
 @dataclass

@@ -10,21 +10,22 @@ from dataclasses import dataclass
 
 import torch
 
-from hpctrain import checkpoint, rundir
-from hpctrain.cluster import job
-from hpctrain.config import signal_number
-from hpctrain.data import DataError, ShardStream, check_compat, choose_lanes, read_manifest
-from hpctrain.errors import BAD_INPUT, CheckpointError, TrainingError
-from hpctrain.files import RESULT_FILE, read_json
+from hpctrain.core.config import signal_number
+from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
+from hpctrain.core.files import RESULT_FILE, read_json
+from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
+from hpctrain.monitoring.hang import HANG_DIR, apply_flight_recorder
+from hpctrain.monitoring.monitor import check_monitor
+from hpctrain.monitoring.prometheus import check_prometheus
+from hpctrain.monitoring.trackers import check_trackers
 from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
-from hpctrain.resolve import RunShape, resolve
-from hpctrain.training.checkpointer import check_trainer_state
+from hpctrain.runs import rundir
+from hpctrain.runs.resolve import RunShape, resolve
+from hpctrain.runtime import job
+from hpctrain.storage import checkpoint
 from hpctrain.training.feed import check_bound, val_stream
-from hpctrain.training.hang import HANG_DIR, apply_flight_recorder
-from hpctrain.training.monitor import check_monitor
-from hpctrain.training.prometheus import check_prometheus
-from hpctrain.training.trackers import check_trackers
+from hpctrain.training.save_resume import check_trainer_state
 from hpctrain.training.trainer import Trainer
 
 log = logging.getLogger("hpctrain")
@@ -54,7 +55,7 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg)
     _check_init_from(cfg, data_dir)
-    from hpctrain.tools.planner import stage_bytes
+    from hpctrain.training.planner import stage_bytes
 
     stages = stage_bytes(cfg, shape, seq_len)
     planned = tuple(device for device, _ in stages)
@@ -172,7 +173,7 @@ def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float)
         hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""
     need = worst * ranks if cap else 0  # an unknown capacity refuses nothing
     if need > cap:
-        from hpctrain.tools.planner import largest_part
+        from hpctrain.training.planner import largest_part
 
         what, size, fix = largest_part(cfg, shape, seq_len)
         raise TrainingError(
@@ -220,7 +221,7 @@ def start(cfg, run_dir: str) -> str | None:
 
 def _launch(cfg, run_dir: str, prepared: Prepared) -> dict:
     if process_group.launched_world() is None and prepared.shape.world > 1:
-        from hpctrain.cluster import spawn
+        from hpctrain.runtime import spawn
 
         try:
             spawn.spawn(prepared.shape.world, _rank_main, (cfg, run_dir, prepared),

@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from hpctrain import checkpoint
-from hpctrain.config import SpikeAction
-from hpctrain.errors import TrainingError
+from hpctrain.core.config import SpikeAction
+from hpctrain.core.errors import TrainingError
+from hpctrain.storage import checkpoint
 
 log = logging.getLogger("hpctrain")
 

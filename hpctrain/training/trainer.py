@@ -16,31 +16,31 @@ import warnings
 
 import torch
 
-from hpctrain import checkpoint
-from hpctrain.cluster import job
-from hpctrain.config import PrecisionName, SpikeAction
-from hpctrain.data import DataError
-from hpctrain.errors import TrainingError
-from hpctrain.files import RESULT_FILE, no_space, write_json
+from hpctrain.core.config import PrecisionName, SpikeAction
+from hpctrain.core.errors import TrainingError
+from hpctrain.core.files import RESULT_FILE, no_space, write_json
+from hpctrain.data.loader import DataError
 from hpctrain.models import spec_of
-from hpctrain.resolve import scaled_lr
-from hpctrain.training.checkpointer import Checkpointer
-from hpctrain.training.comm_sample import CommSampler
+from hpctrain.monitoring.comm_sample import CommSampler
+from hpctrain.monitoring.hang import HangWatch
+from hpctrain.monitoring.memory import MemoryProbe, Peaks
+from hpctrain.monitoring.metrics import Metrics, Throughput, peak_flops
+from hpctrain.monitoring.monitor import AlertSink, Context
+from hpctrain.monitoring.profiling import MemorySnapshot, StepProfiler
+from hpctrain.monitoring.prometheus import prometheus_sinks
+from hpctrain.monitoring.trackers import tracker_sinks
+from hpctrain.runs.resolve import scaled_lr
+from hpctrain.runtime import job
+from hpctrain.storage import checkpoint
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, val_share
-from hpctrain.training.hang import HangWatch
-from hpctrain.training.memory import MemoryProbe, Peaks
-from hpctrain.training.metrics import Metrics, Throughput, peak_flops
 from hpctrain.training.model_init import build_model, load_initial_weights
-from hpctrain.training.monitor import AlertSink, Context
-from hpctrain.training.optim import build_optimizer, build_scheduler
+from hpctrain.training.optimizer import build_optimizer, build_scheduler
 from hpctrain.training.precision import setup_precision
-from hpctrain.training.profiling import MemorySnapshot, StepProfiler
-from hpctrain.training.prometheus import prometheus_sinks
+from hpctrain.training.save_resume import Checkpointer
 from hpctrain.training.spikes import LossSpikeGuard, roll_back
 from hpctrain.training.state import RunState
 from hpctrain.training.step import build_train_step, params_finite
-from hpctrain.training.trackers import tracker_sinks
 
 log = logging.getLogger("hpctrain")
 # The schedule advances on every step, skipped ones included (step s always has lr(s)).
@@ -267,7 +267,7 @@ class Trainer:
         """train.export_hf_at_end: the final checkpoint as a transformers model, by the main rank, file by file."""
         if not self.cfg.train.export_hf_at_end or not self.env.is_main:
             return
-        from hpctrain.tools.export_hf import export
+        from hpctrain.weights.export_hf import export
 
         ckpt = checkpoint.latest(self.run_dir)
         out = os.path.join(self.run_dir, "hf", os.path.basename(ckpt))

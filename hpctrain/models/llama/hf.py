@@ -165,7 +165,7 @@ def check_hf_dir(path: str | Path, args: ModelArgs) -> None:
     """A local transformers Llama directory whose config.json describes `args`' network, with safetensors weights
     holding exactly that network's tensors in floating point; ValueError (one line naming the first mismatch)
     otherwise. Reads config.json and the safetensors headers, no weights."""
-    from hpctrain.files import MAX_JSON_BYTES, FileCheckError, check_file
+    from hpctrain.core.files import MAX_JSON_BYTES, FileCheckError, check_file
     from hpctrain.models.safetensors_dir import check_tensors
 
     path = Path(path)

@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 
 
 def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:

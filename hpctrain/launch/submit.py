@@ -18,8 +18,8 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.config import ConfigError
-from hpctrain.errors import BAD_INPUT, fail
+from hpctrain.core.config import ConfigError
+from hpctrain.core.errors import BAD_INPUT, fail
 from hpctrain.parallel.layout import job_shape
 
 log = logging.getLogger("hpctrain")
@@ -45,8 +45,8 @@ class RunJob:
         self.cfg, self.run_dir, self.job_logging = cfg, run_dir, job_logging
 
     def __call__(self) -> dict:
-        from hpctrain.cluster.job import Stopped, quiet_other_ranks
-        from hpctrain.config import Config
+        from hpctrain.core.config import Config
+        from hpctrain.runtime.job import Stopped, quiet_other_ranks
         from hpctrain.training.run import train
 
         if self.job_logging:
@@ -82,7 +82,7 @@ class Submitting:
         from submitit.core import job_environment
         from submitit.slurm import slurm
 
-        from hpctrain.config import signal_number
+        from hpctrain.core.config import signal_number
 
         # submitit reads the signal name from the environment, here and (inherited) in the job.
         sig = signal_number(cluster_cfg.signal).name.removeprefix("SIG")
@@ -139,7 +139,7 @@ class Submitting:
                    started: float = float("inf")) -> None:
         """One run (no -m): validate, submit one job running in `run_dir`, print where to look. On bad input
         the run dir Hydra made for it (after `started`) is removed again."""
-        from hpctrain import rundir
+        from hpctrain.runs import rundir
 
         folder = os.path.join(run_dir, ".submitit", "%j")
         try:
@@ -218,7 +218,7 @@ def _wait(jobs, where: str) -> None:
     """Block until every job ends; report the ones that ended without a result by their Slurm state."""
     import submitit
 
-    from hpctrain.cluster.sweep import sacct_state
+    from hpctrain.launch.sweep import sacct_state
 
     bad = []
     for job in jobs:

@@ -1,4 +1,4 @@
-"""The on-disk token shard format: the one thing `data_prep` (writer) and `hpctrain.data` (loader) share.
+"""The on-disk token shard format: the one thing `data_prep` (writer) and `hpctrain.data.loader` (loader) share.
 
 A data directory holds::
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain.files import MAX_MANIFEST_BYTES, atomic_write, open_checked, read_json
+from hpctrain.core.files import MAX_MANIFEST_BYTES, atomic_write, open_checked, read_json
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

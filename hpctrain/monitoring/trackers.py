@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from hpctrain.config import ConfigError, WandbMode
-from hpctrain.errors import TrainingError
-from hpctrain.files import open_checked, read_object, write_json
+from hpctrain.core.config import ConfigError, WandbMode
+from hpctrain.core.errors import TrainingError
+from hpctrain.core.files import open_checked, read_object, write_json
 
 log = logging.getLogger("hpctrain")
 TRACKERS_FILE = "trackers.json"

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from hpctrain.errors import CheckpointError, TrainingError
-from hpctrain.files import (
+from hpctrain.core.errors import CheckpointError, TrainingError
+from hpctrain.core.files import (
     FileCheckError,
     MiB,
     causes,

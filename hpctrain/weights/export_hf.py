@@ -39,8 +39,8 @@ def _groups(shapes: dict[str, tuple[torch.Size, torch.dtype]], limit: int) -> li
 
 def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
     """Write checkpoint `ckpt` of a run with config `cfg` to `out` as a transformers directory; returns `out`."""
-    from hpctrain import checkpoint
     from hpctrain.models import spec_of
+    from hpctrain.storage import checkpoint
 
     if os.path.lexists(out):
         raise ExportError(f"{out} exists: choose a new OUT (nothing is ever overwritten or removed)")
@@ -66,9 +66,9 @@ def _write(cfg, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
     """The weights file by file, their index, the tokenizer and config.json into the new directory `tmp`."""
     from safetensors.torch import save_file
 
-    from hpctrain import checkpoint
-    from hpctrain.files import fsync_dir, write_json
+    from hpctrain.core.files import fsync_dir, write_json
     from hpctrain.models import spec_of
+    from hpctrain.storage import checkpoint
 
     spec = spec_of(cfg)
     args = spec.args(cfg.model)
@@ -94,7 +94,7 @@ def _write(cfg, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
 
 def _copy_tokenizer(cfg, dest: str) -> int | None:
     """The tokenizer the run's shards name, copied beside the weights; returns its EOS id (None without shards)."""
-    from data_prep.shard_format import read_manifest
+    from hpctrain.core.shard_format import read_manifest
 
     data = os.path.expanduser(str(cfg.data.path))
     try:
@@ -112,8 +112,8 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    from hpctrain.errors import CheckpointError
-    from hpctrain.rundir import RunDirError, run_config
+    from hpctrain.core.errors import CheckpointError
+    from hpctrain.runs.rundir import RunDirError, run_config
 
     try:
         positional = [a for a in argv if "=" not in a]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpctrain.config import (
+from hpctrain.core.config import (
     MAX_LR,
     ConfigError,
     GradCompression,

@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-from hpctrain.files import read_metrics, read_object, read_result
+from hpctrain.core.files import read_metrics, read_object, read_result
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
@@ -393,7 +393,7 @@ def _order(v):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpctrain.cmdline import Parser
+    from hpctrain.core.argparser import Parser
 
     parser = Parser(
         prog="python -m hpctrain",

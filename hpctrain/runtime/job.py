@@ -17,8 +17,8 @@ import time
 
 import torch.distributed as dist
 
-from hpctrain.config import signal_number
-from hpctrain.files import RESULT_FILE, read_json, read_object, write_json
+from hpctrain.core.config import signal_number
+from hpctrain.core.files import RESULT_FILE, read_json, read_object, write_json
 from hpctrain.parallel.vote import OverlappedVote
 
 log = logging.getLogger("hpctrain")

@@ -59,7 +59,7 @@ def apply_flight_recorder(run_dir: str) -> dict[str, str]:
 def is_timeout(error: BaseException) -> bool:
     """A collective or store operation that ran out of time (gloo, NCCL and the store word it differently; all
     raise RuntimeErrors), not one of hpctrain's own one-line errors."""
-    from hpctrain.errors import BAD_INPUT
+    from hpctrain.core.errors import BAD_INPUT
 
     text = str(error).lower()
     return isinstance(error, RuntimeError) and not isinstance(error, BAD_INPUT) and (

@@ -26,8 +26,8 @@ import time
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.errors import TrainingError
-from hpctrain.files import MAX_JSON_BYTES, MiB, free_name, read_bytes, read_object
+from hpctrain.core.errors import TrainingError
+from hpctrain.core.files import MAX_JSON_BYTES, MiB, free_name, read_bytes, read_object
 
 log = logging.getLogger("hpctrain")
 
@@ -88,7 +88,7 @@ def remove_if_fresh(path: str, since: float) -> None:
 
 def _legacy_run(run_dir: str) -> bool:
     """A run of an hpctrain older than LOCK_FILE: its config record and a complete checkpoint of its own."""
-    from hpctrain.checkpoint import complete_checkpoints
+    from hpctrain.storage.checkpoint import complete_checkpoints
 
     return os.path.isfile(os.path.join(run_dir, ".hydra", "config.yaml")) and bool(complete_checkpoints(run_dir))
 
@@ -229,7 +229,7 @@ def start_point(run_dir: str, resume: str) -> str | None:
 
 def moved(path: str, run_dir: str) -> str:
     """`path`, or, when it was a checkpoint of the run in `run_dir` that has since been set aside, where it is."""
-    from hpctrain.checkpoint import STATE_FILE
+    from hpctrain.storage.checkpoint import STATE_FILE
 
     own = os.path.realpath(os.path.join(run_dir, "checkpoints"))
     if os.path.exists(path) or not (path + os.sep).startswith(own + os.sep):
@@ -242,7 +242,7 @@ def moved(path: str, run_dir: str) -> str:
 
 
 def _has_checkpoint(run_dir: str) -> bool:
-    from hpctrain.checkpoint import complete_checkpoints
+    from hpctrain.storage.checkpoint import complete_checkpoints
 
     return bool(complete_checkpoints(run_dir))
 
@@ -253,8 +253,8 @@ class RunDirError(ValueError):
 
 def run_config(run_dir: str, ckpt: str | None = None):
     """(the config a run was trained with, its latest checkpoint or `ckpt`), for the tools that read a run."""
-    from hpctrain.checkpoint import latest
-    from hpctrain.compose import register
+    from hpctrain.runs.compose import register
+    from hpctrain.storage.checkpoint import latest
 
     register()  # the saved config may use hpctrain's resolvers (e.g. the demo data path)
     config = os.path.join(run_dir, ".hydra", "config.yaml")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.config import (
+from hpctrain.core.config import (
     ActCkpt,
     ConfigError,
     GradCompression,
@@ -47,12 +47,12 @@ from hpctrain.config import (
     SpikeAction,
 )
 from hpctrain.models import ModelSpec, spec_of
+from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel.compression import BUCKET_BYTES
 from hpctrain.parallel.layout import world_of
 from hpctrain.parallel.process_group import local_device_count
-from hpctrain.resolve import RunShape, resolve
-from hpctrain.training.metrics import PEAK_TFLOPS
-from hpctrain.training.optim import implementation
+from hpctrain.runs.resolve import RunShape, resolve
+from hpctrain.training.optimizer import implementation
 
 GiB = 2**30
 HEADROOM = 0.9  # usable share of device memory: allocator fragmentation, NCCL buffers, CUDA context

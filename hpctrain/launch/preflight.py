@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpctrain.cmdline import Parser
+from hpctrain.core.argparser import Parser
 from hpctrain.parallel import process_group
 from hpctrain.parallel.process_group import node_name
 
@@ -305,7 +305,7 @@ def main(argv: list[str]) -> int:
             print(f"preflight: error: --ranks {args.ranks} but srun/torchrun started {launched}", file=sys.stderr)
             return 2
         return run_rank(args)
-    from hpctrain.cluster.spawn import LaunchError, spawn
+    from hpctrain.runtime.spawn import LaunchError, spawn
 
     codes = mp.get_context("fork").Array("i", [-1] * args.ranks, lock=False)
     try:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from hpctrain.config import AlertAction, AlertRule, AlertWhen, ConfigError, SpikeAction
+from hpctrain.core.config import AlertAction, AlertRule, AlertWhen, ConfigError, SpikeAction
 
 log = logging.getLogger("hpctrain")
 ALERTS_FILE = "alerts.jsonl"

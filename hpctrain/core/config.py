@@ -2,7 +2,7 @@
 
 The schema makes Hydra reject unknown keys and wrong types with its own message; `check_keys` catches the
 keys `+key=value` adds without complaint, `check_values` the numbers out of range. What relates several
-keys (batch arithmetic, layout, the model's divisibility rules) is `hpctrain.resolve`'s. A leaf: it imports
+keys (batch arithmetic, layout, the model's divisibility rules) is `hpctrain.runs.resolve`'s. A leaf: it imports
 nothing of hpctrain, so every module may read the schema.
 """
 
@@ -216,7 +216,7 @@ class AlertAction(str, Enum):
 
 @dataclass
 class AlertRule:
-    metric: str = "loss"  # see hpctrain.training.monitor.METRICS
+    metric: str = "loss"  # see hpctrain.monitoring.monitor.METRICS
     threshold: float = 0.0
     when: AlertWhen = AlertWhen.above
     for_s: float = 60.0  # wall-time seconds past the threshold before it fires
@@ -242,10 +242,10 @@ class LossSpikeConfig:
 @dataclass
 class MonitorConfig:
     # name -> {metric, threshold, when, for_s} (conf/monitor/default.yaml); plain mappings, so that a command line
-    # can add one (+monitor.rules.x={...}); checked as AlertRule by hpctrain.training.monitor.parse_rules
+    # can add one (+monitor.rules.x={...}); checked as AlertRule by hpctrain.monitoring.monitor.parse_rules
     rules: dict[str, Any] = field(default_factory=dict)
     notify_cmd: list[str] | None = None  # argument list run with each alert as JSON on stdin (never a shell)
-    # Hang forensics (hpctrain.training.hang): an iteration running longer than hang_s (None: 90 % of
+    # Hang forensics (hpctrain.monitoring.hang): an iteration running longer than hang_s (None: 90 % of
     # cluster.pg_timeout_s) writes every rank's stacks to <run_dir>/hang/ and names the ranks that stopped; each
     # rank sends a heartbeat every heartbeat_s.
     hang_s: float | None = None
@@ -253,11 +253,11 @@ class MonitorConfig:
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     # One step in sample_every runs under the profiler on every rank: communication overhead, synchronisation
     # time and stragglers (ranks whose compute time is above (1 + straggler_frac) × the median), named with their
-    # node (hpctrain.training.comm_sample). 0: never.
+    # node (hpctrain.monitoring.comm_sample). 0: never.
     sample_every: int = 100
     straggler_frac: float = 0.2
     failure_window_s: float = 3600.0  # node_failure_rate counts the node failures of this much time
-    # A Prometheus scrape target on the main rank (hpctrain.training.prometheus): null off, 0 any free port.
+    # A Prometheus scrape target on the main rank (hpctrain.monitoring.prometheus): null off, 0 any free port.
     prometheus_port: int | None = None
     prometheus_addr: str = "0.0.0.0"
 
@@ -275,9 +275,9 @@ class WandbMode(str, Enum):
 
 @dataclass
 class LoggingConfig:
-    # Where metrics go besides metrics.jsonl and the console (hpctrain.training.metrics); [] for none.
+    # Where metrics go besides metrics.jsonl and the console (hpctrain.monitoring.metrics); [] for none.
     trackers: list[Tracker] = field(default_factory=lambda: [Tracker.tensorboard])
-    # MLflow and W&B (hpctrain.training.trackers). The tracking URI: a server (http://host:5000), a database
+    # MLflow and W&B (hpctrain.monitoring.trackers). The tracking URI: a server (http://host:5000), a database
     # (sqlite:///path/mlflow.db, postgresql://...); None: $MLFLOW_TRACKING_URI, else a SQLite store in
     # <sweep_dir>/mlflow (a sweep point) or <run_dir>/mlflow.
     mlflow_tracking_uri: str | None = None

@@ -13,9 +13,9 @@ import resource
 import sys
 from dataclasses import dataclass
 
-from hpctrain.errors import TrainingError
-from hpctrain.files import METRICS_FILE, FileCheckError, lines, step_of
-from hpctrain.training.trackers import chosen
+from hpctrain.core.errors import TrainingError
+from hpctrain.core.files import METRICS_FILE, FileCheckError, lines, step_of
+from hpctrain.monitoring.trackers import chosen
 
 log = logging.getLogger("hpctrain")
 

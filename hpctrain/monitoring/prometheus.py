@@ -13,7 +13,7 @@ import os
 import re
 import socket
 
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
 
 log = logging.getLogger("hpctrain")
 

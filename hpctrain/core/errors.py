@@ -11,8 +11,8 @@ import sys
 
 from omegaconf.errors import OmegaConfBaseException
 
-from data_prep.shard_format import DataError
-from hpctrain.config import ConfigError
+from hpctrain.core.config import ConfigError
+from hpctrain.core.shard_format import DataError
 
 
 class TrainingError(RuntimeError):

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from hpctrain.config import Decay, OptimImpl, OptimName
+from hpctrain.core.config import Decay, OptimImpl, OptimName
 
 log = logging.getLogger("hpctrain")
 
@@ -44,11 +44,11 @@ def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
     if ocfg.name == OptimName.sgd:
         return torch.optim.SGD(groups, lr=lr, momentum=ocfg.momentum, nesterov=ocfg.momentum > 0, **impl)
     if ocfg.name == OptimName.lamb:
-        from hpctrain.training.optimizers import Lamb
+        from hpctrain.training.lamb_sophia import Lamb
 
         return Lamb(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, max_trust=ocfg.max_trust)
     if ocfg.name == OptimName.sophia:
-        from hpctrain.training.optimizers import SophiaG
+        from hpctrain.training.lamb_sophia import SophiaG
 
         return SophiaG(groups, lr=lr, betas=(ocfg.beta1, ocfg.beta2), rho=ocfg.rho, eps=ocfg.eps,
                        update_every=ocfg.update_every)

@@ -10,7 +10,7 @@ import os
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.config import Config, ConfigError
+from hpctrain.core.config import Config, ConfigError
 
 
 def _slurm(key: str, *, _root_: DictConfig):

@@ -13,11 +13,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpctrain import checkpoint
-from hpctrain.errors import TrainingError
+from hpctrain.core.errors import TrainingError
 from hpctrain.parallel.norms import all_finite
 from hpctrain.parallel.vote import OverlappedVote, any_rank
-from hpctrain.training.optim import Schedule, hyperparameters, reapply
+from hpctrain.storage import checkpoint
+from hpctrain.training.optimizer import Schedule, hyperparameters, reapply
 from hpctrain.training.precision import AgreedGradScaler
 from hpctrain.training.spikes import LossSpikeGuard
 from hpctrain.training.state import RunState

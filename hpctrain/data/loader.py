@@ -42,7 +42,8 @@ import torch
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from data_prep.shard_format import (
+from hpctrain.core.files import FileCheckError, read_bytes
+from hpctrain.core.shard_format import (
     BUILD_HINT,
     TOKENS_EXT,
     DataError,
@@ -51,12 +52,11 @@ from data_prep.shard_format import (
     decode_tokens,
     read_manifest,
 )
-from hpctrain.files import FileCheckError, read_bytes
 
 __all__ = ["DataError", "Manifest", "ShardStream", "check_compat", "choose_lanes", "interleave_ranks",
            "read_manifest", "read_shard"]
 
-log = logging.getLogger("hpctrain.data")
+log = logging.getLogger("hpctrain.data.loader")
 
 _TAG_SHARD_ORDER = 1  # domain separation of the two kinds of permutations
 _TAG_SAMPLE_ORDER = 2

@@ -1,0 +1,1 @@
+"""The training data loader: shards streamed per rank, deterministic and resumable."""

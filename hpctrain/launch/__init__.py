@@ -1,0 +1,1 @@
+"""Above training: Slurm submission, sweeps and preflight checks."""

@@ -1,0 +1,1 @@
+"""What a run reports: metrics, trackers, Prometheus, alerts, hangs, profiling, memory probes."""

@@ -1,0 +1,1 @@
+"""A run's config and directory: Hydra composition, resolution and checks, the run directory."""

@@ -1,0 +1,1 @@
+"""Checkpoints on disk: distributed save and load, the unpickling allow-list, rotation."""

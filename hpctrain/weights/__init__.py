@@ -1,0 +1,1 @@
+"""Weights in and out of other formats: the Hugging Face export."""
