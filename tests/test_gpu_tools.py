@@ -1,5 +1,5 @@
 """`make bench-gpu` and `make gpu-check` on a machine without a GPU: the same code paths, on the CPU (the figures
-they exist for come from a GPU node: README "Benchmarks")."""
+they exist for come from a GPU node: docs/benchmarks.md)."""
 
 import pytest
 import torch

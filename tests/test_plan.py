@@ -157,7 +157,7 @@ PEAK_MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_k
 PEAK_RUN = ["train.max_steps=2", "train.eval_every=0", "train.checkpointing=false", "logging.trackers=[]",
             "cluster.num_threads=1", "train.global_batch=8", "train.micro_batch=4", "train.grad_accum=null"]
 PEAK_CASES = {"single": [], "ddp": ["parallel=ddp", "parallel.dp=2"], "fsdp": ["parallel=fsdp", "parallel.dp=2"],
-              # One micro-batch a step: with accumulation tp2 measures ~12 % above the planner (unexplained; README).
+              # One micro-batch a step: with accumulation tp2 measures ~12 % above the planner (unexplained; docs/planner.md).
               "tp2": ["parallel=tp2", "train.global_batch=4"], "pp2": ["parallel=pp2"],
               "fsdp_tied64k": ["parallel=fsdp", "parallel.dp=2", "model.vocab_size=65536", "model.max_seq_len=16",
                                "model.tie_embeddings=true", "model.n_layers=2"],

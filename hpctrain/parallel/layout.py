@@ -19,7 +19,7 @@ from hpctrain.core.config import ConfigError, GradCompression, ReduceDtype
 
 # Mesh order, outermost first: pipeline stages span nodes, tensor parallel stays inside one (fastest links).
 DIMS = ("pp", "dp", "tp")
-_SHOWN = ("dp", "tp", "pp")  # the order messages and logs name them in (as the README does)
+_SHOWN = ("dp", "tp", "pp")  # the order messages and logs name them in (as the docs do)
 
 # parallel.pp_schedule -> (torch.distributed.pipelining class, whether a rank holds several stages).
 PP_SCHEDULES = {"gpipe": ("ScheduleGPipe", False), "1f1b": ("Schedule1F1B", False),

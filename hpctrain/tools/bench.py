@@ -100,7 +100,7 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hpctrain bench", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="first steps excluded from tokens/s (default 5)")
@@ -115,35 +115,22 @@ def main(argv: list[str] | None = None) -> dict:
         a.steps, a.warmup, a.no_compile = 6, 2, True
     if not 0 <= a.warmup < a.steps:
         p.error(f"--warmup {a.warmup} must be >= 0 and below --steps {a.steps}")
-    precisions = [s.strip() for s in a.precisions.split(",") if s.strip()]
-    variants = ["hf", "hpctrain"] + ([] if a.no_compile else ["compile"])
+    a.precisions = [s.strip() for s in a.precisions.split(",") if s.strip()]
+    a.variants = ["hf", "hpctrain"] + ([] if a.no_compile else ["compile"])
+    return a
 
-    register()
-    torch.set_num_threads(a.threads)
-    torch.set_flush_denormal(True)
-    import transformers
 
-    from hpctrain.training.run import prepare_data
-
-    cfg = compose_cfg([])
-    data_dir, seq_len = prepare_data(cfg, resolve(cfg))  # builds the demo shards on first use
-    args, seed = model_args(cfg), cfg.train.seed
-    machine = (f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {a.threads} torch threads; "
-               f"torch {torch.__version__}, transformers {transformers.__version__}, "
-               f"python {platform.python_version()}")
-    print(machine)
-    print(f"model {cfg.model.name} (dim {args.dim}, {args.n_layers} layers), batch {BATCH}×{seq_len} tok, "
-          f"{a.steps} steps/run ({a.warmup} warmup excluded), {a.repeats} repeat(s)", flush=True)
-
+def _measure(a: argparse.Namespace, args, data_dir: str, seed: int) -> dict[str, dict[str, list[dict]]]:
+    """Every (precision, variant) run of every repeat, sides alternating."""
     # The first training run in a process pays one-time costs (seconds per step for the first steps,
     # whichever side goes first); a short untimed round of each side and precision absorbs them.
-    for pr in precisions:
+    for pr in a.precisions:
         run_hf(pr, 2, 0, args, data_dir, seed)
         run_hpctrain(pr, False, 2, 0, a.threads)
-    runs: dict[str, dict[str, list[dict]]] = {pr: {v: [] for v in variants} for pr in precisions}
+    runs: dict[str, dict[str, list[dict]]] = {pr: {v: [] for v in a.variants} for pr in a.precisions}
     for rep in range(a.repeats):
-        for pr in precisions:
-            for v in variants if rep % 2 == 0 else variants[::-1]:  # no side always runs first
+        for pr in a.precisions:
+            for v in a.variants if rep % 2 == 0 else a.variants[::-1]:  # no side always runs first
                 t0 = time.perf_counter()
                 if v == "hf":
                     r = run_hf(pr, a.steps, a.warmup, args, data_dir, seed)
@@ -154,7 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[pr][v].append(r)
                 print(f"  [{rep + 1}/{a.repeats}] {pr:4} {VARIANTS[v]:18} {r['tokens_per_s']:9.1f} tokens/s "
                       f"(run {r['wall_s']:.0f} s, final loss {r['final_loss']:.3f})", flush=True)
+    return runs
 
+
+def _summarise(runs: dict[str, dict[str, list[dict]]], precisions: list[str], variants: list[str]) -> list[dict]:
+    """The medians over repeats against HF transformers' loop, printed as a table."""
     summary = []
     print(f"\n{'precision':9} | {'variant':18} | {'tokens/s':>9} | {'vs HF':>6} | "
           f"{'median-step tok/s':>17} | vs HF")
@@ -171,6 +162,29 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{med / hf_med:.2f}×")
     print("tokens/s: post-warmup tokens / their summed step time (medians over repeats); median-step: tokens "
           "per step / median step time, less sensitive to load bursts on a shared machine")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = _parse(argv)
+    register()
+    torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(True)
+    import transformers
+
+    from hpctrain.training.run import prepare_data
+
+    cfg = compose_cfg([])
+    data_dir, seq_len = prepare_data(cfg, resolve(cfg))  # builds the demo shards on first use
+    args, seed = model_args(cfg), cfg.train.seed
+    machine = (f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {a.threads} torch threads; "
+               f"torch {torch.__version__}, transformers {transformers.__version__}, "
+               f"python {platform.python_version()}")
+    print(machine)
+    print(f"model {cfg.model.name} (dim {args.dim}, {args.n_layers} layers), batch {BATCH}×{seq_len} tok, "
+          f"{a.steps} steps/run ({a.warmup} warmup excluded), {a.repeats} repeat(s)", flush=True)
+    runs = _measure(a, args, data_dir, seed)
+    summary = _summarise(runs, a.precisions, a.variants)
     print(machine)
     doc = {"machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": a.threads,
                        "torch": torch.__version__, "transformers": transformers.__version__},

@@ -26,7 +26,7 @@ norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one m
                its flat buffer, PowerSGD's copy, the new residual
 The peak is the largest of three moments (`total`): backward's start, backward's end under data parallelism,
 the optimizer step. With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 %
-of cluster.gpu_mem_gb. README "Choosing a layout" gives the measured accuracy and how it was measured.
+of cluster.gpu_mem_gb. docs/planner.md gives the measured accuracy and how it was measured.
 """
 
 from __future__ import annotations
