@@ -44,9 +44,9 @@ def register() -> None:
 def conf_dir() -> str:
     """The config groups: `conf/` beside the package in a checkout (an editable install), or the copy a wheel
     installs inside it (`hpctrain/conf/`)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    installed = os.path.join(here, "conf")
-    return installed if os.path.isdir(installed) else os.path.abspath(os.path.join(here, os.pardir, "conf"))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hpctrain/, above runs/
+    installed = os.path.join(package, "conf")
+    return installed if os.path.isdir(installed) else os.path.abspath(os.path.join(package, os.pardir, "conf"))
 
 
 def compose(overrides: list[str]):

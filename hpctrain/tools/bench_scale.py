@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = os.path.join(a.out, "run")
     cfg = compose(_overrides(data, run_dir, a.overrides))
     result = train(cfg, run_dir)
-    print(f"bench-scale: {cfg.model.name}, {result['params'] / 1e9:.3f} B parameters, fsdp dp=2, bf16, "
+    print(f"bench-scale: {cfg.model.name}, {result['params'] / 1e9:.3f} B parameters, fsdp dp=2, {cfg.precision}, "
           f"{result['steps']} steps of 2 × {SEQ_LEN} tokens ({result['status']}); peaks over each rank's size "
           f"before the model{'' if fixed else ' (glibc mmap threshold not fixed: malloc heap included)'}:")
     for line in report(result, run_dir):
