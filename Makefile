@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 DEMO_DIR ?= outputs/demo
 DEMO_STEPS ?= 300
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): the suite is mostly one-core work, so two on 2 cores take ~40 % off; 0: no workers
+# (pdb, -s).
+TEST_WORKERS ?= 2
 
 # --- shell quoting ------------------------------------------------------------------------------------------
 # Every user-supplied variable reaches the shell only through $(call arg,VAR) / $(call args,VAR): its text
@@ -54,7 +57,7 @@ demo: install
 # PYTEST_ARGS reaches pytest whole, in PYTEST_ADDOPTS: pytest splits it like a shell (PYTEST_ARGS='-m "not slurm"'
 # is two words) but never evaluates it.
 test: install
-	PYTEST_ADDOPTS=$(call arg,PYTEST_ARGS) $(PY) -m pytest -q
+	PYTEST_ADDOPTS=$(call arg,PYTEST_ARGS) $(PY) -m pytest -q -n $(call arg,TEST_WORKERS) --dist loadgroup
 
 lint: install
 	$(VENV)/bin/ruff check .

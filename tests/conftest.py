@@ -66,11 +66,15 @@ def _slurm_missing() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """A test that needs the cluster (the `slurm` fixture) is a `slurm` test: -m "not slurm" leaves it out."""
+    """A test that needs the cluster (the `slurm` fixture) is a `slurm` test: -m "not slurm" leaves it out. Under
+    `make test`'s workers (pytest-xdist, --dist loadgroup) the Slurm tests run one at a time on one worker: they
+    share the cluster's three nodes, and one of them takes a node down."""
     for item in items:
         if "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")

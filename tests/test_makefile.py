@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 # Variables of the Makefile (and of make itself) that must not leak in from the environment of the test run;
 # an outer `make test` passes its command-line variables down in MAKEFLAGS.
 _MAKE_VARS = {"CORPUS", "OUT", "TOKENIZER", "VOCAB", "SEQ_LEN", "WORKERS", "SHARD_MB", "TEXT_FIELD", "PREP_ARGS",
-              "PREP_SBATCH_ARGS", "DEMO_DIR", "DEMO_STEPS", "PYTEST_ARGS", "PYTHON", "VENV", "PY", "MFLAGS",
+              "PREP_SBATCH_ARGS", "DEMO_DIR", "DEMO_STEPS", "PYTEST_ARGS", "TEST_WORKERS", "PYTHON", "VENV", "PY", "MFLAGS",
               "GNUMAKEFLAGS"}
 FAST = ["SEQ_LEN=32", "SHARD_MB=0.05", "WORKERS=1"]
 
@@ -196,7 +196,7 @@ def test_pytest_args_reach_pytest_unevaluated(tmp_path):
     p = _make("test", f"PY={py}", f"PYTEST_ARGS={args}")
     assert p.returncode == 0, p.stdout + p.stderr
     assert not marker.exists()
-    assert _calls(bin_dir) == [["-m", "pytest", "-q"]]
+    assert _calls(bin_dir) == [["-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"]]
     assert (bin_dir / "addopts").read_text() == args
     assert shlex.split(args)[:4] == ["-k", "resume", "-m", "not slurm"]
 

@@ -203,8 +203,13 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
     """A node of a running 2-node job stops answering (its slurmd and the job's processes there frozen, as in
     a hung or crashed node): Slurm marks it DOWN, requeues the job onto the spare node, and the job resumes
     from its last checkpoint and finishes with the loss of an uninterrupted run."""
-    nodes = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], capture_output=True, text=True).stdout
-    if len(set(nodes.split())) < 3:
+    def idle() -> bool:  # (a node of the previous test's job may still be completing)
+        out = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], capture_output=True, text=True).stdout
+        return len(set(out.split())) >= 3
+
+    try:
+        until("3 idle nodes", idle, 60, every=0.5)
+    except AssertionError:
         pytest.skip("needs 3 idle nodes (make slurm-up starts n1..n3)")
     steps, run = 150, tmp_path / "run"
     job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=10",
