@@ -14,9 +14,9 @@ import time
 
 import tokenizers
 
-from data_prep import command
 from data_prep.build import DEMO_MARKER
 from data_prep.shards import build_from_files, read_text
+from hpctrain.core.command import run_command
 from hpctrain.core.shard_format import DataError, Manifest, read_manifest, sha256_file
 
 # encodings/ is mostly generated codec tables: a model trained on them samples tables, not code.
@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-fraction", type=float, default=0.02)
     p.add_argument("--shard-mb", type=float, default=4)
     a = p.parse_args(argv)
-    return command.run(lambda: build_demo(a.out, a.max_bytes, a.vocab_size, a.seq_len, a.val_fraction, a.shard_mb),
-                       "fix it, then rerun", "rerun to build the demo data (no manifest was written)")
+    return run_command(lambda: build_demo(a.out, a.max_bytes, a.vocab_size, a.seq_len, a.val_fraction, a.shard_mb),
+                       bad=(DataError,), os_error="fix it, then rerun",
+                       interrupted="interrupted: rerun to build the demo data (no manifest was written)")
 
 
 if __name__ == "__main__":

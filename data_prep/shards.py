@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from data_prep import command, lustre
+from data_prep import lustre
 from data_prep.build import (
     BUILD_DIR,
     DEFAULT_SHARD_MB,
@@ -33,6 +33,7 @@ from data_prep.build import (
 from data_prep.packing import DEFAULT_BATCH_CHARS, pack_tokens, split_names, write_unit
 from data_prep.sources import expand_corpus
 from data_prep.tokenizer import TextTokenizer
+from hpctrain.core.command import run_command
 from hpctrain.core.files import fsync_dir
 from hpctrain.core.shard_format import (
     MANIFEST_NAME,
@@ -217,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"done in {time.perf_counter() - t0:.1f}s")
 
     # A full disk or Ctrl-C leaves an unfinished build (no manifest), which the same command goes on with.
-    return command.run(work, "fix it, then rerun the same command (finished units are kept)",
-                       "rerun the same command to go on (finished units are kept; no manifest was written)")
+    return run_command(work, bad=(DataError,),
+                       os_error="fix it, then rerun the same command (finished units are kept)",
+                       interrupted="interrupted: rerun the same command to go on (finished units are kept; no manifest "
+                                   "was written)")
 
 
 if __name__ == "__main__":

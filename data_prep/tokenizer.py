@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import time
 
-    from data_prep import command
     from data_prep.sources import expand_corpus, plan_pieces
+    from hpctrain.core.command import run_command
 
     p = argparse.ArgumentParser(prog="python -m data_prep.tokenizer",
                                 description="Train a byte-level BPE tokenizer on a corpus (streamed, bounded sample).")
@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         path = train_tokenizer_from_docs(docs, a.vocab, a.out)
         print(f"tokenizer: {path} (vocab {a.vocab}, {time.perf_counter() - t0:.1f}s)")
 
-    return command.run(work, "choose an --out you can write to", "nothing was written")
+    return run_command(work, bad=(DataError,), os_error="choose an --out you can write to",
+                       interrupted="interrupted: nothing was written")
 
 
 if __name__ == "__main__":

@@ -104,19 +104,13 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    from hpctrain.core.command import run_command
     from hpctrain.core.errors import CheckpointError
     from hpctrain.data.loader import DataError
     from hpctrain.runs.rundir import RunDirError
 
-    try:
-        print(run(parse(argv)))
-    except (GenerateError, RunDirError, CheckpointError, DataError, OmegaConfBaseException) as e:
-        print(f"hpctrain generate: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("hpctrain generate: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_command(lambda: print(run(parse(argv))), "hpctrain generate",
+                       (GenerateError, RunDirError, CheckpointError, DataError, OmegaConfBaseException))
 
 
 if __name__ == "__main__":

@@ -112,28 +112,23 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    from hpctrain.core.command import run_command
     from hpctrain.core.errors import CheckpointError
     from hpctrain.runs.rundir import RunDirError, run_config
 
-    try:
-        positional = [a for a in argv if "=" not in a]
-        options = dict(a.split("=", 1) for a in argv if "=" in a)
+    positional = [a for a in argv if "=" not in a]
+    options = dict(a.split("=", 1) for a in argv if "=" in a)
+
+    def work() -> None:
         if len(positional) != 2 or set(options) - {"checkpoint"}:
             raise ExportError(f"expected RUN_DIR OUT [checkpoint=DIR], got {' '.join(argv) or 'nothing'}")
-        run_dir, out = positional
-        cfg, ckpt = run_config(run_dir, options.get("checkpoint"))
-        print(f"exported {ckpt} to {export(cfg, ckpt, out)}")
-    except (ExportError, RunDirError, CheckpointError) as e:
-        print(f"hpctrain export-hf: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the disk filled, a directory vanished: nothing of OUT is left (see export)
-        print(f"hpctrain export-hf: error: writing {out} failed ({e.strerror}: {e.filename}): free space or choose "
-              "another OUT", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("hpctrain export-hf: interrupted (nothing of OUT was left)", file=sys.stderr)
-        return 130
-    return 0
+        cfg, ckpt = run_config(positional[0], options.get("checkpoint"))
+        print(f"exported {ckpt} to {export(cfg, ckpt, positional[1])}")
+
+    # A disk that filled, a directory that vanished: nothing of OUT is left (see export).
+    return run_command(work, "hpctrain export-hf", (ExportError, RunDirError, CheckpointError),
+                       os_error=lambda e: f"writing {positional[1]} failed ({e.strerror}: {e.filename}): free space or "
+                                          "choose another OUT", interrupted="interrupted (nothing of OUT was left)")
 
 
 if __name__ == "__main__":
