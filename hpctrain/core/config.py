@@ -83,12 +83,10 @@ class ActCkpt(str, Enum):
 
 
 @dataclass
-class ModelConfig:
-    """The dimensions of a decoder-only model; `family` picks the code (hpctrain.models), which reads the
-    fields it has."""
+class TransformerDims:
+    """The dimensions of a decoder-only transformer, defined once: the `model` group's schema (ModelConfig) and
+    Llama's own arguments (hpctrain.models.llama.ModelArgs) both extend it."""
 
-    family: str = "llama"
-    name: str = "custom"
     vocab_size: int = 4096
     dim: int = 256
     n_layers: int = 4
@@ -100,6 +98,15 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+
+
+@dataclass
+class ModelConfig(TransformerDims):
+    """The `model` group: a family's dimensions; `family` picks the code (hpctrain.models), which reads the
+    fields it has."""
+
+    family: str = "llama"
+    name: str = "custom"
     # Start from these weights instead of a random draw (not when resuming): hf:/path (a local transformers
     # directory: config.json + safetensors) or an hpctrain checkpoint directory (weights only).
     init_from: str | None = None

@@ -12,28 +12,18 @@ one-to-one to and from ``transformers.LlamaForCausalLM`` with no q/k permutation
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.core.config import TransformerDims
 from hpctrain.models.cross_entropy import linear_cross_entropy
 
 
 @dataclass
-class ModelArgs:
-    vocab_size: int = 4096
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: Optional[int] = None  # noqa: UP045 (schema type as specified)  None -> n_heads
-    ffn_hidden: int = 688
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+class ModelArgs(TransformerDims):
+    """Llama's arguments: the shared decoder dimensions (one definition, with the `model` group's schema)."""
 
     @property
     def head_dim(self) -> int:
