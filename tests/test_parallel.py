@@ -232,7 +232,7 @@ def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
     mesh = layout.build_mesh(env.device.type, 60.0)
     model = build_model(cfg, spec_of(cfg), layout, env.device, mesh)
     step = build_train_step(model, build_optimizer(model, cfg.optim, 1e-3), setup_precision(cfg.precision, env.device),
-                            1.0, env.device, mesh, layout, reduce_every_microbatch=sharded)
+                            env.device, mesh, layout, grad_clip=1.0, reduce_every_microbatch=sharded)
     held = []
 
     def micro_batches():

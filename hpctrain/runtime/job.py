@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from enum import Enum, IntEnum
 
 import torch.distributed as dist
 
@@ -23,8 +24,34 @@ from hpctrain.parallel.vote import OverlappedVote
 
 log = logging.getLogger("hpctrain")
 
-# TERMINATE wins over PREEMPT: a cancelled job must not requeue itself; ALERT (an alert rule's `stop` action) neither.
-PREEMPT, TERMINATE, ALERT = 1, 2, 3
+class RunStatus(str, Enum):
+    """A run's status in result.json (and its summary)."""
+
+    running = "running"
+    completed = "completed"
+    preempted = "preempted"
+    terminated = "terminated"
+    stopped = "stopped"  # by an alert rule's `stop` action
+    failed = "failed"
+    interrupted = "interrupted"  # Ctrl-C
+
+
+class Stop(IntEnum):
+    """Why a run stops at a step boundary. Ranks vote with max(): TERMINATE wins over PREEMPT (a cancelled job
+    must not requeue itself), and ALERT (an alert rule's `stop` action) neither."""
+
+    NONE = 0
+    PREEMPT = 1
+    TERMINATE = 2
+    ALERT = 3
+
+    @property
+    def status(self) -> RunStatus:
+        return _STOP_STATUS[self]
+
+
+_STOP_STATUS = {Stop.NONE: RunStatus.completed, Stop.PREEMPT: RunStatus.preempted,
+                Stop.TERMINATE: RunStatus.terminated, Stop.ALERT: RunStatus.stopped}
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, run the same command again to resume
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -32,14 +59,14 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 class Stopped(RuntimeError):
     """The run stopped at a step boundary on a signal, after writing a checkpoint."""
 
-    def __init__(self, kind: int, step: int, signame: str):
+    def __init__(self, kind: Stop, step: int, signame: str):
         self.kind, self.step = kind, step
-        then = "the job was requeued" if kind == PREEMPT and in_slurm_job() else "rerun the same command to resume"
+        then = "the job was requeued" if kind == Stop.PREEMPT and in_slurm_job() else "rerun the same command to resume"
         super().__init__(f"stopped by {signame} after step {step}; checkpoint written; {then}")
 
     @property
     def exit_code(self) -> int:
-        return EXIT_PREEMPTED if self.kind == PREEMPT else EXIT_TERMINATED
+        return EXIT_PREEMPTED if self.kind == Stop.PREEMPT else EXIT_TERMINATED
 
 
 def in_slurm_job() -> bool:
@@ -51,7 +78,7 @@ class StopSignals:
 
     def __init__(self, signame: str):
         self.preempt_sig = signal_number(signame)
-        self.noted = 0
+        self.noted = Stop.NONE
         self.checkpoint = 0  # an alert asked for a checkpoint (on this rank, then agreed: on every rank)
         self.alert = None  # the alert rule that asked this rank (the main one) to stop
         self.checkpoint_agreed = False
@@ -59,7 +86,7 @@ class StopSignals:
         self._vote = OverlappedVote()  # the agreement started after the last step
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread may handle signals (e.g. train() called from a worker thread)
-        for sig, kind in ((self.preempt_sig, PREEMPT), (signal.SIGTERM, TERMINATE)):
+        for sig, kind in ((self.preempt_sig, Stop.PREEMPT), (signal.SIGTERM, Stop.TERMINATE)):
             self._previous[sig] = signal.signal(sig, self._handler(kind))
 
     def _handler(self, kind: int):
@@ -67,20 +94,20 @@ class StopSignals:
             self.noted = max(self.noted, kind)
         return note
 
-    def name(self, kind: int) -> str:
-        if kind == ALERT:
+    def name(self, kind: Stop) -> str:
+        if kind == Stop.ALERT:
             return f"alert {self.alert}" if self.alert else "an alert rule (see alerts.jsonl)"
-        return (self.preempt_sig if kind == PREEMPT else signal.SIGTERM).name
+        return (self.preempt_sig if kind == Stop.PREEMPT else signal.SIGTERM).name
 
     def ask(self, action: str, rule: str) -> None:
         """An alert rule's action on this rank: "checkpoint", or "stop" (after a checkpoint), at a step boundary
         that every rank agrees on."""
         if action == "stop":
-            self.noted, self.alert = max(self.noted, ALERT), self.alert or rule
+            self.noted, self.alert = max(self.noted, Stop.ALERT), self.alert or rule
         self.checkpoint = 1
 
-    def agreed(self) -> int:
-        """0, PREEMPT, TERMINATE or ALERT: the strongest request any rank had noted by the end of the previous step
+    def agreed(self) -> Stop:
+        """The strongest Stop request any rank had noted by the end of the previous step
         (collective when world > 1: every rank calls it after every step).
 
         The vote is an all-reduce started after one step and collected after the next, so it runs while that
@@ -89,14 +116,14 @@ class StopSignals:
         """
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             self.checkpoint_agreed, self.checkpoint = bool(self.checkpoint), 0
-            return self.noted
+            return Stop(self.noted)
         answer = self._vote.collect()
         self.checkpoint_agreed = bool(answer and answer[1])
         if answer and answer[0]:
-            return answer[0]
+            return Stop(answer[0])
         self._vote.start([self.noted, self.checkpoint])
         self.checkpoint = 0
-        return 0
+        return Stop.NONE
 
     def requeue(self) -> None:
         """Rank 0, after the checkpoint: put the job back in the queue (under submitit, its own handler does

@@ -231,9 +231,9 @@ def _launch(cfg, run_dir: str, prepared: Prepared) -> dict:
         except spawn.LaunchError as e:
             raise TrainingError(str(e)) from None
         result = read_json(os.path.join(run_dir, RESULT_FILE))
-        kind = {"preempted": job.PREEMPT, "terminated": job.TERMINATE, "stopped": job.ALERT}.get(result["status"])
+        kind = {stop.status.value: stop for stop in job.Stop if stop}.get(result["status"])
         if kind:
-            by = {job.TERMINATE: "SIGTERM", job.ALERT: f"alert {result.get('stopped_by')}"}
+            by = {job.Stop.TERMINATE: "SIGTERM", job.Stop.ALERT: f"alert {result.get('stopped_by')}"}
             raise job.Stopped(kind, result["steps"], by.get(kind, signal_number(cfg.cluster.signal).name))
         return result
     return _rank_main(cfg, run_dir, prepared)

@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -23,13 +24,18 @@ from hpctrain.training.precision import Precision
 log = logging.getLogger("hpctrain")
 
 
+class StepStatus(str, Enum):
+    ok = "ok"  # applied
+    overflow = "overflow"  # fp16's loss scale backed off: skipped
+    nonfinite = "nonfinite"  # a non-finite loss or gradient norm: skipped
+    spike = "spike"  # the loss check (train's loss-spike guard) said so: skipped
+
+
 @dataclass
 class StepResult:
     loss: float  # mean over every token of the global batch
     grad_norm: float
-    # "ok" | "overflow" (fp16 scale backed off, step skipped) | "nonfinite" (skipped) | "spike" (skipped: the loss
-    # check said so)
-    status: str
+    status: StepStatus
     loss_scale: float | None = None
 
 
@@ -183,7 +189,7 @@ class TrainStep:
         if self.grad_clip > 0 and math.isfinite(norm_value):
             clip_grads(self.params, self.grad_clip, norm_value)
         if not math.isfinite(loss_value) or (self.loss_check is not None and self.loss_check(loss_value)):
-            status = "nonfinite" if not math.isfinite(loss_value) else "spike"
+            status = StepStatus.nonfinite if not math.isfinite(loss_value) else StepStatus.spike
             if self.exchange is not None:
                 self.exchange.undo()  # the compressor forgets the dropped batch
             if scaler:
@@ -192,12 +198,12 @@ class TrainStep:
             scale = scaler.get_scale()
             scaler.step(self.optimizer)  # skips the update itself when grads hold inf/nan
             scaler.update()
-            status = "overflow" if scaler.get_scale() < scale else "ok"
+            status = StepStatus.overflow if scaler.get_scale() < scale else StepStatus.ok
         elif not math.isfinite(norm_value):
-            status = "nonfinite"
+            status = StepStatus.nonfinite
         else:
             self.optimizer.step()
-            status = "ok"
+            status = StepStatus.ok
         return StepResult(loss_value, norm_value, status, scaler.get_scale() if scaler else None)
 
     def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int, loss_sum=None) -> torch.Tensor:
@@ -324,9 +330,9 @@ def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(inputs), torch.cat(targets)
 
 
-def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                     device: torch.device, mesh, layout: Layout, reduce_every_microbatch: bool = False,
-                     grad_accum: int = 1, fused_loss: bool = False) -> TrainStep:
+def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device,
+                     mesh, layout: Layout, *, grad_clip: float, grad_accum: int = 1,
+                     reduce_every_microbatch: bool = False, fused_loss: bool = False) -> TrainStep:
     """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipelined step runs
     its `grad_accum` micro-batches as one schedule, which reduces once after the last of them. `fused_loss`
     (train.fused_loss) is refused with pipelines and tensor parallelism before this (`resolve`)."""

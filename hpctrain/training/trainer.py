@@ -31,6 +31,7 @@ from hpctrain.monitoring.prometheus import prometheus_sinks
 from hpctrain.monitoring.trackers import tracker_sinks
 from hpctrain.runs.resolve import scaled_lr
 from hpctrain.runtime import job
+from hpctrain.runtime.job import RunStatus, Stop
 from hpctrain.storage import checkpoint
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, val_share
@@ -40,78 +41,92 @@ from hpctrain.training.precision import setup_precision
 from hpctrain.training.save_resume import Checkpointer
 from hpctrain.training.spikes import LossSpikeGuard, roll_back
 from hpctrain.training.state import RunState
-from hpctrain.training.step import build_train_step, params_finite
+from hpctrain.training.step import StepStatus, build_train_step, params_finite
 
 log = logging.getLogger("hpctrain")
 # The schedule advances on every step, skipped ones included (step s always has lr(s)).
 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
 
-_STATUS = {0: "completed", job.PREEMPT: "preempted", job.TERMINATE: "terminated", job.ALERT: "stopped"}
-
-
 class Trainer:
     def __init__(self, cfg, run_dir: str, prepared, env, start: str | None):
         """`prepared`: the run's checked shape and data (`run.prepare`); `start`: what to resume from ("auto",
-        a checkpoint directory, or None)."""
-        t, shape = cfg.train, prepared.shape
-        self.cfg, self.run_dir, self.env, self.shape = cfg, run_dir, env, shape
-        self.tokens_per_step = shape.global_batch * prepared.seq_len
+        a checkpoint directory, or None). The builds, in the order they depend on each other."""
+        self.cfg, self.run_dir, self.env, self.shape = cfg, run_dir, env, prepared.shape
+        self.tokens_per_step = prepared.shape.global_batch * prepared.seq_len
         _set_threads(cfg.cluster.num_threads)
-        spec = spec_of(cfg)
-        self.mesh = shape.layout.build_mesh(env.device.type, cfg.cluster.pg_timeout_s)
-        self.memory = MemoryProbe(env.device)
-        built = time.perf_counter()
-        self.model = build_model(cfg, spec, shape.layout, env.device, self.mesh)
-        self.init_s = time.perf_counter() - built
-        self.precision = setup_precision(cfg.precision, env.device)
-        self.lr = scaled_lr(cfg.optim, shape.global_batch)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
-        self.step = build_train_step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip, env.device,
-                                     self.mesh, shape.layout, sharded_gradients(cfg.parallel), shape.grad_accum,
-                                     t.fused_loss)
-        spike = cfg.monitor.loss_spike
-        self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
-        self.step.check_losses(self.spikes.drop_update if self.spikes.enabled else None,
-                               undo=SpikeAction(spike.action) == SpikeAction.skip_batch)
-        self.state = RunState()
-        self.checkpointer = Checkpointer(run_dir, t, self.model, self.optimizer,
-                                         {"run": self.state, "scheduler": self.scheduler},
-                                         {"scaler": self.precision.scaler, "loss_spike": self.spikes},
-                                         cfg.cluster.pg_timeout_s, spec.weights(spec.args(cfg.model)))
-        self._start_weights(start, spec)
-        self.feed = TrainFeed(cfg, prepared.data_dir, shape, self.state, env.device,
-                              shape.layout.batch_mesh(self.mesh))
-        self.n_params = spec.num_params(self.model)
-        self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
-        self.peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
-        throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.peak.flops, env.world, env.device)
-        m = cfg.monitor
-        self.sampler = CommSampler(m.sample_every, m.straggler_frac, env.world, env.device,
-                                   t.profile_steps and tuple(t.profile_steps))
-        ctx = Context(env.device, env.world, self.sampler.every, job.node_failures(run_dir) if env.is_main else None,
-                      m.failure_window_s)
-        # MLflow, W&B, a Prometheus endpoint
-        trackers = [*tracker_sinks(cfg, run_dir, self.state.step), *prometheus_sinks(m, run_dir)] if env.is_main else []
-        self.alerts = AlertSink(run_dir, m, ctx, trackers=trackers) if env.is_main else None
-        self.metrics = Metrics.for_run(run_dir, env.is_main, t, cfg.logging.trackers, self.state.step, throughput,
-                                       self.feed.corrupt_total, [*trackers, *([self.alerts] if self.alerts else [])])
-        dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
-        self.evaluator = Evaluator(t.eval_every, t.max_steps,
-                                   lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
+        self.spec = spec_of(cfg)
+        self._build_model()  # the mesh, the model on it, precision, optimizer and schedule
+        self._build_step()  # the layout's step and the loss-spike guard it reports to
+        self._build_checkpointer(start)  # the run state, what a checkpoint holds, the weights to start from
+        self.feed = TrainFeed(cfg, prepared.data_dir, self.shape, self.state, env.device,
+                              self.shape.layout.batch_mesh(self.mesh))
+        self._build_monitoring(prepared)  # throughput, sinks and alerts, metrics, evaluation, memory, profiling
         self.signals = job.StopSignals(cfg.cluster.signal)
-        self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
-                           min(self.state.step + 2, t.max_steps))
-        self.profiler = StepProfiler(run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
-        self.snapshot = MemorySnapshot(run_dir, t.memory_snapshot, env.rank, env.device)
         # last: its thread is stopped by fit(); a rank lost before its first heartbeat is named so
+        m = cfg.monitor
         self.hang = HangWatch(run_dir, env.rank, env.world, m.hang_s or 0.9 * cfg.cluster.pg_timeout_s, m.heartbeat_s)
         self.memory.reset()
         self._log_start(prepared.seq_len)
 
+    def _build_model(self) -> None:
+        cfg, env, layout = self.cfg, self.env, self.shape.layout
+        self.mesh = layout.build_mesh(env.device.type, cfg.cluster.pg_timeout_s)
+        self.memory = MemoryProbe(env.device)  # before the model: its peak counts the build
+        built = time.perf_counter()
+        self.model = build_model(cfg, self.spec, layout, env.device, self.mesh)
+        self.init_s = time.perf_counter() - built
+        self.precision = setup_precision(cfg.precision, env.device)
+        self.lr = scaled_lr(cfg.optim, self.shape.global_batch)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+
+    def _build_step(self) -> None:
+        cfg = self.cfg
+        self.step = build_train_step(self.model, self.optimizer, self.precision, self.env.device, self.mesh,
+                                     self.shape.layout, grad_clip=cfg.optim.grad_clip, grad_accum=self.shape.grad_accum,
+                                     reduce_every_microbatch=sharded_gradients(cfg.parallel),
+                                     fused_loss=cfg.train.fused_loss)
+        spike = cfg.monitor.loss_spike
+        self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
+        self.step.check_losses(self.spikes.drop_update if self.spikes.enabled else None,
+                               undo=SpikeAction(spike.action) == SpikeAction.skip_batch)
+
+    def _build_checkpointer(self, start: str | None) -> None:
+        self.state = RunState()
+        spec = self.spec
+        self.checkpointer = Checkpointer(self.run_dir, self.cfg.train, self.model, self.optimizer,
+                                         {"run": self.state, "scheduler": self.scheduler},
+                                         {"scaler": self.precision.scaler, "loss_spike": self.spikes},
+                                         self.cfg.cluster.pg_timeout_s, spec.weights(spec.args(self.cfg.model)))
+        self._start_weights(start, spec)
+
+    def _build_monitoring(self, prepared) -> None:
+        cfg, env, shape, t, m, spec = self.cfg, self.env, self.shape, self.cfg.train, self.cfg.monitor, self.spec
+        self.n_params = spec.num_params(self.model)
+        self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
+        self.peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
+        throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.peak.flops, env.world, env.device)
+        self.sampler = CommSampler(m.sample_every, m.straggler_frac, env.world, env.device,
+                                   t.profile_steps and tuple(t.profile_steps))
+        ctx = Context(env.device, env.world, self.sampler.every,
+                      job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s)
+        # MLflow, W&B, a Prometheus endpoint
+        trackers = [*tracker_sinks(cfg, self.run_dir, self.state.step), *prometheus_sinks(m, self.run_dir)] \
+            if env.is_main else []
+        self.alerts = AlertSink(self.run_dir, m, ctx, trackers=trackers) if env.is_main else None
+        self.metrics = Metrics.for_run(self.run_dir, env.is_main, t, cfg.logging.trackers, self.state.step, throughput,
+                                       self.feed.corrupt_total, [*trackers, *([self.alerts] if self.alerts else [])])
+        dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
+        self.evaluator = Evaluator(t.eval_every, t.max_steps,
+                                   lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
+        self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
+                           min(self.state.step + 2, t.max_steps))
+        self.profiler = StepProfiler(self.run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
+        self.snapshot = MemorySnapshot(self.run_dir, t.memory_snapshot, env.rank, env.device)
+
     def fit(self) -> dict:
         """Train to train.max_steps (or a stop signal); return the result, also written to result.json."""
-        status, error, stop = "running", None, 0
+        status, error, stop = RunStatus.running, None, Stop.NONE
         self.state.started_at = time.time()  # wall time counts training, not building
         self.start_step = self.state.step
         self.applied = self.overflowed = 0  # steps of this session applied, and skipped by fp16's loss scaling
@@ -136,10 +151,11 @@ class Trainer:
             self._check_applied()
             if not stop:
                 self._export_hf()
-            status = _STATUS[stop]
+            status = stop.status
         except BaseException as e:
             hung = self.hang.explain(e)
-            status, error = ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed"), hung or str(e)
+            status = RunStatus.interrupted if isinstance(e, KeyboardInterrupt) else RunStatus.failed
+            error = hung or str(e)
             try:
                 self.snapshot.close(e)
             except Exception as snap:  # noqa: BLE001 - never hide the run's own error behind the dump's
@@ -194,14 +210,14 @@ class Trainer:
                         {"warn": "applied", "skip_batch": "step skipped",
                          "rollback": "rolling back to the last checkpoint"}[spike.action])
             self.alerts.record(spike.event(s.step))
-        if result.status == "spike":
+        if result.status == StepStatus.spike:
             s.skipped_spike += 1
             return spike.action == SpikeAction.rollback.value
-        if result.status == "ok":
+        if result.status == StepStatus.ok:
             s.consecutive_nonfinite = 0
             s.last_loss = result.loss
             self.applied += 1
-        elif result.status == "overflow":
+        elif result.status == StepStatus.overflow:
             s.skipped_overflow += 1
             self.overflowed += 1
             log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale now %g", s.step,
@@ -287,11 +303,11 @@ class Trainer:
                 self.checkpointer.save(self.state.step)
             raise
 
-    def _finish(self, status: str, error: str | None) -> dict:
-        self.signals.restore(drain=status not in ("failed", "interrupted"))
+    def _finish(self, status: RunStatus, error: str | None) -> dict:
+        self.signals.restore(drain=status not in (RunStatus.failed, RunStatus.interrupted))
         self.metrics.close()
         s = self.state
-        result = {"status": status, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
+        result = {"status": status.value, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
                   "steps": s.step, "tokens": s.tokens, "samples": s.samples, "skipped_nonfinite": s.skipped_nonfinite,
                   "skipped_overflow": s.skipped_overflow, "skipped_spike": s.skipped_spike,
                   "skipped_data": s.skipped_data, "stragglers": self.sampler.straggled,
@@ -303,15 +319,15 @@ class Trainer:
             try:
                 write_json(os.path.join(self.run_dir, RESULT_FILE), result)
             except OSError as e:  # a full disk: the run's own error, if any, is the one to report
-                if status == "completed":
+                if status == RunStatus.completed:
                     raise
-                log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status)
+                log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status.value)
         return result
 
-    def _stopped(self, stop: int):
+    def _stopped(self, stop: Stop):
         log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
                     "checkpoint written" if self.checkpointer.enabled else "no checkpoint (train.checkpointing=false)")
-        if stop == job.PREEMPT and self.env.is_main:
+        if stop == Stop.PREEMPT and self.env.is_main:
             self.signals.requeue()
         raise job.Stopped(stop, self.state.step, self.signals.name(stop))
 
