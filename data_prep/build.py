@@ -358,6 +358,64 @@ def build(
 ) -> Manifest | None:
     """Preprocess `files` into `out_dir`. With `num_tasks == 1` the build ends with `merge` and returns the
     manifest; array task `task_index` of `num_tasks` only processes its share of the units (returns None)."""
+    _check_arguments(files, out_dir, config, tokenizer, vocab_size, workers, task_index, num_tasks, stripe_count,
+                     stripe_size)
+    inputs = _input_stats(files)
+    tok, tok_ident, dtype = _given_tokenizer(tokenizer, vocab_size, config)
+    total = sum(i["size"] for i in inputs)
+    settings = {**dataclasses.asdict(config), "unit_bytes": config.unit_bytes(total)}
+    fingerprint = _sha({"version": PLAN_VERSION, "settings": settings, "inputs": inputs, "root": root,
+                        "tokenizer": tok_ident, "dtype": dtype, "corpus": corpus, "sources": sources,
+                        "created_by": created_by})
+
+    old = _read_json(_build_path(out_dir, PLAN_NAME))
+    same = isinstance(old, dict) and old.get("fingerprint") == fingerprint
+    check_out_dir(out_dir, overwrite, resumable=same or old is None)  # (no plan: no unit of other inputs yet)
+    pieces = plan_pieces(files, settings["unit_bytes"], root)  # (a damaged input stops it before anything is made)
+    if _up_to_date(out_dir, same, overwrite, log):
+        return read_manifest(out_dir) if num_tasks == 1 else None
+    make_out_dir(out_dir)
+    os.makedirs(_build_path(out_dir), exist_ok=True)  # the mark of an hpctrain build, before anything else
+    lustre.set_striping(out_dir, stripe_count, stripe_size)
+    if old is not None and not same and num_tasks == 1:
+        _wipe_stale(out_dir)
+
+    units = group_units(pieces, config.val_fraction, settings["unit_bytes"])
+    tok_json = _place_tokenizer(out_dir, tok, units, old if same else None, vocab_size, config, log)
+    tok_final = load_tokenizer(tok_json)
+    plan = {
+        "version": PLAN_VERSION, "fingerprint": fingerprint, "settings": settings, "corpus": corpus,
+        "inputs": inputs, "tokenizer_sha256": sha256_file(tok_json), "vocab_size": tok_final.vocab_size,
+        "eos_id": tok_final.eos_id, "dtype": dtype, "sources": sources, "created_by": created_by or {},
+        "units": units,
+    }
+    if old != plan:
+        _write_json_atomic(_build_path(out_dir, PLAN_NAME), plan)
+    _run_share(out_dir, plan, len(files), total, len(pieces), config, workers, task_index, num_tasks, log)
+    if num_tasks > 1:
+        log(f"task {task_index}/{num_tasks} done; when all tasks are: python -m data_prep.shards merge --out {out_dir}")
+        return None
+    return merge(out_dir, log)
+
+
+def _up_to_date(out_dir: str, same: bool, overwrite: bool, log: Log) -> bool:
+    """Whether out_dir's shard set is this build's already; a set of other inputs or settings is refused, or with
+    --overwrite loses its manifest first (from then on a crash leaves no manifest over changing shards)."""
+    if not os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
+        return False
+    if same:
+        log(f"{out_dir} is up to date (same inputs and settings): nothing to do")
+        return True
+    if not overwrite:
+        raise DataError(f"{out_dir} already holds a shard set ({MANIFEST_NAME}) built from other inputs or "
+                        "settings: choose another output directory or pass --overwrite")
+    _remove_manifest(out_dir)
+    return False
+
+
+def _check_arguments(files, out_dir, config: BuildConfig, tokenizer, vocab_size, workers, task_index, num_tasks,
+                     stripe_count, stripe_size) -> None:
+    """Every argument of a build checked before anything is read or written."""
     config.check()
     lustre.check_striping(stripe_count, stripe_size)
     if not files:
@@ -372,9 +430,11 @@ def build(
     if tokenizer is None and vocab_size is None:
         raise DataError("pass --tokenizer DIR (a tokenizer.json or local HF tokenizer dir) or --vocab-size N")
     if tokenizer is None:
-        check_vocab(vocab_size)  # before anything is read or written
+        check_vocab(vocab_size)
 
-    inputs = _input_stats(files)
+
+def _given_tokenizer(tokenizer: str | None, vocab_size: int | None, config: BuildConfig):
+    """(the given tokenizer loaded or None, what identifies it in the build's fingerprint, the token dtype)."""
     tok = None
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
@@ -388,68 +448,42 @@ def build(
     if dtype == "uint16" and vocab > 2**16:
         raise DataError(f"the tokenizer has {vocab} tokens, too many for uint16 token ids: pass --dtype uint32 "
                         "(or --dtype auto)")
+    return tok, tok_ident, dtype
 
-    total = sum(i["size"] for i in inputs)
-    settings = {**dataclasses.asdict(config), "unit_bytes": config.unit_bytes(total)}
-    fingerprint = _sha({"version": PLAN_VERSION, "settings": settings, "inputs": inputs, "root": root,
-                        "tokenizer": tok_ident, "dtype": dtype, "corpus": corpus, "sources": sources,
-                        "created_by": created_by})
 
-    old = _read_json(_build_path(out_dir, PLAN_NAME))
-    same = isinstance(old, dict) and old.get("fingerprint") == fingerprint
-    check_out_dir(out_dir, overwrite, resumable=same or old is None)  # (no plan: no unit of other inputs yet)
-    pieces = plan_pieces(files, settings["unit_bytes"], root)  # (a damaged input stops it before anything is made)
-    if os.path.exists(os.path.join(out_dir, MANIFEST_NAME)):
-        if same:
-            log(f"{out_dir} is up to date (same inputs and settings): nothing to do")
-            return read_manifest(out_dir) if num_tasks == 1 else None
-        if not overwrite:
-            raise DataError(f"{out_dir} already holds a shard set ({MANIFEST_NAME}) built from other inputs or "
-                            "settings: choose another output directory or pass --overwrite")
-        _remove_manifest(out_dir)  # first: from here on a crash leaves no manifest over changing shards
-    make_out_dir(out_dir)
-    os.makedirs(_build_path(out_dir), exist_ok=True)  # the mark of an hpctrain build, before anything else
-    lustre.set_striping(out_dir, stripe_count, stripe_size)
-    if old is not None and not same and num_tasks == 1:
-        _wipe_stale(out_dir)
-
-    units = group_units(pieces, config.val_fraction, settings["unit_bytes"])
+def _place_tokenizer(out_dir: str, tok, units, same_plan: dict | None, vocab_size, config: BuildConfig,
+                     log: Log) -> str:
+    """The build's tokenizer in out_dir/tokenizer/: the given one saved, or one trained on the train units (kept
+    when the same build trained it already); returns its tokenizer.json."""
     tok_dir = os.path.join(out_dir, TOKENIZER_DIR)
     tok_json = os.path.join(tok_dir, TOKENIZER_JSON)
     if tok is not None:
         tok.save(tok_dir)
-    elif not (same and os.path.isfile(tok_json) and sha256_file(tok_json) == old.get("tokenizer_sha256")):
+    elif not (same_plan and os.path.isfile(tok_json) and sha256_file(tok_json) == same_plan.get("tokenizer_sha256")):
         train_pieces = [Piece(**p) for u in units if u["split"] == "train" for p in u["pieces"]]
         log(f"training a {vocab_size}-token BPE tokenizer on up to {config.tokenizer_sample_mb:g} MB "
             f"of {len(train_pieces)} train pieces")
         train_tokenizer_from_docs(sample_documents(train_pieces, int(config.tokenizer_sample_mb * 1e6),
                                                    config.text_field, config.bad_lines), vocab_size, tok_dir)
-    tok_final = load_tokenizer(tok_json)
-    plan = {
-        "version": PLAN_VERSION, "fingerprint": fingerprint, "settings": settings, "corpus": corpus,
-        "inputs": inputs, "tokenizer_sha256": sha256_file(tok_json), "vocab_size": tok_final.vocab_size,
-        "eos_id": tok_final.eos_id, "dtype": dtype, "sources": sources, "created_by": created_by or {},
-        "units": units,
-    }
-    if old != plan:
-        _write_json_atomic(_build_path(out_dir, PLAN_NAME), plan)
+    return tok_json
 
+
+def _run_share(out_dir: str, plan: dict, n_files: int, total: int, n_pieces: int, config: BuildConfig, workers: int,
+               task_index: int, num_tasks: int, log: Log) -> None:
+    """This task's share of the plan's units, those not done already."""
+    units, fingerprint = plan["units"], plan["fingerprint"]
     mine = [u for i, u in enumerate(units) if i % num_tasks == task_index]
     todo = [u for u in mine if not _unit_done(out_dir, fingerprint, u)]
     n_val = sum(u["split"] == "val" for u in units)
-    log(f"plan: {len(files)} files, {total / 1e6:.1f} MB -> {len(units)} work units ({n_val} val)"
+    log(f"plan: {n_files} files, {total / 1e6:.1f} MB -> {len(units)} work units ({n_val} val)"
         + (f"; task {task_index}/{num_tasks} has {len(mine)}" if num_tasks > 1 else "")
         + (f"; {len(mine) - len(todo)} already done, skipped" if len(todo) < len(mine) else ""))
     if not n_val and config.val_fraction > 0:
-        log(f"warning: no validation split ({len(pieces)} input piece(s)); lower --unit-mb or add files")
-    job = {"fingerprint": fingerprint, "block_len": config.seq_len + 1, "dtype": dtype,
+        log(f"warning: no validation split ({n_pieces} input piece(s)); lower --unit-mb or add files")
+    job = {"fingerprint": fingerprint, "block_len": config.seq_len + 1, "dtype": plan["dtype"],
            "shard_bytes": int(config.shard_mb * 1_000_000), "text_field": config.text_field,
            "bad_lines": config.bad_lines}
     run_units(out_dir, job, todo, workers, log)
-    if num_tasks > 1:
-        log(f"task {task_index}/{num_tasks} done; when all tasks are: python -m data_prep.shards merge --out {out_dir}")
-        return None
-    return merge(out_dir, log)
 
 
 def merge(out_dir: str, log: Log = print) -> Manifest:
