@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import METRICS_FILE, FileCheckError, lines, step_of
-from hpctrain.monitoring.trackers import chosen
+from hpctrain.monitoring.monitor import AlertSink, Context
+from hpctrain.monitoring.prometheus import prometheus_sinks
+from hpctrain.monitoring.sink import Sink
+from hpctrain.monitoring.trackers import chosen, tracker_sinks
 
 log = logging.getLogger("hpctrain")
 
@@ -75,7 +78,7 @@ def memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-class JsonlSink:
+class JsonlSink(Sink):
     """<run_dir>/metrics.jsonl, one JSON record per line. A resumed or requeued run continues the same file;
     records a crashed attempt wrote after the checkpoint it resumes from are dropped, so each step appears once."""
 
@@ -101,7 +104,7 @@ class JsonlSink:
         self.file.close()
 
 
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """<run_dir>/tb: every finite number as a scalar, `train/...` and `val/...`."""
 
     def __init__(self, run_dir: str, start_step: int):
@@ -127,21 +130,25 @@ class TensorBoardSink:
         self.tb.close()
 
 
-class ConsoleSink:
+class ConsoleSink(Sink):
     """One log line per record (through tqdm while a progress bar is shown: see `Metrics.redirect`)."""
 
     def write(self, record: dict) -> None:
         log.info("  ".join(f"{k} {_fmt(v)}" for k, v in record.items() if v is not None))
 
-    def close(self) -> None:
-        pass
 
-
-def default_sinks(run_dir: str, start_step: int, trackers) -> list:
-    sinks = [JsonlSink(run_dir, start_step)]
-    if "tensorboard" in trackers:
+def run_sinks(cfg, run_dir: str, start_step: int, ctx: Context) -> tuple[list[Sink], AlertSink]:
+    """The main rank's sinks: metrics.jsonl, TensorBoard (logging.trackers), the console, MLflow and W&B
+    (logging.trackers), a Prometheus endpoint (monitor.prometheus_port) and the alert rules, which pass their
+    events on to the trackers; returns (every sink, the alert rules)."""
+    chosen_ = chosen(cfg.logging.trackers)
+    sinks: list[Sink] = [JsonlSink(run_dir, start_step)]
+    if "tensorboard" in chosen_:
         sinks.append(TensorBoardSink(run_dir, start_step))
-    return [*sinks, ConsoleSink()]
+    sinks.append(ConsoleSink())
+    trackers = [*tracker_sinks(cfg, run_dir, start_step), *prometheus_sinks(cfg.monitor, run_dir)]
+    alerts = AlertSink(run_dir, cfg.monitor, ctx, trackers=trackers)
+    return [*sinks, *trackers, alerts], alerts
 
 
 @dataclass(frozen=True)
@@ -170,16 +177,13 @@ class Metrics:
         self._noted: dict = {}
 
     @classmethod
-    def for_run(cls, run_dir: str, is_main: bool, tcfg, trackers, start_step: int, throughput: Throughput,
-                corrupt_total, extra_sinks=()) -> Metrics:
-        """`trackers`: logging.trackers; `extra_sinks`: more sinks of the main rank (the alert rules)."""
-        sinks, bar = [], None
-        if is_main:
-            sinks = [*default_sinks(run_dir, start_step, chosen(trackers)), *extra_sinks]
-            if tcfg.progress if tcfg.progress is not None else sys.stderr.isatty():
-                from tqdm import tqdm
+    def for_run(cls, tcfg, sinks: list[Sink], start_step: int, throughput: Throughput, corrupt_total) -> Metrics:
+        """`sinks`: the main rank's (`run_sinks`), none on the others; a progress bar where train.progress asks."""
+        bar = None
+        if sinks and (tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()):
+            from tqdm import tqdm
 
-                bar = tqdm(total=tcfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            bar = tqdm(total=tcfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
         return cls(sinks, throughput, tcfg.log_every, tcfg.max_steps, start_step, bar, corrupt_total)
 
     def due(self, step: int) -> bool:
@@ -211,8 +215,7 @@ class Metrics:
     def rewind(self, step: int) -> None:
         """The run went back to `step` (a rollback): sinks that can drop what they hold after it do."""
         for sink in self.sinks:
-            if hasattr(sink, "rewind"):
-                sink.rewind(step)
+            sink.rewind(step)
         self._window = _Window()
 
     def redirect(self):

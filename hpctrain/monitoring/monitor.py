@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from hpctrain.core.config import AlertAction, AlertRule, AlertWhen, ConfigError, SpikeAction
+from hpctrain.monitoring.sink import Sink
 
 log = logging.getLogger("hpctrain")
 ALERTS_FILE = "alerts.jsonl"
@@ -176,7 +177,7 @@ class _State:
         self.firing = False
 
 
-class AlertSink:
+class AlertSink(Sink):
     """The rules, evaluated at every logged record (a metrics sink: main rank only)."""
 
     def __init__(self, run_dir: str, mcfg, ctx: Context, clock: Callable[[], float] = time.time, trackers=()):
@@ -276,6 +277,3 @@ class AlertSink:
         if code != 0:
             log.error("monitor.notify_cmd exited %d for alert %s: %s", code, event["rule"],
                       err.decode(errors="replace").strip())
-
-    def close(self) -> None:
-        pass

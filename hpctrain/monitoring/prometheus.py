@@ -14,6 +14,7 @@ import re
 import socket
 
 from hpctrain.core.config import ConfigError
+from hpctrain.monitoring.sink import Sink
 
 log = logging.getLogger("hpctrain")
 
@@ -61,7 +62,7 @@ def _gauge_name(key: str) -> str | None:
     return name if re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name) else None
 
 
-class PrometheusSink:
+class PrometheusSink(Sink):
     """A metrics sink (and alert listener) serving the latest values over HTTP."""
 
     def __init__(self, mcfg, run_dir: str):

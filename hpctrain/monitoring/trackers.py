@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 from hpctrain.core.config import ConfigError, WandbMode
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import open_checked, read_object, write_json
+from hpctrain.monitoring.sink import Sink
 
 log = logging.getLogger("hpctrain")
 TRACKERS_FILE = "trackers.json"
@@ -308,7 +309,7 @@ def _store_lock(uri: str):
         os.close(fd)
 
 
-class _Sink:
+class _Sink(Sink):
     """What both trackers share: a write that fails is reported (the first time) and dropped, never raised."""
 
     label = "tracker"

@@ -24,11 +24,9 @@ from hpctrain.models import spec_of
 from hpctrain.monitoring.comm_sample import CommSampler
 from hpctrain.monitoring.hang import HangWatch
 from hpctrain.monitoring.memory import MemoryProbe, Peaks
-from hpctrain.monitoring.metrics import Metrics, Throughput, peak_flops
-from hpctrain.monitoring.monitor import AlertSink, Context
+from hpctrain.monitoring.metrics import Metrics, Throughput, peak_flops, run_sinks
+from hpctrain.monitoring.monitor import Context
 from hpctrain.monitoring.profiling import MemorySnapshot, StepProfiler
-from hpctrain.monitoring.prometheus import prometheus_sinks
-from hpctrain.monitoring.trackers import tracker_sinks
 from hpctrain.runs.resolve import scaled_lr
 from hpctrain.runtime import job
 from hpctrain.runtime.job import RunStatus, Stop
@@ -110,12 +108,8 @@ class Trainer:
                                    t.profile_steps and tuple(t.profile_steps))
         ctx = Context(env.device, env.world, self.sampler.every,
                       job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s)
-        # MLflow, W&B, a Prometheus endpoint
-        trackers = [*tracker_sinks(cfg, self.run_dir, self.state.step), *prometheus_sinks(m, self.run_dir)] \
-            if env.is_main else []
-        self.alerts = AlertSink(self.run_dir, m, ctx, trackers=trackers) if env.is_main else None
-        self.metrics = Metrics.for_run(self.run_dir, env.is_main, t, cfg.logging.trackers, self.state.step, throughput,
-                                       self.feed.corrupt_total, [*trackers, *([self.alerts] if self.alerts else [])])
+        sinks, self.alerts = run_sinks(cfg, self.run_dir, self.state.step, ctx) if env.is_main else ([], None)
+        self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.corrupt_total)
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
         self.evaluator = Evaluator(t.eval_every, t.max_steps,
                                    lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
