@@ -230,6 +230,39 @@ def _tool(module: str, *head: str):
     return run
 
 
+PREP = {"tokenizer": ("data_prep.tokenizer", ()), "shards": ("data_prep.shards", ()),
+        "merge": ("data_prep.shards", ("merge",)), "verify": ("data_prep.verify", ()), "demo": ("data_prep.demo", ())}
+BENCHES = {"data": ("data_prep.bench", "hpctrain.tools.bench_data"), "host": ("hpctrain.tools.bench_host",),
+           "scale": ("hpctrain.tools.bench_scale",), "ckpt": ("hpctrain.tools.bench_ckpt",),
+           "monitor": ("hpctrain.tools.bench_monitor",), "comm": ("hpctrain.tools.bench_comm",),
+           "gpu": ("hpctrain.tools.bench_gpu",)}
+
+
+def prep(argv: list[str]) -> int:
+    """`hpctrain prep STEP ...`: the data_prep commands (their own arguments; STEP --help for them)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: hpctrain prep {{{','.join(PREP)}}} [arguments]   (STEP --help for its own)\n"
+              "  tokenizer  train a BPE tokenizer on a corpus\n  shards     a corpus into token shards + manifest\n"
+              "  merge      finish a Slurm array build\n  verify     check a shard set\n  demo       the demo data")
+        return 0 if argv else EXIT_BAD_INPUT
+    if argv[0] not in PREP:
+        fail(f"prep {argv[0]!r} is not a step: use one of {', '.join(PREP)} (hpctrain prep --help)")
+    module, head = PREP[argv[0]]
+    return _tool(module, *head)(argv[1:])
+
+
+def bench(argv: list[str]) -> int:
+    """`hpctrain bench [NAME] ...`: the throughput benchmark, or the one NAME names (data, host, scale, ...)."""
+    if argv and argv[0] in BENCHES:
+        code = 0
+        for module in BENCHES[argv[0]]:
+            code = code or _tool(module)(argv[1:])
+        return code
+    if argv and not argv[0].startswith("-"):
+        fail(f"bench {argv[0]!r} is not a benchmark: use one of {', '.join(BENCHES)}, or none for the throughput one")
+    return _tool("hpctrain.tools.bench")(argv)
+
+
 # Every command but training, by name: `python -m hpctrain NAME ...` and `hpctrain NAME ...` alike. (A training
 # run's arguments are Hydra overrides, key=value: no command name can be mistaken for one.)
 COMMANDS = {
@@ -242,7 +275,9 @@ COMMANDS = {
                   _tool("hpctrain.weights.export_hf")),
     "summary": ("a run's status and loss curve in one line: summary RUN_DIR", _tool("hpctrain.tools.summary")),
     "report": ("a sweep's table and plots: report SWEEP_DIR", _tool("hpctrain.launch.sweep", "report")),
-    "bench": ("throughput against a plain transformers loop", _tool("hpctrain.tools.bench")),
+    "bench": (f"throughput against a plain transformers loop; bench NAME: {', '.join(BENCHES)}", bench),
+    "prep": (f"data preparation: prep {{{','.join(PREP)}}} ...", prep),
+    "gpu-check": ("on a GPU node: the GPU tests and a throughput run in one table", _tool("hpctrain.tools.gpu_check")),
 }
 
 

@@ -444,6 +444,20 @@ def test_verify_command(demo_data, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith(f"error: data directory {missing} does not exist")
 
 
+def test_prep_and_bench_steps_of_the_hpctrain_command(demo_data, tmp_path, capsys):
+    """`hpctrain prep STEP` runs the data_prep command STEP names; an unknown step or benchmark is one line, exit 2."""
+    from hpctrain import cli
+
+    assert cli.main(["prep", "verify", demo_data, "--quick"]) == 0
+    assert capsys.readouterr().out.startswith("ok: ")
+    for argv, words in ((["prep", "shardz"], "prep 'shardz' is not a step: use one of tokenizer, shards, merge"),
+                        (["bench", "disk"], "bench 'disk' is not a benchmark: use one of data, host, scale")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"hpctrain: error: {words}"), err
+
+
 def test_check_compat(demo_data):
     m = read_manifest(demo_data)
     check_compat(m, vocab_size=512, seq_len=64)

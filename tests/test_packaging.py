@@ -71,7 +71,8 @@ def test_console_script_has_every_command(fresh):
     script = venv / "bin" / "hpctrain"
     p = _run([script, "--help"], empty)
     assert p.returncode == 0, p.stderr
-    for command in ("train", "plan", "report", "preflight", "generate", "export-hf", "summary", "bench"):
+    for command in ("train", "plan", "report", "preflight", "generate", "export-hf", "summary", "bench", "prep",
+                    "gpu-check"):
         assert f"  {command} " in p.stdout, command
         h = _run([script, command, "--help"], empty)
         assert h.returncode == 0 and "usage" in h.stdout.lower(), (command, h.stdout, h.stderr)
@@ -81,5 +82,5 @@ def test_console_script_has_every_command(fresh):
     p = _run([script, "trian"], empty)
     assert p.returncode == 2 and p.stderr.strip() == (
         "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, check, generate, export-hf, summary, "
-        "report, bench (hpctrain --help)")
+        "report, bench, prep, gpu-check (hpctrain --help)")
 
