@@ -223,3 +223,27 @@ def test_half_precision_gradient_reduction_is_within_its_rounding(make_cfg, tmp_
     ulp = 2.0 ** -mantissa
     assert 0 < dnorm <= 3 * ulp, (dnorm, 3 * ulp)
     assert dloss <= 1e-3, dloss
+
+
+def test_the_curvature_pass_runs_at_its_steps_only():
+    """optimizer.step_passes(Sophia) is the train step's pass before steps 1, 3, 5, ... (update_every=2): h moves
+    at those steps and stays put between them; an AdamW step has no pass."""
+    from hpctrain.training.optimizer import step_passes
+    from hpctrain.training.precision import setup_precision
+    from hpctrain.training.step import TrainStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+    opt = SophiaG(model.parameters(), lr=0.01, update_every=2)
+    cfg = type("P", (), {"name": "fp32", "loss_scale_init": 1.0, "loss_scale_growth_interval": 1})()
+    step = TrainStep(model, opt, setup_precision(cfg, torch.device("cpu")), 1.0, torch.device("cpu"))
+    step.passes = step_passes(opt)
+    batch = torch.randint(0, 32, (2, 9))
+    h = lambda: sum(float(opt.state[p]["hessian"].abs().sum()) for p in model.parameters())  # noqa: E731
+    moved = []
+    for _ in range(4):
+        before = h() if opt.state else 0.0
+        assert step([batch]).status == "ok"
+        moved.append(h() != before)
+    assert moved == [True, False, True, False]
+    assert step_passes(torch.optim.AdamW(model.parameters())) == []

@@ -3,15 +3,20 @@
 They update each rank's local pieces with grouped (foreach) kernels, so a DTensor parameter (FSDP2, tensor
 parallel) and its state stay DTensors (checkpoints reshard them across layouts), and compute what needs a whole
 parameter (LAMB's trust ratio) from global norms (`hpctrain.parallel.norms`): the same update as one process.
-Sophia's curvature estimate needs a forward and backward of its own: the train step runs it when the optimizer's
-`wants_curvature()` says so (`hpctrain.training.step`).
+Sophia's curvature estimate needs a forward and backward of its own: `CurvaturePass`, a pass the train step runs
+before the steps it is due at (`hpctrain.training.step.StepPass`).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from hpctrain.parallel.norms import local, square_sums
+from hpctrain.parallel.norms import all_finite, local, square_sums
+from hpctrain.training.step import sampled_token_loss_sum, settle_pending_sums
+
+log = logging.getLogger("hpctrain")
 
 
 class _PerPiece(torch.optim.Optimizer):
@@ -153,3 +158,23 @@ class SophiaG(_PerPiece):
         torch._foreach_clamp_min_(ratio, -1.0)
         torch._foreach_clamp_max_(ratio, 1.0)
         torch._foreach_add_(w, ratio, alpha=-group["lr"])
+
+
+class CurvaturePass:
+    """Sophia's curvature estimate, a StepPass: at its first step and then every `update_every` steps, the loss of
+    labels sampled from the model over the step's batch, whose gradients `update_curvature` folds into h."""
+
+    def __init__(self, optimizer: SophiaG):
+        self.optimizer = optimizer
+
+    def due(self) -> bool:
+        return self.optimizer.wants_curvature()
+
+    def run(self, step, micro_batches: list[torch.Tensor], n_tokens: int) -> None:
+        salt = self.optimizer.steps_taken()
+        step._forward_backward(micro_batches, n_tokens, lambda b: sampled_token_loss_sum(step.model, b, salt))
+        settle_pending_sums(step.params)
+        if all_finite([p.grad for p in step.params if p.grad is not None]):  # every rank takes the same way
+            self.optimizer.update_curvature(n_tokens)
+        else:
+            log.warning("the curvature estimate of step %d is not finite: Sophia keeps its previous one", salt + 1)

@@ -29,6 +29,13 @@ def implementation(ocfg, dtensors: bool) -> OptimImpl:
     return OptimImpl.foreach if impl == OptimImpl.fused and ocfg.name == OptimName.sgd and dtensors else impl
 
 
+def step_passes(optimizer: torch.optim.Optimizer) -> list:
+    """The passes an optimizer needs the train step to run before some steps (Sophia's curvature estimate)."""
+    from hpctrain.training.lamb_sophia import CurvaturePass, SophiaG
+
+    return [CurvaturePass(optimizer)] if isinstance(optimizer, SophiaG) else []
+
+
 def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
     from torch.distributed.tensor import DTensor
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,15 @@ def clip_grads(params: list[torch.Tensor], max_norm: float, norm: float) -> None
             torch._foreach_mul_(grads, coef)
 
 
+class StepPass(Protocol):
+    """An optimizer's own forward/backward before a step, when `due()`: `run(step, micro_batches, n_tokens)` may use
+    the step's `_forward_backward` with another loss; the gradients it leaves are cleared after it."""
+
+    def due(self) -> bool: ...
+
+    def run(self, step: TrainStep, micro_batches: list[torch.Tensor], n_tokens: int) -> None: ...
+
+
 class TrainStep:
     """One optimizer step; the same code for every layout.
 
@@ -150,6 +160,7 @@ class TrainStep:
         self.grad_sync = None if reduce_every_microbatch else getattr(model, "set_requires_gradient_sync", None)
         self.loss_check = None
         self.exchange = grad_exchange(model)  # parallel.grad_compression
+        self.passes: list[StepPass] = []  # the optimizer's passes before each step (`optimizer.step_passes`)
 
     def check_losses(self, check, undo: bool = False) -> None:
         """`check(loss)`: whether a finite step must not be applied (a loss spike); `undo`: such a dropped step's
@@ -168,17 +179,12 @@ class TrainStep:
             micro_batches = list(micro_batches)
             n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches) * self.dp
         self.optimizer.zero_grad(set_to_none=True)
-        wants_curvature = getattr(self.optimizer, "wants_curvature", None)
-        if wants_curvature is not None and wants_curvature():  # Sophia, every update_every steps
+        due = [p for p in self.passes if p.due()]
+        if due:  # an optimizer's own forward/backward (Sophia's curvature) over the same batch
             micro_batches = list(micro_batches)
-            salt = self.optimizer.steps_taken()
-            self._forward_backward(micro_batches, n_tokens, lambda b: sampled_token_loss_sum(self.model, b, salt))
-            settle_pending_sums(self.params)
-            if all_finite([p.grad for p in self.params if p.grad is not None]):  # every rank takes the same way
-                self.optimizer.update_curvature(n_tokens)
-            else:
-                log.warning("the curvature estimate of step %d is not finite: Sophia keeps its previous one", salt + 1)
-            self.optimizer.zero_grad(set_to_none=True)
+            for extra in due:
+                extra.run(self, micro_batches, n_tokens)
+                self.optimizer.zero_grad(set_to_none=True)
         total = self._forward_backward(micro_batches, n_tokens)
         if self.dp > 1:  # tensor-parallel ranks hold the same (replicated) loss already
             dist.all_reduce(total, group=self.batch_mesh.get_group())
@@ -332,15 +338,19 @@ def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tens
 
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device,
                      mesh, layout: Layout, *, grad_clip: float, grad_accum: int = 1,
-                     reduce_every_microbatch: bool = False, fused_loss: bool = False) -> TrainStep:
+                     reduce_every_microbatch: bool = False, fused_loss: bool = False,
+                     passes: list[StepPass] = ()) -> TrainStep:
     """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipelined step runs
     its `grad_accum` micro-batches as one schedule, which reduces once after the last of them. `fused_loss`
     (train.fused_loss) is refused with pipelines and tensor parallelism before this (`resolve`)."""
     if layout.pipelined:
-        return PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
+        step = PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
                                  layout.pp_schedule, grad_accum, layout.batch_mesh(mesh))
-    return TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
-                     layout.batch_mesh(mesh), reduce_every_microbatch, fused_loss)
+    else:
+        step = TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
+                         layout.batch_mesh(mesh), reduce_every_microbatch, fused_loss)
+    step.passes = list(passes)
+    return step
 
 
 def loss_parallel_ctx(enabled: bool):

@@ -34,7 +34,7 @@ from hpctrain.storage import checkpoint
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, val_share
 from hpctrain.training.model_init import build_model, load_initial_weights
-from hpctrain.training.optimizer import build_optimizer, build_scheduler
+from hpctrain.training.optimizer import build_optimizer, build_scheduler, step_passes
 from hpctrain.training.precision import setup_precision
 from hpctrain.training.save_resume import Checkpointer
 from hpctrain.training.spikes import LossSpikeGuard, roll_back
@@ -83,7 +83,7 @@ class Trainer:
         self.step = build_train_step(self.model, self.optimizer, self.precision, self.env.device, self.mesh,
                                      self.shape.layout, grad_clip=cfg.optim.grad_clip, grad_accum=self.shape.grad_accum,
                                      reduce_every_microbatch=sharded_gradients(cfg.parallel),
-                                     fused_loss=cfg.train.fused_loss)
+                                     fused_loss=cfg.train.fused_loss, passes=step_passes(self.optimizer))
         spike = cfg.monitor.loss_spike
         self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
         self.step.check_losses(self.spikes.drop_update if self.spikes.enabled else None,
