@@ -107,3 +107,25 @@ def roll_back(checkpointer, state, run_dir: str, spike: Spike, max_rollbacks: in
     state.started_at, state.samples = time.time(), end
     state.skipped_data.append(window)
     return window
+
+
+class Rollback:
+    """monitor.loss_spike.action=rollback, as one component: back to the last checkpoint (collective), the data
+    position past the spiking batch, the metrics sinks rewound, the event logged and recorded (main rank)."""
+
+    def __init__(self, checkpointer, state, feed, metrics, alerts, run_dir: str, max_rollbacks: int):
+        self.checkpointer, self.state, self.feed, self.metrics, self.alerts = checkpointer, state, feed, metrics, alerts
+        self.run_dir, self.max_rollbacks = run_dir, max_rollbacks
+
+    def __call__(self, spike: Spike) -> bool:
+        """Whether the run went back (False: no checkpoint yet, the spiking step stays skipped)."""
+        window = roll_back(self.checkpointer, self.state, self.run_dir, spike, self.max_rollbacks)
+        if window is None:
+            return False
+        self.feed.seek(window["to_sample"])
+        self.metrics.rewind(self.state.step)
+        if self.alerts:
+            log.warning("rolled back to step %d; samples %d to %d skipped", self.state.step, window["from_sample"],
+                        window["to_sample"] - 1)
+            self.alerts.record({"event": "rollback", "rule": "loss_spike", "step": window["spike_step"], **window})
+        return True

@@ -37,7 +37,7 @@ from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optimizer import build_optimizer, build_scheduler, step_passes
 from hpctrain.training.precision import setup_precision
 from hpctrain.training.save_resume import Checkpointer
-from hpctrain.training.spikes import LossSpikeGuard, roll_back
+from hpctrain.training.spikes import LossSpikeGuard, Rollback
 from hpctrain.training.state import RunState
 from hpctrain.training.step import StepStatus, build_train_step, params_finite
 
@@ -59,6 +59,8 @@ class Trainer:
         self.feed = TrainFeed(cfg, prepared.data_dir, self.shape, self.state, env.device,
                               self.shape.layout.batch_mesh(self.mesh))
         self._build_monitoring(prepared)  # throughput, sinks and alerts, metrics, evaluation, memory, profiling
+        self.rollback = Rollback(self.checkpointer, self.state, self.feed, self.metrics, self.alerts, run_dir,
+                                 cfg.monitor.loss_spike.max_rollbacks)
         self.signals = job.StopSignals(cfg.cluster.signal)
         # last: its thread is stopped by fit(); a rank lost before its first heartbeat is named so
         m = cfg.monitor
@@ -192,7 +194,7 @@ class Trainer:
             log.warning("alert %s: %s", rule, "a checkpoint at the next step boundary" if action == "checkpoint"
                         else "the run stops at the next step boundary, after a checkpoint")
             self.signals.ask(action.value, rule)
-        return rollback and self._rollback()
+        return rollback and self.rollback(self.spikes.last)
 
     def _account(self, result) -> bool:
         """Count a skipped step; too many non-finite ones in a row end the run. Whether the run must roll back."""
@@ -258,20 +260,6 @@ class Trainer:
                                 f"non-finite, {s.skipped_overflow} fp16 overflows, {s.skipped_spike} loss spikes in all): "
                                 f"check model.init_std={self.cfg.model.init_std}, model.init_from, optim.lr and "
                                 "precision")
-
-    def _rollback(self) -> bool:
-        """After a spike with action=rollback (collective): back to the last checkpoint, past the data since it."""
-        window = roll_back(self.checkpointer, self.state, self.run_dir, self.spikes.last,
-                           self.cfg.monitor.loss_spike.max_rollbacks)
-        if window is None:
-            return False
-        self.feed.seek(window["to_sample"])
-        self.metrics.rewind(self.state.step)
-        if self.alerts:
-            log.warning("rolled back to step %d; samples %d to %d skipped", self.state.step, window["from_sample"],
-                        window["to_sample"] - 1)
-            self.alerts.record({"event": "rollback", "rule": "loss_spike", "step": window["spike_step"], **window})
-        return True
 
     def _export_hf(self) -> None:
         """train.export_hf_at_end: the final checkpoint as a transformers model, by the main rank, file by file."""
