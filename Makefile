@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo-data: install
-	$(PY) -m data_prep.demo
+	$(PY) -m hpctrain prep demo
 
 # train.resume=never: a demo run already in DEMO_DIR is moved aside into DEMO_DIR/previous/ (never deleted).
 demo: install
@@ -66,39 +66,38 @@ bench: install
 	$(PY) -m hpctrain bench
 
 bench-data: install
-	$(PY) -m data_prep.bench
-	$(PY) -m hpctrain.tools.bench_data
+	$(PY) -m hpctrain bench data
 
 bench-host: install
-	$(PY) -m hpctrain.tools.bench_host
+	$(PY) -m hpctrain bench host
 
 # llama_1b (1.24 B parameters), fsdp dp=2, two bf16 steps: ~22.3 GiB free memory (make slurm-down first), ~2 min.
 bench-scale: install
-	$(PY) -m hpctrain.tools.bench_scale
+	$(PY) -m hpctrain bench scale
 
 # What monitoring costs: the same 2-rank run with the monitor defaults and with everything off (target <= 1 %):
 bench-monitor: install
-	$(PY) -m hpctrain.tools.bench_monitor
+	$(PY) -m hpctrain bench monitor
 
 # Bytes per step per rank and the loss after N steps for each gradient-communication option (dp=2):
 bench-comm: install
-	$(PY) -m hpctrain.tools.bench_comm
+	$(PY) -m hpctrain bench comm
 
 # Training stall per checkpoint, sync vs train.ckpt_async=true, against the disk's O_DIRECT write speed:
 # llama_350m (4.2 GB checkpoints), ~11 GiB memory and ~9 GB free disk under outputs/, ~2 min.
 bench-ckpt: install
-	$(PY) -m hpctrain.tools.bench_ckpt
+	$(PY) -m hpctrain bench ckpt
 
 # llama_1b bf16 at 2048 tokens on one GPU: hpctrain (largest micro-batch that fits) against a plain transformers
 # loop, tokens/s and MFU; BENCH_GPU_ARGS passes more (e.g. --variants hpctrain,eager,logits-loss). ~3 min on an H100.
 BENCH_GPU_ARGS ?=
 bench-gpu: install
-	$(PY) -m hpctrain.tools.bench_gpu $(call args,BENCH_GPU_ARGS)
+	$(PY) -m hpctrain bench gpu $(call args,BENCH_GPU_ARGS)
 
 # On a GPU node: the GPU-marked tests, then the throughput run, in one table (outputs/gpu-check/table.txt).
 # Without a CUDA device the tests are skipped with their reason. Under 8 minutes on one H100.
 gpu-check: install
-	$(PY) -m hpctrain.tools.gpu_check
+	$(PY) -m hpctrain gpu-check
 
 # --- data preparation (data_prep/) ---------------------------------------------------------------
 CORPUS ?=
@@ -119,12 +118,12 @@ unexport CORPUS OUT TOKENIZER VOCAB SEQ_LEN WORKERS SHARD_MB TEXT_FIELD PREP_ARG
 
 tokenizer: install
 	@$(call need,CORPUS OUT) || { echo "usage: make tokenizer CORPUS='raw/*.jsonl' VOCAB=32000 OUT=DIR [TEXT_FIELD=text]" >&2; exit 2; }
-	$(PY) -m data_prep.tokenizer --corpus $(call args,CORPUS) --vocab $(call arg,VOCAB) --out $(call arg,OUT) \
+	$(PY) -m hpctrain prep tokenizer --corpus $(call args,CORPUS) --vocab $(call arg,VOCAB) --out $(call arg,OUT) \
 		--text-field $(call arg,TEXT_FIELD)
 
 shards: install
 	@$(call need,CORPUS OUT) || { echo "usage: make shards CORPUS='raw/*.jsonl' OUT=DIR [TOKENIZER=DIR | VOCAB=N] [SEQ_LEN= WORKERS= SHARD_MB= TEXT_FIELD= PREP_ARGS=]" >&2; exit 2; }
-	$(PY) -m data_prep.shards --corpus $(call args,CORPUS) --out $(call arg,OUT) \
+	$(PY) -m hpctrain prep shards --corpus $(call args,CORPUS) --out $(call arg,OUT) \
 		$(if $(call given,TOKENIZER),--tokenizer $(call arg,TOKENIZER),--vocab-size $(call arg,VOCAB)) \
 		--seq-len $(call arg,SEQ_LEN) --shard-mb $(call arg,SHARD_MB) --text-field $(call arg,TEXT_FIELD) \
 		$(if $(call given,WORKERS),--workers $(call arg,WORKERS)) $(call args,PREP_ARGS)
