@@ -82,7 +82,7 @@ def test_batches_arrive_pinned_and_on_the_gpu(make_cfg, demo_data):
     env = process_group.init()
     try:
         mesh = shape.layout.build_mesh(env.device.type)
-        feed = TrainFeed(cfg, demo_data, shape, RunState(), env.device, shape.layout.batch_mesh(mesh))
+        feed = TrainFeed(cfg.data, cfg.train.seed, demo_data, shape, RunState(), env.device, shape.layout.batch_mesh(mesh))
         batches = list(feed.next_step())
         assert env.device.type == "cuda" and len(batches) == shape.grad_accum
         assert all(b.is_pinned() for b in batches)

@@ -33,9 +33,9 @@ def val_share(data_dir: str, cfg, shape, dp_rank: int) -> Iterator[torch.Tensor]
     return (batch for j, batch in zip(range(n), stream) if j % shape.dp == dp_rank)
 
 
-def check_bound(run: dict, cfg, data_dir: str, manifest=None) -> None:
+def check_bound(run: dict, dcfg, seed: int, data_dir: str, manifest=None) -> None:
     """A run state (`RunState.state_dict()`, or the `run` of a checkpoint's trainer_state.json) against this
-    config and its shards: the tokenizer the weights were trained on and what fixes the order of the samples
+    run's `data` group, train.seed and shards: the tokenizer the weights were trained on and what fixes the order of the samples
     (lanes, seed, shuffling) cannot change on resume (one TrainingError line)."""
     manifest = manifest or read_manifest(data_dir)
     was = run.get("tokenizer_sha256")
@@ -44,41 +44,42 @@ def check_bound(run: dict, cfg, data_dir: str, manifest=None) -> None:
                             f"checkpoints (sha256 {manifest.tokenizer.sha256[:12]} vs {was[:12]}): point data.path "
                             "at shards built with the run's tokenizer, or start a new run_dir")
     lanes = run.get("data_lanes")
-    if lanes is not None and cfg.data.lanes is not None and cfg.data.lanes != lanes:
-        raise TrainingError(f"data.lanes={cfg.data.lanes} but this run was trained with {lanes} lanes: drop the "
+    if lanes is not None and dcfg.lanes is not None and dcfg.lanes != lanes:
+        raise TrainingError(f"data.lanes={dcfg.lanes} but this run was trained with {lanes} lanes: drop the "
                             f"override or set data.lanes={lanes} (lanes fix the sample order)")
-    for key, was, now in (("train.seed", run.get("data_seed"), cfg.train.seed),
-                          ("data.shuffle", run.get("data_shuffle"), bool(cfg.data.shuffle))):
+    for key, was, now in (("train.seed", run.get("data_seed"), seed),
+                          ("data.shuffle", run.get("data_shuffle"), bool(dcfg.shuffle))):
         if was is not None and was != now:
             raise TrainingError(f"{key}={now} but this run was trained with {key}={was}, which fixes the order of its "
                                 f"samples: drop the override or set {key}={was} (or start over: train.resume=never)")
 
 
-def bind_run(cfg, data_dir: str, state, dp: int) -> int:
+def bind_run(dcfg, seed: int, data_dir: str, state, dp: int) -> int:
     """Check the shards and the sample order against what the run was trained on (`check_bound`), record them in
     the run state; return the data lanes."""
     manifest = read_manifest(data_dir)
-    check_bound(state.state_dict(), cfg, data_dir, manifest)
+    check_bound(state.state_dict(), dcfg, seed, data_dir, manifest)
     state.tokenizer_sha256 = manifest.tokenizer.sha256
-    state.data_lanes = state.data_lanes or choose_lanes(cfg.data.lanes, dp, manifest)
-    state.data_seed, state.data_shuffle = cfg.train.seed, bool(cfg.data.shuffle)
+    state.data_lanes = state.data_lanes or choose_lanes(dcfg.lanes, dp, manifest)
+    state.data_seed, state.data_shuffle = seed, bool(dcfg.shuffle)
     return state.data_lanes
 
 
 class TrainFeed:
     """Micro-batches of this data-parallel rank, from the run's sample position on."""
 
-    def __init__(self, cfg, data_dir: str, shape, state, device: torch.device, dp_mesh):
-        """`dp_mesh`: the ranks the global batch is split over (`Layout.batch_mesh`)."""
-        lanes = bind_run(cfg, data_dir, state, shape.dp)
-        pin = device.type == "cuda" if cfg.data.pin_memory is None else cfg.data.pin_memory
+    def __init__(self, dcfg, seed: int, data_dir: str, shape, state, device: torch.device, dp_mesh):
+        """`dcfg`: the `data` group; `seed`: train.seed; `dp_mesh`: the ranks the global batch is split over
+        (`Layout.batch_mesh`)."""
+        lanes = bind_run(dcfg, seed, data_dir, state, shape.dp)
+        pin = device.type == "cuda" if dcfg.pin_memory is None else dcfg.pin_memory
 
         def stream(start_sample: int) -> ShardStream:
             return ShardStream(
-                data_dir, "train", shape.micro_batch, cfg.train.seed, start_sample=start_sample,
-                shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers, lanes=lanes,
+                data_dir, "train", shape.micro_batch, seed, start_sample=start_sample,
+                shuffle=dcfg.shuffle, num_workers=dcfg.num_workers, lanes=lanes,
                 dp_rank=dp_mesh.get_local_rank(), dp_size=shape.dp, global_batch=shape.global_batch,
-                pin_memory=pin, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
+                pin_memory=pin, on_corrupt=dcfg.on_corrupt, prefetch=dcfg.prefetch)
 
         self._make_stream, self.stream = stream, stream(state.samples)
         self.dp_mesh, self.grad_accum = dp_mesh, shape.grad_accum

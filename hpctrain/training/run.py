@@ -212,7 +212,7 @@ def start(cfg, run_dir: str) -> str | None:
                 checkpoint.check_model(newest, _weights(cfg))
                 run = checkpoint.check_loadable(newest).get("run")
                 if isinstance(run, dict):
-                    check_bound(run, cfg, os.path.expanduser(cfg.data.path))
+                    check_bound(run, cfg.data, cfg.train.seed, os.path.expanduser(cfg.data.path))
         except CheckpointError as e:
             if e.fix:
                 raise

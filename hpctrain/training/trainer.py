@@ -56,7 +56,7 @@ class Trainer:
         self._build_model()  # the mesh, the model on it, precision, optimizer and schedule
         self._build_step()  # the layout's step and the loss-spike guard it reports to
         self._build_checkpointer(start)  # the run state, what a checkpoint holds, the weights to start from
-        self.feed = TrainFeed(cfg, prepared.data_dir, self.shape, self.state, env.device,
+        self.feed = TrainFeed(cfg.data, cfg.train.seed, prepared.data_dir, self.shape, self.state, env.device,
                               self.shape.layout.batch_mesh(self.mesh))
         self._build_monitoring(prepared)  # throughput, sinks and alerts, metrics, evaluation, memory, profiling
         self.rollback = Rollback(self.checkpointer, self.state, self.feed, self.metrics, self.alerts, run_dir,
