@@ -14,9 +14,8 @@ from helpers import deltas, one_line, run_layout
 
 from hpctrain.core.config import ConfigError
 from hpctrain.runs.resolve import resolve
-from hpctrain.training.lamb_sophia import Lamb, SophiaG
+from hpctrain.training.lamb_sophia import Lamb, SophiaG, sampled_labels
 from hpctrain.training.optimizer import param_groups
-from hpctrain.training.step import sampled_labels
 
 
 def _reference_lamb(params, grads, state, step, lr, betas, eps, wds, max_trust):

@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpctrain.parallel.norms import all_finite, local, square_sums
-from hpctrain.training.step import sampled_token_loss_sum, settle_pending_sums
+from hpctrain.training.step import settle_pending_sums
 
 log = logging.getLogger("hpctrain")
 
@@ -158,6 +161,32 @@ class SophiaG(_PerPiece):
         torch._foreach_clamp_min_(ratio, -1.0)
         torch._foreach_clamp_max_(ratio, 1.0)
         torch._foreach_add_(w, ratio, alpha=-group["lr"])
+
+
+def sampled_labels(logits: torch.Tensor, tokens: torch.Tensor, salt: int) -> torch.Tensor:
+    """[B, T] labels drawn from the model's own predictive distribution, softmax(logits [B, T, V]), one row at a
+    time with a generator seeded by `salt` and the row's tokens [B, T+1]: every layout draws the same labels for the
+    same sample (the vocab-sharded logits of tensor parallelism are gathered first)."""
+    logits = logits.detach()
+    full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    # Non-finite logits give non-finite curvature gradients, which the step then discards on every rank; here they
+    # must not stop multinomial on one rank while the others wait in a collective.
+    full = torch.nan_to_num(full.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    weights = (torch.arange(1, tokens.shape[1] + 1, device=tokens.device) * 2654435761) % 2**31
+    seeds = ((tokens.long() * weights).sum(1) + salt * 1_000_003) % 2**62
+    labels = torch.empty(full.shape[:2], dtype=torch.long, device=full.device)
+    for i, seed in enumerate(seeds.tolist()):
+        gen = torch.Generator(device=full.device).manual_seed(seed)
+        labels[i] = torch.multinomial(torch.softmax(full[i], -1), 1, generator=gen).squeeze(-1)
+    return labels
+
+
+def sampled_token_loss_sum(model: nn.Module, batch: torch.Tensor, salt: int) -> torch.Tensor:
+    """Summed cross entropy against labels sampled from the model itself (`sampled_labels`): the loss whose
+    gradient gives Sophia's Gauss-Newton-Bartlett curvature estimate."""
+    logits = model(batch[:, :-1])
+    labels = sampled_labels(logits, batch, salt)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
 class CurvaturePass:
