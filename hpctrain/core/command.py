@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
-from hpctrain.core.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from hpctrain.core.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED, say
 
 EXIT_SYSTEM = 1  # the system's failure (a full disk, a lost directory), not the input's
 
@@ -20,18 +19,14 @@ def run_command(work: Callable[[], object], prog: str = "", bad: tuple[type[Base
     try:
         work()
     except bad as e:
-        _say(f"{head}error: {e}")
+        say(f"{head}error: {e}")
         return EXIT_BAD_INPUT
     except OSError as e:
         if os_error is None:
             raise
-        _say(f"{head}error: " + (os_error(e) if callable(os_error) else f"{e.strerror or e} ({e.filename}): {os_error}"))
+        say(f"{head}error: " + (os_error(e) if callable(os_error) else f"{e.strerror or e} ({e.filename}): {os_error}"))
         return EXIT_SYSTEM
     except KeyboardInterrupt:
-        _say(head + interrupted)
+        say(head + interrupted)
         return EXIT_INTERRUPTED
     return 0
-
-
-def _say(line: str) -> None:
-    print(" ".join(line.split()), file=sys.stderr, flush=True)  # one line, whatever the message held

@@ -36,7 +36,12 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
+def say(line: str) -> None:
+    """One line on stderr, whatever the text held (whitespace, newlines included, folded)."""
+    print(" ".join(str(line).split()), file=sys.stderr, flush=True)
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT):
-    """End the command with one line on stderr: `hpctrain: error: ...` (whitespace, newlines included, folded)."""
-    print(f"hpctrain: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    """End the command with one line on stderr: `hpctrain: error: ...`."""
+    say(f"hpctrain: error: {message}")
     sys.exit(code)

@@ -141,9 +141,8 @@ def run_sinks(cfg, run_dir: str, start_step: int, ctx: Context) -> tuple[list[Si
     """The main rank's sinks: metrics.jsonl, TensorBoard (logging.trackers), the console, MLflow and W&B
     (logging.trackers), a Prometheus endpoint (monitor.prometheus_port) and the alert rules, which pass their
     events on to the trackers; returns (every sink, the alert rules)."""
-    chosen_ = chosen(cfg.logging.trackers)
     sinks: list[Sink] = [JsonlSink(run_dir, start_step)]
-    if "tensorboard" in chosen_:
+    if "tensorboard" in chosen(cfg.logging.trackers):
         sinks.append(TensorBoardSink(run_dir, start_step))
     sinks.append(ConsoleSink())
     trackers = [*tracker_sinks(cfg, run_dir, start_step), *prometheus_sinks(cfg.monitor, run_dir)]

@@ -24,6 +24,7 @@ from hpctrain.parallel.vote import OverlappedVote
 
 log = logging.getLogger("hpctrain")
 
+
 class RunStatus(str, Enum):
     """A run's status in result.json (and its summary)."""
 
@@ -52,6 +53,7 @@ class Stop(IntEnum):
 
 _STOP_STATUS = {Stop.NONE: RunStatus.completed, Stop.PREEMPT: RunStatus.preempted,
                 Stop.TERMINATE: RunStatus.terminated, Stop.ALERT: RunStatus.stopped}
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, run the same command again to resume
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -89,7 +91,7 @@ class StopSignals:
         for sig, kind in ((self.preempt_sig, Stop.PREEMPT), (signal.SIGTERM, Stop.TERMINATE)):
             self._previous[sig] = signal.signal(sig, self._handler(kind))
 
-    def _handler(self, kind: int):
+    def _handler(self, kind: Stop):
         def note(signum, frame):
             self.noted = max(self.noted, kind)
         return note

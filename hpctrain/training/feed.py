@@ -34,9 +34,9 @@ def val_share(data_dir: str, cfg, shape, dp_rank: int) -> Iterator[torch.Tensor]
 
 
 def check_bound(run: dict, dcfg, seed: int, data_dir: str, manifest=None) -> None:
-    """A run state (`RunState.state_dict()`, or the `run` of a checkpoint's trainer_state.json) against this
-    run's `data` group, train.seed and shards: the tokenizer the weights were trained on and what fixes the order of the samples
-    (lanes, seed, shuffling) cannot change on resume (one TrainingError line)."""
+    """A run state (`RunState.state_dict()`, or the `run` of a checkpoint's trainer_state.json) against this run's
+    `data` group, train.seed and shards: the tokenizer the weights were trained on and what fixes the order of the
+    samples (lanes, seed, shuffling) cannot change on resume (one TrainingError line)."""
     manifest = manifest or read_manifest(data_dir)
     was = run.get("tokenizer_sha256")
     if was not in (None, manifest.tokenizer.sha256):

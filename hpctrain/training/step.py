@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -313,7 +313,7 @@ def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tens
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device,
                      mesh, layout: Layout, *, grad_clip: float, grad_accum: int = 1,
                      reduce_every_microbatch: bool = False, fused_loss: bool = False,
-                     passes: list[StepPass] = ()) -> TrainStep:
+                     passes: Sequence[StepPass] = ()) -> TrainStep:
     """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipelined step runs
     its `grad_accum` micro-batches as one schedule, which reduces once after the last of them. `fused_loss`
     (train.fused_loss) is refused with pipelines and tensor parallelism before this (`resolve`)."""

@@ -45,6 +45,7 @@ log = logging.getLogger("hpctrain")
 # The schedule advances on every step, skipped ones included (step s always has lr(s)).
 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
 
+
 class Trainer:
     def __init__(self, cfg, run_dir: str, prepared, env, start: str | None):
         """`prepared`: the run's checked shape and data (`run.prepare`); `start`: what to resume from ("auto",
