@@ -1,6 +1,6 @@
 """Preprocessing throughput: sharding pipeline vs the bare tokenizer, and 1 -> N worker scaling.
 
-    python -m data_prep.bench [--mb 8] [--workers 2] [--vocab 4096]
+    hpctrain bench data [--mb 8] [--workers 2] [--vocab 4096]
 
 Corpus: this interpreter's standard-library sources written as jsonl (no network). Every figure is
 measured in this run, on one core per process (TOKENIZERS_PARALLELISM=false), and printed as ratios:
@@ -78,7 +78,7 @@ def pipeline_tokens_per_s(files, out, tok_dir, workers: int, unit_mb: float) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpctrain bench data", description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=8.0, help="corpus size in MB (default %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="worker count for the scaling run (default %(default)s)")
     p.add_argument("--vocab", type=int, default=4096)

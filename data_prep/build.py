@@ -393,7 +393,7 @@ def build(
         _write_json_atomic(_build_path(out_dir, PLAN_NAME), plan)
     _run_share(out_dir, plan, len(files), total, len(pieces), config, workers, task_index, num_tasks, log)
     if num_tasks > 1:
-        log(f"task {task_index}/{num_tasks} done; when all tasks are: python -m data_prep.shards merge --out {out_dir}")
+        log(f"task {task_index}/{num_tasks} done; when all tasks are: hpctrain prep merge --out {out_dir}")
         return None
     return merge(out_dir, log)
 
@@ -425,7 +425,7 @@ def _check_arguments(files, out_dir, config: BuildConfig, tokenizer, vocab_size,
     if not (num_tasks >= 1 and 0 <= task_index < num_tasks):
         raise DataError(f"task {task_index} of {num_tasks}: need 0 <= --task-index < --num-tasks")
     if tokenizer is None and num_tasks > 1:
-        raise DataError("array tasks need a shared tokenizer: train one first (python -m data_prep.tokenizer / "
+        raise DataError("array tasks need a shared tokenizer: train one first (hpctrain prep tokenizer / "
                         "make tokenizer) and pass --tokenizer DIR")
     if tokenizer is None and vocab_size is None:
         raise DataError("pass --tokenizer DIR (a tokenizer.json or local HF tokenizer dir) or --vocab-size N")
@@ -491,7 +491,7 @@ def merge(out_dir: str, log: Log = print) -> Manifest:
     plan = _read_json(_build_path(out_dir, PLAN_NAME))
     if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
         raise DataError(f"no preprocessing plan in {out_dir}/{BUILD_DIR}: run the build (or its array tasks) "
-                        "first, e.g. python -m data_prep.shards --corpus ... --out " + out_dir)
+                        "first, e.g. hpctrain prep shards --corpus ... --out " + out_dir)
     units = plan["units"]
     missing = [unit_id(u) for u in units if not _unit_done(out_dir, plan["fingerprint"], u)]
     if missing:

@@ -1,6 +1,6 @@
 """The demo corpus: this interpreter's standard-library `.py` sources, tokenised into shards.
 
-It exists on every machine and needs no network. `python -m data_prep.demo [--out DIR]`.
+It exists on every machine and needs no network. `hpctrain prep demo [--out DIR]`.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _summary(m: Manifest) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_prep.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpctrain prep demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=default_out_dir(), help="output data directory (default: %(default)s)")
     p.add_argument("--max-bytes", type=int, default=8_000_000)
     p.add_argument("--vocab-size", type=int, default=4096)

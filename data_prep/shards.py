@@ -1,10 +1,10 @@
-"""Corpus -> token shards + manifest: the library entry points and the `python -m data_prep.shards` CLI.
+"""Corpus -> token shards + manifest: the library entry points and the `hpctrain prep shards` CLI.
 
-    python -m data_prep.shards --corpus 'raw/*.jsonl.zst' --out DIR [--tokenizer DIR | --vocab-size N]
+    hpctrain prep shards --corpus 'raw/*.jsonl.zst' --out DIR [--tokenizer DIR | --vocab-size N]
         [--seq-len N] [--workers N] [--shard-mb N] [--text-field text] [--val-fraction F]
         [--task-index I --num-tasks N] [--stripe-count N --stripe-size S] [--overwrite]
-    python -m data_prep.shards merge --out DIR      # after the array tasks of a Slurm job array
-    python -m data_prep.shards verify --out DIR [--quick]   # = python -m data_prep.verify DIR
+    hpctrain prep merge --out DIR      # after the array tasks of a Slurm job array
+    hpctrain prep verify DIR [--quick]   # = hpctrain prep shards verify --out DIR
 
 The machinery (work units, journal, merge) is in `data_prep.build`; input readers in `data_prep.sources`;
 tokenise/pack/write in `data_prep.packing`.
@@ -160,10 +160,10 @@ def _default_workers() -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m data_prep.shards",
+        prog="hpctrain prep shards",
         description="Corpus -> tokenized WebDataset shards + manifest.json (parallel, restartable, "
-                    "deterministic). `python -m data_prep.shards merge --out DIR` finishes an array build; "
-                    "`python -m data_prep.shards verify --out DIR` checks a shard set.")
+                    "deterministic). `hpctrain prep merge --out DIR` finishes an array build; "
+                    "`hpctrain prep verify DIR` checks a shard set.")
     p.add_argument("--corpus", nargs="+", metavar="GLOB",
                    help="quoted globs: text files (one document each), *.jsonl[.gz|.zst], *.parquet")
     p.add_argument("--out", required=True, help="output data directory")

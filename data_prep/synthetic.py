@@ -6,7 +6,7 @@ The tokenizer is a real `tokenizers` word-level model over the words w1 … w{vo
 ones dominate. They go through the same writer as real corpora (`data_prep.shards.write_shards`): a
 manifest, shards and the tokenizer that produced them.
 
-`python -m data_prep.synthetic --out DIR --vocab 128256 --seq-len 512 --samples 64`
+`hpctrain prep synthetic --out DIR --vocab 128256 --seq-len 512 --samples 64`
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def cached_synthetic(out_dir: str, vocab_size: int, seq_len: int, samples: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data_prep.synthetic", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hpctrain prep synthetic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (must not hold a shard set)")
     ap.add_argument("--vocab", type=int, required=True, help="vocabulary size, EOS included")
     ap.add_argument("--seq-len", type=int, required=True, help="tokens per sample (blocks hold one more)")

@@ -1,6 +1,6 @@
 """Train a byte-level BPE tokenizer, or load an existing one (tokenizer.json or a local HF tokenizer dir).
 
-`python -m data_prep.tokenizer --corpus GLOB... --vocab N --out DIR [--text-field text] [--sample-mb M]`
+`hpctrain prep tokenizer --corpus GLOB... --vocab N --out DIR [--text-field text] [--sample-mb M]`
 trains on a bounded sample streamed from the corpus (any input kind `data_prep.sources` reads).
 """
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_prep.sources import expand_corpus, plan_pieces
     from hpctrain.core.command import run_command
 
-    p = argparse.ArgumentParser(prog="python -m data_prep.tokenizer",
+    p = argparse.ArgumentParser(prog="hpctrain prep tokenizer",
                                 description="Train a byte-level BPE tokenizer on a corpus (streamed, bounded sample).")
     p.add_argument("--corpus", nargs="+", required=True, metavar="GLOB",
                    help="text files (one document each), .jsonl[.gz|.zst] or .parquet; quote the globs")

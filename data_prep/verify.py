@@ -1,6 +1,6 @@
 """Check a shard set against its manifest before a long run (or after copying it to scratch).
 
-    python -m data_prep.verify DIR [--quick]       # also: python -m data_prep.shards verify --out DIR
+    hpctrain prep verify DIR [--quick]       # also: hpctrain prep shards verify --out DIR
 
 Checks the manifest, the tokenizer's sha256 and every shard's existence and size; without --quick also
 every shard's sha256, sample count, block length and token ids (< vocab_size). Prints one line per bad
@@ -92,9 +92,9 @@ def verify(data_dir: str, quick: bool = False, out=print) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_prep.verify", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpctrain prep verify", description=__doc__.splitlines()[0])
     p.add_argument("dir", nargs="?", metavar="DIR", help="the shard directory (the one holding manifest.json)")
-    p.add_argument("--out", metavar="DIR", help="same as DIR (as in `python -m data_prep.shards verify --out DIR`)")
+    p.add_argument("--out", metavar="DIR", help="same as DIR (as in `hpctrain prep shards verify --out DIR`)")
     p.add_argument("--quick", action="store_true", help="only existence and sizes (no reading)")
     a = p.parse_args(argv)
     data_dir = a.dir or a.out

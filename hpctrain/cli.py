@@ -231,7 +231,8 @@ def _tool(module: str, *head: str):
 
 
 PREP = {"tokenizer": ("data_prep.tokenizer", ()), "shards": ("data_prep.shards", ()),
-        "merge": ("data_prep.shards", ("merge",)), "verify": ("data_prep.verify", ()), "demo": ("data_prep.demo", ())}
+        "merge": ("data_prep.shards", ("merge",)), "verify": ("data_prep.verify", ()), "demo": ("data_prep.demo", ()),
+        "synthetic": ("data_prep.synthetic", ())}
 BENCHES = {"data": ("data_prep.bench", "hpctrain.tools.bench_data"), "host": ("hpctrain.tools.bench_host",),
            "scale": ("hpctrain.tools.bench_scale",), "ckpt": ("hpctrain.tools.bench_ckpt",),
            "monitor": ("hpctrain.tools.bench_monitor",), "comm": ("hpctrain.tools.bench_comm",),
@@ -243,7 +244,8 @@ def prep(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: hpctrain prep {{{','.join(PREP)}}} [arguments]   (STEP --help for its own)\n"
               "  tokenizer  train a BPE tokenizer on a corpus\n  shards     a corpus into token shards + manifest\n"
-              "  merge      finish a Slurm array build\n  verify     check a shard set\n  demo       the demo data")
+              "  merge      finish a Slurm array build\n  verify     check a shard set\n  demo       the demo data\n"
+              "  synthetic  random tokens in any vocabulary (benchmarks, GPU runs)")
         return 0 if argv else EXIT_BAD_INPUT
     if argv[0] not in PREP:
         fail(f"prep {argv[0]!r} is not a step: use one of {', '.join(PREP)} (hpctrain prep --help)")

@@ -456,6 +456,12 @@ def test_prep_and_bench_steps_of_the_hpctrain_command(demo_data, tmp_path, capsy
             cli.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"hpctrain: error: {words}"), err
+    # each step and benchmark names itself as it is called: its usage line is the command the user typed
+    steps = [["prep", s] for s in cli.PREP if s != "merge"] + [["bench", b] for b in cli.BENCHES] + [["gpu-check"]]
+    for argv in steps:
+        with pytest.raises(SystemExit) as e:
+            cli.main([*argv, "--help"])
+        assert e.value.code == 0 and capsys.readouterr().out.startswith(f"usage: hpctrain {' '.join(argv)} ")
 
 
 def test_check_compat(demo_data):

@@ -1,5 +1,5 @@
 """How a command ends: one line on stderr and an exit status, never a traceback. The tools (`hpctrain generate`,
-`export-hf`, the `python -m data_prep.*` commands) share it, so each failure class ends the same way everywhere."""
+`export-hf`, the `hpctrain prep` steps) share it, so each failure class ends the same way everywhere."""
 
 from __future__ import annotations
 

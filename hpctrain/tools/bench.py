@@ -101,7 +101,7 @@ def cpu_name() -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpctrain bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpctrain bench", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="first steps excluded from tokens/s (default 5)")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default fp32,bf16)")

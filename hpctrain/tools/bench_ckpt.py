@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.bench_ckpt` (`make bench-ckpt`): how long a checkpoint holds training back, written
+"""`hpctrain bench ckpt` (`make bench-ckpt`): how long a checkpoint holds training back, written
 synchronously and in the background (train.ckpt_async), against the disk's own sequential write speed.
 
 Two runs of the same model, data and steps, a checkpoint every `--every` steps: one with synchronous saves, one
@@ -121,7 +121,7 @@ def report(sync: dict, asy: dict, raws: list[tuple[float, str]]) -> tuple[list[s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_ckpt", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hpctrain bench ckpt", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama_350m", help="a model= option (default: the largest that fits here)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=4, help="a checkpoint every N steps (long enough for a write)")

@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.bench_comm` (`make bench-comm`): what each gradient-communication option sends, and
+"""`hpctrain bench comm` (`make bench-comm`): what each gradient-communication option sends, and
 what it costs the loss.
 
 The same run (the tiny model on the demo corpus, data parallel over dp=2 local ranks, `--steps` steps, the same
@@ -68,13 +68,13 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_comm", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hpctrain bench comm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("outputs", "bench-comm"),
                     help="the runs' directories (a previous one is moved aside, never deleted)")
     ap.add_argument("--data", default=None, help="a shard directory for the model (default: the demo shards)")
     ap.add_argument("--steps", type=int, default=200, help="steps per run (>= 20; compression starts at step 10)")
     ap.add_argument("--tail", type=int, default=20, help="the last steps whose training loss is averaged")
-    ap.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated, of: {', '.join(OPTIONS)}")
+    ap.add_argument("--options", default=",".join(OPTIONS), help="comma-separated, of: " + ", ".join(OPTIONS).replace("%", "%%"))  # argparse formats help with %
     ap.add_argument("overrides", nargs="*", help="more Hydra overrides for every run")
     a = ap.parse_args(argv)
     options = [o.strip() for o in a.options.split(",") if o.strip()]

@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.bench_data`: loader throughput per process vs what training consumes, in one run.
+"""`hpctrain bench data`: loader throughput per process vs what training consumes, in one run.
 
 Measures, on the demo shards (or --data DIR) from local disk:
   1. reading one shard: the fast local tar path vs webdataset's per-sample tar iterator;
@@ -72,7 +72,7 @@ def train_rate(steps: int, warmup: int, threads: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_data", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpctrain bench data", description=__doc__.splitlines()[0])
     p.add_argument("--data", help="shard directory (default: the demo shards, built on first use)")
     p.add_argument("--samples", type=int, default=20_000, help="samples per stream measurement")
     p.add_argument("--repeats", type=int, default=3)

@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.bench_gpu` (`make bench-gpu`): training throughput and MFU of a model on one GPU, hpctrain
+"""`hpctrain bench gpu` (`make bench-gpu`): training throughput and MFU of a model on one GPU, hpctrain
 against a plain transformers loop on the same model, data and global batch.
 
 Default: `model=llama_1b` (1.24 B parameters, 128,256-token vocabulary), bf16, 2048-token samples, on a synthetic
@@ -216,7 +216,7 @@ def table(rows: list[dict], ref: dict | None) -> list[str]:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_gpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hpctrain bench gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama_1b")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "tf32"])
     ap.add_argument("--seq-len", type=int, default=2048)

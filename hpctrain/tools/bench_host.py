@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.bench_host`: per-step host costs that grow with the model and the cluster, each against
+"""`hpctrain bench host`: per-step host costs that grow with the model and the cluster, each against
 its baseline measured in the same run.
 
 - the global gradient norm + clipping over 723 gradient tensors (a 70B Llama's count): a Python loop of one
@@ -101,7 +101,7 @@ def bench_vote(ranks: list[int], steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_host", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpctrain bench host", description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=50, help="norm + clip calls timed (default 50)")
     p.add_argument("--steps", type=int, default=200, help="steps timed per vote mode (default 200)")
     p.add_argument("--ranks", default="2,4,8", help="local rank counts for the vote (default 2,4,8)")

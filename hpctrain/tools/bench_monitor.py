@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.bench_monitor` (`make bench-monitor`): what watching a run costs.
+"""`hpctrain bench monitor` (`make bench-monitor`): what watching a run costs.
 
 The same run (the tiny model, ddp over dp=2 local ranks, nothing saved) trains with the `monitor` defaults (every
 alert rule, a profiled step in `monitor.sample_every` gathered from both ranks, the loss-spike check, heartbeats)
@@ -27,7 +27,7 @@ def _overrides(data: str, run_dir: str, steps: int, extra: list[str]) -> list[st
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_monitor", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hpctrain bench monitor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("outputs", "bench-monitor"),
                     help="the runs' directories (a previous one is moved aside, never deleted)")
     ap.add_argument("--data", default=None, help="a shard directory for the model (default: the demo shards)")

@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.bench_scale` (`make bench-scale`): a billion-parameter run on this machine.
+"""`hpctrain bench scale` (`make bench-scale`): a billion-parameter run on this machine.
 
 `llama_1b` (1.24 B parameters, Llama 3's 128,256-token vocabulary) trains two bf16 steps under FSDP (ZeRO-3) over
 dp=2 local ranks, on a synthetic shard set made for that vocabulary (`data_prep.synthetic`), and prints each
@@ -59,7 +59,7 @@ def report(result: dict, run_dir: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.tools.bench_scale", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hpctrain bench scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("outputs", "bench-scale"),
                     help="its data (data/) and run directory (run/); a previous run is moved aside, never deleted")
     ap.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. parallel.activation_checkpointing=full")

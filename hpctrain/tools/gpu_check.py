@@ -1,4 +1,4 @@
-"""`python -m hpctrain.tools.gpu_check` (`make gpu-check`): every GPU path on this machine's GPU, then the throughput
+"""`hpctrain gpu-check` (`make gpu-check`): every GPU path on this machine's GPU, then the throughput
 run, in one table.
 
 1. The GPU-marked tests (`pytest -m gpu tests/test_gpu.py`): bf16/fp16/tf32 steps against fp32 on CUDA, compile, the
@@ -105,7 +105,7 @@ def render(header: str, tests: list[dict], bench: dict | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.tools.gpu_check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="hpctrain gpu-check", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("outputs", "gpu-check"), help="reports (default outputs/gpu-check)")
     ap.add_argument("--no-throughput", action="store_true", help="only the tests")
     ap.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. '-k planner'")

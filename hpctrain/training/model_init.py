@@ -80,7 +80,7 @@ def _check_hf_tokenizer(path: str, tokenizer_json: str | None) -> None:
     if difference:
         raise ValueError(f"its tokenizer ({theirs}) numbers tokens differently from the one of data.path's shards "
                          f"({difference}): its weights would read other words; build the shards with its tokenizer "
-                         f"(python -m data_prep.shards --tokenizer {path} ...)")
+                         f"(hpctrain prep shards --tokenizer {path} ...)")
 
 
 def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | None:
