@@ -14,6 +14,7 @@ import os
 import sys
 import tarfile
 
+from hpctrain.core.command import run_command
 from hpctrain.core.shard_format import (
     DataError,
     Manifest,
@@ -100,12 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = a.dir or a.out
     if not data_dir or (a.dir and a.out and a.dir != a.out):
         p.error("give the shard directory once: DIR or --out DIR")
-    try:
-        bad = verify(data_dir, a.quick)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 1 if bad else 0
+    bad: list[int] = []
+    code = run_command(lambda: bad.append(verify(data_dir, a.quick)), bad=(DataError,),
+                       os_error="check the shard directory's path and permissions",
+                       interrupted="interrupted (verify only reads: nothing changed)")
+    return code or (1 if bad[0] else 0)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,23 @@ def test_a_failed_background_write_stops_every_rank_with_one_line(make_cfg, tmp_
     assert not (run / "checkpoints" / ".tmp-step-0000004").exists()  # the partial directory is removed
 
 
+def test_a_full_disk_in_a_synchronous_save_keeps_the_previous_checkpoint(make_cfg, tmp_path, monkeypatch):
+    """The same full disk with train.ckpt_async=false: one line naming the cause and the path, the partial directory
+    removed, `latest` still the previous complete checkpoint (no root needed, unlike test_safety's real tmpfs)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", _failing_write(fail_rank=0, step=4))
+    with pytest.raises(TrainingError) as e:
+        train(make_cfg("train.ckpt_async=false", "train.max_steps=6", "train.ckpt_every=2", "train.eval_every=0"),
+              str(tmp_path))
+    assert "checkpoint step 4 could not be written (no space left on device in" in str(e.value), e.value
+    assert "\n" not in str(e.value).strip()
+    assert read_json(tmp_path / "result.json")["status"] == "failed"
+    assert checkpoint.latest(str(tmp_path)).endswith("step-0000002")
+    assert not (tmp_path / "checkpoints" / "step-0000004").exists()
+    assert not (tmp_path / "checkpoints" / ".tmp-step-0000004").exists()
+
+
 def test_a_failed_final_write_fails_the_run(make_cfg, tmp_path, monkeypatch):
     """The last checkpoint is waited for before the run is called completed."""
     from torch.distributed.checkpoint import FileSystemWriter

@@ -101,6 +101,11 @@ def _hf_int8(path, header, data) -> None:
     _write_safetensors(path, header, data)
 
 
+def _hf_int32(path, header, data) -> None:
+    header["model.layers.0.mlp.up_proj.weight"]["dtype"] = "I32"  # the same size as F32: only the dtype tells
+    _write_safetensors(path, header, data)
+
+
 def _hf_shape(path, header, data) -> None:
     key = "model.layers.0.mlp.up_proj.weight"
     header[key]["shape"] = header[key]["shape"][::-1]
@@ -260,6 +265,13 @@ def _second_round(w, lock_holder) -> None:
     cfg = OmegaConf.load(w / "run" / ".hydra" / "config.yaml")
     small = _copy_run(w, "small")
     OmegaConf.save(OmegaConf.merge(cfg, {"model": {"n_layers": 1}}), small / ".hydra" / "config.yaml")
+    # A run whose saved config was edited to a sequence length whose RoPE tables no machine holds.
+    huge = _copy_run(w, "hugeseq")
+    OmegaConf.save(OmegaConf.merge(cfg, {"model": {"max_seq_len": 10**10}}), huge / ".hydra" / "config.yaml")
+    # A directory holding someone's manifest.json (not a shard set's) and their notes beside it.
+    (w / "theirmanifest").mkdir()
+    (w / "theirmanifest" / "manifest.json").write_text('{"files": ["a", "b"]}\n')
+    (w / "theirmanifest" / "notes.txt").write_text("keep me\n")
     # Shards of another tokenizer (as far as the manifest says).
     shutil.copytree(w / "data", w / "otherdata")
     _edit_json(w / "otherdata" / "manifest.json", lambda m: m["tokenizer"].update(sha256="1" * 64))
@@ -281,6 +293,7 @@ def _second_round(w, lock_holder) -> None:
     args = build_model(cfg).args
     LlamaForCausalLM(to_hf_config(args)).save_pretrained(w / "hf")
     _hf_variant(w, "hf_int8", _hf_int8)
+    _hf_variant(w, "hf_int32", _hf_int32)
     _hf_variant(w, "hf_shape", _hf_shape)
     _hf_variant(w, "hf_missing", _hf_missing)
     _hf_variant(w, "hf_overlap", _hf_overlap)
@@ -304,9 +317,10 @@ def _second_round(w, lock_holder) -> None:
 # Shard sets, corpora, tokenizers, models and a user's directories whole; of runs, the checkpoints (a run that
 # starts rewrites its .hydra/ and appends to its log), or the whole run where nothing may be written at all.
 RUNS = ("run", "evil", "badstate", "evilgen", "negstep", "bigstep", "badsched", "offsched", "othertok", "qualfn",
-        "qualcls", "small", "nanrun", "trunc", "zerostate", "zerometa", "stray", "strayfile", "zerometrics")
+        "qualcls", "small", "hugeseq", "nanrun", "trunc", "zerostate", "zerometa", "stray", "strayfile", "zerometrics")
 WATCHED = ("data", "unfinished", "noval", "altered", "badids", "afile", "nockpt", "notes", "mine", "mylog", "corpus",
            "bigline", "zst", "evil_tok", "evildata", "otherdata", "zeroconfig", "busy", "hf", "hf_int8", "hf_shape",
+           "theirmanifest", "hf_int32", "hugeseq/.hydra",
            "hf_missing", "hf_overlap", "hf_hdrlen", "hf_json", "hf_trunc", "hf_zero",
            "hf_othertok", "hf_tokzero", *(f"{run}/checkpoints" for run in RUNS))
 
@@ -425,6 +439,8 @@ CASES = [
      ["unfinished build", "--overwrite"]),
     ("prep-into-a-users-directory", shards_cli.main, [*PREP, "--out", "{w}/notes"],
      ["notes is not empty", "holds no shard build"]),
+    ("prep-into-a-dir-with-their-manifest", shards_cli.main, [*PREP, "--out", "{w}/theirmanifest"],
+     ["holds a manifest.json that is not an hpctrain shard set's"]),
     ("tokenizer-over-a-tokenizer", tokenizer_cli.main, ["--corpus", "{w}/corpus/*.txt", "--vocab", "300",
                                                         "--out", "{w}/data/tokenizer"], ["already holds tokenizer.json"]),
     # 2. A step-N in checkpoints/ that no run completed is never replaced.
@@ -439,6 +455,10 @@ CASES = [
     ("max-seq-len-huge", *_hp("model.max_seq_len=1000000000"), ["GiB", "RoPE tables", "lower model.max_seq_len"]),
     ("max-seq-len-huge-two-ranks", *_hp("model.max_seq_len=200000000", "parallel=fsdp", "parallel.dp=2"),
      ["GiB", "RoPE tables"]),
+    # ... and in a run's saved config, which generate and export-hf build a model from.
+    ("generate-config-seq-len-huge", generate.main, ["run_dir={w}/hugeseq", "max_new_tokens=2"],
+     ["hugeseq/.hydra/config.yaml needs", "RoPE tables, model.max_seq_len=10000000000"]),
+    ("export-config-seq-len-huge", export_hf.main, ["{w}/hugeseq", "{w}/out"], ["GiB before any activation"]),
     # 5. One line of a corpus is bounded.
     ("jsonl-line-beyond-64-mb", shards_cli.main, ["--corpus", "{w}/bigline/*.jsonl", "--out", "{w}/out",
                                                   "--vocab-size", "300"], ["big.jsonl:1", "more than 64 MB"]),
@@ -498,6 +518,7 @@ CASES = [
      ["corrupt or truncated", "ends inside a block"]),
     # 16. A transformers directory's tensors: floating point, of the described shapes (+ malformed files below).
     ("init-from-int8-weights", *_hp("model.init_from=hf:{w}/hf_int8"), ["is I8 (quantized?)"]),
+    ("init-from-int32-weights", *_hp("model.init_from=hf:{w}/hf_int32"), ["up_proj.weight is I32 (quantized?)"]),
     ("init-from-wrong-shape", *_hp("model.init_from=hf:{w}/hf_shape"), ["up_proj.weight is [64, 176]", "needs"]),
     # 17. A run that applied no step is never "completed" (the run dir stays, its result.json says failed).
     ("every-step-skipped", *_hp("model.init_std=1e30"), ["none of this run's 2 steps was applied"]),
@@ -512,6 +533,8 @@ CASES = [
     # 19. generate's sizes and text.
     ("generate-max-new-tokens-huge", generate.main, ["run_dir={w}/run", "max_new_tokens=1000000000"],
      ["max_new_tokens=1000000000", "within [0, 100000]"]),
+    ("generate-max-new-tokens-negative", generate.main, ["run_dir={w}/run", "max_new_tokens=-1"],
+     ["max_new_tokens=-1", "within [0, 100000]"]),
     ("generate-seed-20-digits", generate.main, ["run_dir={w}/run", "seed=12345678901234567890"], ["seed="]),
     # Medium and low: malformed safetensors, before anything starts.
     ("hf-header-length-huge", *_hp("model.init_from=hf:{w}/hf_hdrlen"), ["header in a", "truncated or not"]),

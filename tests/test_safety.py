@@ -297,6 +297,11 @@ def test_summary_of_a_metrics_file_that_is_a_device_is_one_line(demo_data, tmp_p
     os.symlink("/dev/zero", run / "metrics.jsonl")
     ran = run_forked(summary_cli.main, [str(run)], cwd=tmp_path, timeout=30)
     assert ran.code == 0 and "is a character device" in ran.out and "status: completed" in ran.out, ran.out
+    os.remove(run / "metrics.jsonl")  # ... or damaged: half a record and bytes that are no JSON
+    (run / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 5.2}\n{"step": 2, "lo\n\xff\xfe{not json\n')
+    ran = run_forked(summary_cli.main, [str(run)], cwd=tmp_path, timeout=30)
+    assert ran.code == 0 and not ran.err and "status: completed" in ran.out, (ran.out, ran.err)
+    assert len(ran.out.splitlines()) == 1, ran.out
     (tmp_path / "long.jsonl").write_bytes(b"x" * (5 * 2**20) + b"\n")
     with pytest.raises(FileCheckError, match="line 1 is longer than"):
         list(lines(str(tmp_path / "long.jsonl")))
@@ -441,3 +446,22 @@ def test_ctrl_c_ends_a_shard_build_in_one_line_and_the_same_command_finishes_it(
     assert again.code == 0, again.err
     assert set(done) < set(os.listdir(units)) and (out / "manifest.json").exists()
     assert run_forked(verify.main, [str(out)], cwd=tmp_path).code == 0
+    # `prep verify` interrupted while it reads the shards: its own line, 130, no traceback.
+    started = tmp_path / "verifying"
+    ran = run_forked(_verifying_until_interrupted(started), [str(out)], cwd=tmp_path, interrupt_when=started.exists)
+    assert ran.code == 130 and ran.err_lines == ["interrupted (verify only reads: nothing changed)"], ran
+
+
+def _verifying_until_interrupted(started):
+    """`hpctrain prep verify`'s main, its shard check marking `started` and waiting for the Ctrl-C."""
+    from data_prep import verify
+
+    def main(argv):
+        def check_shard(*args):
+            started.touch()
+            time.sleep(60)
+
+        verify.check_shard = check_shard  # (in the forked child only)
+        return verify.main(argv)
+
+    return main

@@ -99,6 +99,27 @@ def test_point_without_result_is_not_completed(sweep_copy):
 
 
 @pytest.mark.timeout(300)
+def test_report_reads_no_device_or_fifo_as_a_config(sweep_copy, capsys):
+    """A point's saved config, overrides and the sweep's multirun.yaml are files of a bounded size: a FIFO (which
+    would block the read forever) or /dev/zero (which would fill memory) in their place costs the report only that
+    point's parameters, not a hang."""
+    os.remove(os.path.join(sweep_copy, "1", ".hydra", "config.yaml"))
+    os.mkfifo(os.path.join(sweep_copy, "1", ".hydra", "config.yaml"))
+    os.remove(os.path.join(sweep_copy, "2", ".hydra", "overrides.yaml"))
+    os.symlink("/dev/zero", os.path.join(sweep_copy, "2", ".hydra", "overrides.yaml"))
+    rows = report(sweep_copy)
+    assert [r["status"] for r in rows] == ["completed"] * 4
+    from hpctrain.launch.sweep import _run_row
+
+    point = [_run_row(os.path.join(sweep_copy, str(n))) for n in range(3)]
+    assert point[1]["config"] is None and point[2]["all_overrides"] == [] and point[0]["config"] is not None
+    os.remove(os.path.join(sweep_copy, "multirun.yaml"))
+    os.symlink("/dev/zero", os.path.join(sweep_copy, "multirun.yaml"))
+    assert main(["report", sweep_copy, "--plot", os.path.join(sweep_copy, "r.png")]) == 0
+    assert "4 points: 4 completed" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
 def test_slurm_state_from_sacct(sweep_copy, tmp_path, monkeypatch):
     # A stand-in sacct: job 100 was requeued after preemption, the never-started array task 200_2 is pending.
     fake = tmp_path / "bin" / "sacct"

@@ -436,9 +436,11 @@ def _interval(low, low_in, high, high_in) -> str:
     return f"within {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
 
 
-def check_values(cfg) -> None:
-    """Every numeric key in its range and finite (`optim.lr=inf` would train to NaN weights)."""
+def check_values(cfg, prefix: str = "") -> None:
+    """Every numeric key (under `prefix`) in its range and finite (`optim.lr=inf` would train to NaN weights)."""
     for key, (low, low_in, high, high_in) in _RANGES.items():
+        if not key.startswith(prefix):
+            continue
         value = OmegaConf.select(cfg, key)
         if value is None:
             continue

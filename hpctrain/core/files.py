@@ -125,6 +125,14 @@ def read_json(path: str, limit: int = MAX_JSON_BYTES) -> Any:
     return json.loads(read_bytes(path, limit).decode("utf-8"))
 
 
+def read_yaml(path: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """A YAML file (a saved run config, Hydra's overrides and multirun.yaml) of at most `limit` bytes, as OmegaConf
+    reads it: OSError, FileCheckError, ValueError (not UTF-8) or OmegaConf's errors (not YAML)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(read_bytes(path, limit).decode("utf-8"))
+
+
 def read_object(path: str, limit: int = MAX_JSON_BYTES) -> dict | None:
     """A JSON object file, or None when it is missing, is not an object, or was caught mid-write."""
     try:

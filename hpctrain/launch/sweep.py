@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-from hpctrain.core.files import read_metrics, read_object, read_result
+from hpctrain.core.files import read_metrics, read_object, read_result, read_yaml
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
@@ -94,7 +94,7 @@ def sweep_grid(sweep_dir: str) -> tuple[list[str], list[list[str]] | None]:
     if not os.path.isfile(path):
         return [], None
     try:
-        conf = OmegaConf.load(path)
+        conf = read_yaml(path)
         task = list(OmegaConf.select(conf, "hydra.overrides.task") or [])
         # The basic sweeper puts hydra.sweeper.params before the command line.
         params = OmegaConf.select(conf, "hydra.sweeper.params")
@@ -140,7 +140,6 @@ def _records(run_dir: str) -> list[dict] | None:
 
 def _run_row(run_dir: str) -> dict:
     """Everything the table and the plot show of one run dir that exists."""
-    from omegaconf import OmegaConf
 
     result = read_result(run_dir)
     slurm = read_object(os.path.join(run_dir, "slurm.json")) or {}
@@ -157,11 +156,11 @@ def _run_row(run_dir: str) -> dict:
         steps = [0] + [r["step"] for r in train]
         wall = sum((_num(r.get("step_time_s")) or 0.0) * (s - p) for r, s, p in zip(train, steps[1:], steps))
     try:
-        cfg = OmegaConf.load(os.path.join(run_dir, ".hydra", "config.yaml"))
+        cfg = read_yaml(os.path.join(run_dir, ".hydra", "config.yaml"))
     except Exception:
         cfg = None
     try:
-        overrides = [str(o) for o in OmegaConf.load(os.path.join(run_dir, ".hydra", "overrides.yaml"))]
+        overrides = [str(o) for o in read_yaml(os.path.join(run_dir, ".hydra", "overrides.yaml"))]
     except Exception:
         overrides = []
     job_id = slurm.get("job_id")

@@ -79,3 +79,14 @@ def build_model(cfg) -> Any:
     """The model a run config describes (on the current default device: `with torch.device("meta")` for none)."""
     spec = spec_of(cfg)
     return spec.build(spec.args(cfg.model))
+
+
+def resident_bytes(cfg) -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) of the model a run config describes, from a meta-device build: what one
+    process holds to run it, before any activation. The buffers are the RoPE tables (max_seq_len × head_dim)."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return (sum(t.numel() * t.element_size() for t in model.parameters()),
+            sum(t.numel() * t.element_size() for t in model.buffers()))

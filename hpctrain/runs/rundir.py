@@ -26,8 +26,10 @@ import time
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from hpctrain.core.config import check_values
 from hpctrain.core.errors import TrainingError
-from hpctrain.core.files import MAX_JSON_BYTES, MiB, free_name, read_bytes, read_object
+from hpctrain.core.files import MiB, free_name, read_object, read_yaml
+from hpctrain.core.host import available_memory
 
 log = logging.getLogger("hpctrain")
 
@@ -266,10 +268,31 @@ def run_config(run_dir: str, ckpt: str | None = None):
         raise RunDirError(f"no complete checkpoint in {run_dir}/checkpoints: train longer (a checkpoint is "
                           "written every train.ckpt_every steps and at the end) or pass checkpoint=DIR")
     try:
-        loaded = OmegaConf.create(read_bytes(config, MAX_JSON_BYTES).decode("utf-8"))
+        loaded = read_yaml(config)
     except Exception as e:  # noqa: BLE001 - not a file, too big, not UTF-8, not YAML: one line whatever it is
         raise RunDirError(f"{config} is not a readable run config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): "
                           "restore it from a copy of the run") from None
     if not isinstance(loaded, DictConfig):
         raise RunDirError(f"{config} is not a run config (not a mapping): restore it from a copy of the run")
+    _check_run_config(loaded, config)
     return loaded, ckpt
+
+
+def _check_run_config(cfg: DictConfig, config: str) -> None:
+    """A saved config's model is checked as the command line's is, and must fit this machine, before a tool builds
+    it: an edited max_seq_len would otherwise allocate its RoPE tables at once. (Only `model.*`: a run saved by an
+    older hpctrain may hold other values this one no longer allows, and the tools use none of them.)"""
+    from hpctrain.models import resident_bytes
+
+    try:
+        check_values(cfg, prefix="model.")
+        params, buffers = resident_bytes(cfg)
+    except Exception as e:  # noqa: BLE001 - a range, a missing key, a wrong type: one line whatever it is
+        raise RunDirError(f"{config}: {' '.join(str(e).split())}: restore it from a copy of the run") from None
+    cap = available_memory()
+    if cap is not None and params + buffers > cap:
+        raise RunDirError(
+            f"the model of {config} needs {(params + buffers) / 2**30:.1f} GiB before any activation, more than this "
+            f"machine's available memory ({cap / 2**30:.1f} GiB): parameters {params / 2**30:.1f} GiB, buffers (the "
+            f"RoPE tables, model.max_seq_len={cfg.model.max_seq_len} × head_dim) {buffers / 2**30:.1f} GiB; "
+            "restore the config from a copy of the run, or use a larger machine")

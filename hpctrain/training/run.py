@@ -13,6 +13,7 @@ import torch
 from hpctrain.core.config import signal_number
 from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
 from hpctrain.core.files import RESULT_FILE, read_json
+from hpctrain.core.host import available_memory
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.monitoring.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.monitoring.monitor import check_monitor
@@ -145,18 +146,6 @@ def _check_init_from(cfg, data_dir: str) -> None:
         raise TrainingError(f"model.init_from={cfg.model.init_from}: {e.reason}: {fix}") from None
 
 
-def _available_memory() -> float | None:
-    """Bytes this machine can still give (MemAvailable), or None where /proc/meminfo does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float) -> None:
     """Refuse a micro-batch that cannot fit. A CPU-only torch trains on the host: against this machine's
     available memory, for all its local ranks; a CUDA build trains on GPUs: against cluster.gpu_mem_gb when
@@ -167,7 +156,7 @@ def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float)
     if torch.backends.cuda.is_built():  # one rank per device
         cap, where, ranks = (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}", 1
     else:  # every rank started here shares this machine
-        cap, where = _available_memory() or 0, "this machine's available memory"
+        cap, where = available_memory() or 0, "this machine's available memory"
         ranks = shape.world if process_group.launched_world() is None else 1
         worst += host
         hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""

@@ -137,7 +137,9 @@ class Llama(nn.Module):
     @torch.no_grad()
     def reset_rope_cache(self, rows: int = 16384) -> None:
         """Fill the tables `rows` positions at a time: no temporary of the tables' size (max_seq_len is the
-        planner's to count, once)."""
+        planner's to count, once). A meta-device model (the planner's) has nothing to fill."""
+        if self.rope_cos.is_meta:
+            return
         for start in range(0, self.args.max_seq_len, rows):
             n = min(rows, self.args.max_seq_len - start)
             cos, sin = rope_cache(self.args.head_dim, n, self.args.rope_theta, self.rope_cos.device, start)
