@@ -15,6 +15,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import torch
+
 from hpctrain.core.files import read_metrics
 from hpctrain.launch.sweep import sacct_state
 
@@ -96,6 +98,10 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
             gc.freeze()
             code = 1
             try:
+                # One thread: this process's OpenMP pool (torch ran here, 2 threads) does not survive fork, and a
+                # child asking it for 2 threads waits forever in libgomp (hpctrain's launcher forks with
+                # cpus // world threads from a parent that computes nothing; runtime/spawn.py).
+                torch.set_num_threads(1)
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
                 # pytest's capture replaced sys.stdout/err with its own files: write to the fds instead.

@@ -50,7 +50,13 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
             "monitor.rules.synchronization_time.threshold=0.005", "monitor.rules.synchronization_time.for_s=0",
             "monitor.rules.communication_overhead.threshold=15", "monitor.rules.communication_overhead.for_s=0")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    hog = None
+    hogs, named = [], f"rank 1 ({node_name()})"
+    # Only what follows the hog counts: under a loaded machine (another test worker) rank 0 may straggle before.
+    after: list[dict] = []
+
+    def since_hog(event: str) -> list[dict]:
+        return [e for e in _alerts(run)[len(after):] if e["event"] == event]
+
     try:
         until("the first sampled step", lambda: any("stragglers" in r for r in records(run))
               if (run / "metrics.jsonl").exists() else proc.poll() is not None, 120, every=0.2)
@@ -59,30 +65,34 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
             ranks = sorted(int(c) for c in f.read().split())  # forked in rank order
         _pin(ranks[0], 0)
         _pin(ranks[1], 1)
-        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        os.sched_setaffinity(hog.pid, {1})  # rank 1 now has half a core
-        until("rank 1 named a straggler", lambda: _seen(run, "straggler", "stragglers")
+        after.extend(_alerts(run))
+        # Two busy processes on rank 1's core: it keeps a third of the core, clearly slower than rank 0 even when
+        # another test worker shares both cores.
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        for hog in hogs:
+            os.sched_setaffinity(hog.pid, {1})
+        until("rank 1 named a straggler", lambda: any(e["ranks"] == [named] for e in since_hog("straggler"))
               and _seen(run, "firing", "synchronization_time"), 90, every=0.5)
-        hog.kill()
+        for hog in hogs:
+            hog.kill()
         until("the straggler and the rules to clear", lambda: _seen(run, "straggler_cleared", "stragglers")
               and _seen(run, "cleared", "synchronization_time") and _seen(run, "cleared", "communication_overhead"),
               90, every=0.5)
     finally:
-        if hog is not None:
+        for hog in hogs:
             hog.kill()
         proc.send_signal(signal.SIGTERM)  # a clean stop: result.json written
         proc.wait(120)
-    named = f"rank 1 ({node_name()})"
-    (straggled,) = [e for e in _alerts(run) if e["event"] == "straggler"][:1]
-    assert straggled["ranks"] == [named] and straggled["compute_s_by_rank"][1] > 1.3 * straggled["compute_s_by_rank"][0]
+    straggled = next(e for e in since_hog("straggler") if e["ranks"] == [named])
+    assert straggled["compute_s_by_rank"][1] > 1.3 * straggled["compute_s_by_rank"][0], straggled
     assert _seen(run, "firing", "communication_overhead")
     sampled = [r for r in records(run) if "stragglers" in r]
-    assert any(r["stragglers"] == [named] for r in sampled) and sampled[-1]["stragglers"] == []
+    assert any(r["stragglers"] == [named] for r in sampled) and any(r["stragglers"] == [] for r in sampled)
     assert all(len(r["compute_s_by_rank"]) == 2 and 0 <= r["communication_overhead"] <= 100 for r in sampled)
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "terminated" and result["stragglers"].get(named, 0) >= 1, result["stragglers"]
     (row,) = report(str(tmp_path / "sweep"))
-    assert row["stragglers"] == [named] and named in format_table([row])
+    assert named in row["stragglers"] and named in format_table([row])  # (rank 0 too, when the machine was busy)
 
 
 def test_a_single_rank_samples_nothing_and_says_why(make_cfg, tmp_path):
