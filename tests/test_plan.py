@@ -165,6 +165,9 @@ PEAK_CASES = {"single": [], "ddp": ["parallel=ddp", "parallel.dp=2"], "fsdp": ["
               "fused64k": ["train.fused_loss=true", "model.vocab_size=65536", "model.n_layers=2"]}
 PEAK_BF16 = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=344"]
 PEAK_BF16_CASES = {"fused64k": ["model.vocab_size=16384", "model.max_seq_len=64"]}
+# bf16 runs take ~4x fp32's here (the bf16 matmuls above): activation checkpointing is measured in bf16 where it meets
+# a bf16 term of its own (one process; the pipeline's micro-batches in flight), in fp32 everywhere.
+PEAK_BF16_AC = ("single", "pp2")
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +217,9 @@ def _profiled_rank(cfg, run_dir: str, prepared) -> None:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", PEAK_CASES)
 def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, tmp_path, case):
-    """Per device, both activation-checkpointing modes, fp32 and bf16: the planner's estimate (the run reports it
-    per rank in result.json) against the tensor bytes the rank's allocator held at its peak."""
+    """Per device, fp32 and bf16, both activation-checkpointing modes (in bf16 for PEAK_BF16_AC): the planner's
+    estimate (the run reports it per rank in result.json) against the tensor bytes the rank's allocator held at its
+    peak."""
     from hpctrain.runtime.spawn import spawn
     from hpctrain.training.run import prepare
 
@@ -228,7 +232,7 @@ def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, 
             overrides += [*PEAK_BF16, *PEAK_BF16_CASES.get(case, [])]
         model = make_cfg(*overrides, small_model=False).model
         data = synthetic_shards(model.vocab_size, model.max_seq_len)
-        for ac in ("none", "full"):
+        for ac in ("none", "full") if precision == "fp32" or case in PEAK_BF16_AC else ("none",):
             cfg = make_cfg(*overrides, f"data.path={data}", f"precision={precision}",
                            f"parallel.activation_checkpointing={ac}", small_model=False)
             prepared, run_dir = prepare(cfg), tmp_path / f"{precision}-{ac}"
