@@ -140,7 +140,6 @@ def _records(run_dir: str) -> list[dict] | None:
 
 def _run_row(run_dir: str) -> dict:
     """Everything the table and the plot show of one run dir that exists."""
-
     result = read_result(run_dir)
     slurm = read_object(os.path.join(run_dir, "slurm.json")) or {}
     records = _records(run_dir)

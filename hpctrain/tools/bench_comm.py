@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--data", default=None, help="a shard directory for the model (default: the demo shards)")
     ap.add_argument("--steps", type=int, default=200, help="steps per run (>= 20; compression starts at step 10)")
     ap.add_argument("--tail", type=int, default=20, help="the last steps whose training loss is averaged")
-    ap.add_argument("--options", default=",".join(OPTIONS), help="comma-separated, of: " + ", ".join(OPTIONS).replace("%", "%%"))  # argparse formats help with %
+    # argparse formats help with %: "topk 1%" must reach it as "topk 1%%"
+    ap.add_argument("--options", default=",".join(OPTIONS),
+                    help="comma-separated, of: " + ", ".join(OPTIONS).replace("%", "%%"))
     ap.add_argument("overrides", nargs="*", help="more Hydra overrides for every run")
     a = ap.parse_args(argv)
     options = [o.strip() for o in a.options.split(",") if o.strip()]
