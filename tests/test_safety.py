@@ -438,10 +438,12 @@ def test_ctrl_c_ends_a_shard_build_in_one_line_and_the_same_command_finishes_it(
     out = tmp_path / "out"
     units = out / BUILD_DIR / UNITS_DIR
     ran = _prep(corpus, out, "--unit-mb", "0.005", env={DELAY_ENV: "60"},
-                interrupt_when=lambda: units.is_dir() and any(units.iterdir()))
+                interrupt_when=lambda: units.is_dir() and any(p.suffix == ".json" for p in units.iterdir()))
     assert ran.code == 130 and len(ran.err_lines) == 1 and ran.err.startswith("interrupted: "), ran.err
     assert not (out / "manifest.json").exists()
     done = sorted(os.listdir(units))
+    # A record being written when Ctrl-C came leaves no temporary behind (core/files.atomic_write).
+    assert done and not [n for n in done if n.endswith(".tmp")], done
     again = _prep(corpus, out, "--unit-mb", "0.005")
     assert again.code == 0, again.err
     assert set(done) < set(os.listdir(units)) and (out / "manifest.json").exists()
@@ -465,3 +467,21 @@ def _verifying_until_interrupted(started):
         return verify.main(argv)
 
     return main
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """The write fails at its last step (the target is a non-empty directory, so the rename is refused): what was
+    there stays, and the temporary it made is gone; a temporary name it did not make is never removed."""
+    from hpctrain.core.files import atomic_write
+
+    target = tmp_path / "record.json"
+    target.mkdir()
+    (target / "theirs").write_text("kept")
+    with pytest.raises(OSError):
+        atomic_write(str(target), "new")
+    assert sorted(os.listdir(tmp_path)) == ["record.json"] and (target / "theirs").read_text() == "kept"
+    theirs = tmp_path / f"other.json.{os.getpid()}.tmp"
+    theirs.mkdir()  # open() of the temporary fails: nothing of ours to remove, and theirs stays
+    with pytest.raises(OSError):
+        atomic_write(str(tmp_path / "other.json"), "new")
+    assert theirs.is_dir()

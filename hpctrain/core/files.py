@@ -5,6 +5,7 @@ A leaf module (standard library only): `data_prep` and every part of `hpctrain` 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -105,13 +106,20 @@ def atomic_write(path: str, data: str | bytes, sync_dir: bool = False) -> None:
 
     The temporary name carries the pid, so processes writing the same file never share one temporary file.
     """
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb" if isinstance(data, bytes) else "w", **({} if isinstance(data, bytes) else
-                                                                  {"encoding": "utf-8"})) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp, opened = f"{path}.{os.getpid()}.tmp", False
+    try:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w", **({} if isinstance(data, bytes) else
+                                                                      {"encoding": "utf-8"})) as f:
+            opened = True
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or Ctrl-C mid-write leaves no temporary behind (only one it opened)
+        if opened:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise
     if sync_dir:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
 
