@@ -64,6 +64,23 @@ def test_layer_map_interleaved():
     assert layer_map(4, 1) == [[range(0, 4)]]
 
 
+def test_the_peak_is_the_worst_moment_of_the_features_terms(make_cfg):
+    """The planner adds the features' terms moment by moment: the loss's buffers and a recomputed block never meet,
+    gradients being reduced and the optimizer's temporary neither; a device's total is one of those moments."""
+    from hpctrain.core.memory import MOMENTS, Term, merge, peak
+    from hpctrain.training.planner import total
+
+    loss, recompute = Term(backward=5), Term(recompute=3)
+    assert peak([Term.held(10), loss, recompute]) == 15 and merge({"a": loss}, {"a": recompute})["a"].size == 5
+    assert Term.gradients(4, accumulating=False) == Term(0, 0, 4, 4)
+    cfg = make_cfg(*MEDIUM, "parallel=fsdp", "train.global_batch=2", "parallel.activation_checkpointing=full",
+                   small_model=False)
+    row = estimate(cfg, resolve(cfg, 2), 64)["rows"][0]
+    summed = sum(row["terms"].values(), row["activations"]["full"])
+    assert total(row, "full") == max(getattr(summed, m) for m in MOMENTS)
+    assert total(row, "full") < sum(t.size for t in row["terms"].values()) + row["activations"]["full"].size
+
+
 def _measure(cfg) -> dict[str, int]:
     """Tensor storage bytes of parameters, gradients and optimizer state in one real CPU step."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

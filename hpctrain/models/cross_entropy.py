@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from hpctrain.core.memory import Term
+
 IGNORE_INDEX = -100  # targets that count nothing (F.cross_entropy's default ignore_index)
 CHUNK_ELEMENTS = 2**28  # logits per chunk at most: 1 GiB in fp32 (2,048 tokens of a 128,256-token vocabulary)
 
@@ -25,6 +27,25 @@ def chunk_tokens(vocab_size: int) -> int:
     one."""
     n = CHUNK_ELEMENTS // vocab_size
     return n // 128 * 128 if n >= 128 else max(1, n)
+
+
+def loss_buffers(vocab: int, dim: int, tokens: int, tp: int, compute_bytes: int, pipelined: bool,
+                 fused: bool) -> Term:
+    """The loss's buffers at the start of backward (freed before any block is recomputed). Plain: fp32
+    log-probabilities kept for backward, their gradient and the logits' (one more with loss_parallel, `tp` > 1,
+    which keeps its own softmax statistics of the vocab shard); a pipeline schedule also keeps the last stage's
+    output (the logits, in the compute dtype). Fused: the gradients it computed in forward (the weight's in fp32,
+    the hidden states'), its compute-dtype copies of both inputs, and one chunk's fp32 logits with their
+    compute-dtype gradient, or the weight gradient's per-chunk temporaries, whichever is larger."""
+    if not fused:
+        return Term(backward=tokens * vocab / tp * ((16 if tp > 1 else 12) + (compute_bytes if pipelined else 0)))
+    weight, hidden, low = vocab * dim, tokens * dim, compute_bytes == 2
+    copies = (weight + hidden) * compute_bytes if low else 0
+    chunk = min(tokens, chunk_tokens(vocab)) * vocab
+    # A chunk's peak: its fp32 logits (the gradient is made in place) and, in bf16/fp16, the gradient's cast; then
+    # that gradient and the weight gradient's matmul result with, in bf16/fp16, its fp32 copy.
+    return Term(backward=4 * weight + 4 * hidden + copies + max(
+        chunk * (4 + (compute_bytes if low else 0)), chunk * compute_bytes + weight * (compute_bytes + (4 if low else 0))))
 
 
 def _chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, with_grad: bool):

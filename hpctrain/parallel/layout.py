@@ -67,6 +67,16 @@ class Layout:
         """The idle share of a pipelined step of `n` micro-batches: (pp−1)/(n·v + pp−1)."""
         return (self.pp - 1) / (n * self.pp_virtual_stages + self.pp - 1)
 
+    def in_flight(self, stage: int, n: int) -> float:
+        """Micro-batches whose activations pipeline stage `stage` holds at once, of `n` per step: GPipe all of
+        them, 1F1B min(n, pp − stage), interleaved and zero-bubble schedules ×(1 + (pp−1)/(pp·v))."""
+        if not self.pipelined:
+            return 1.0
+        if self.pp_schedule == "gpipe":
+            return float(n)
+        v = self.pp_virtual_stages
+        return min(n, self.pp - stage) * (1 + (self.pp - 1) / (self.pp * v) if v > 1 else 1)
+
     @property
     def loss_parallel(self) -> bool:
         """The output head yields vocab-sharded logits: the loss must run under `loss_parallel()`."""

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hpctrain.core.config import ActCkpt, GradCompression, ReduceDtype
+from hpctrain.core.memory import Term
 from hpctrain.models import ModelSpec
 from hpctrain.parallel.compression import apply_grad_compression
 from hpctrain.parallel.layout import Layout
@@ -187,6 +188,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: ActCkpt, every: int) 
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
+def checkpointed_activations(mode: ActCkpt, every: int, layers: list[int], saved: float, kept_input: float,
+                              in_flight: float) -> Term:
+    """What a stage's blocks hold for backward over its micro-batches in flight: a block what it saves (`saved`,
+    the model's own count), a checkpointed one only its input (`kept_input`); in backward one checkpointed block at
+    a time is recomputed, its activations alive again."""
+    ck = 0 if mode == ActCkpt.none else len(layers) if mode == ActCkpt.full else sum(j % every == 0 for j in layers)
+    kept = in_flight * (ck * kept_input + (len(layers) - ck) * saved)
+    return Term(backward=kept, recompute=kept + (saved if ck else 0))
+
+
 def apply_compile(model: nn.Module, enabled: bool) -> None:
     """Compile each block separately: identical blocks share one compiled graph, cold start stays short. A model
     whose loss has compilable kernels of its own (`compile_loss`) gets them compiled too."""
@@ -227,6 +238,43 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def saved_activation_kind(compute_bytes: int, replicas: int) -> str:
+    """Which activations a block saves: fp32; autocast over fp32 parameters (one process per replica); or
+    low-precision parameters, which data parallel gathers (FSDP2's MixedPrecisionPolicy)."""
+    return "fp32" if compute_bytes == 4 else "lowp" if replicas > 1 else "autocast"
+
+
+def sharded_weights(params: float, shard: int, on_host: bool, accumulating: bool, full_grads: bool) -> dict[str, Term]:
+    """fp32 parameters and gradients, `params` per device before data parallel: FSDP2 shards both from ZeRO-2 on
+    (`shard` = dp); accumulating at ZeRO-2/3 without reducing each micro-batch (`full_grads`) also holds full-size
+    gradients; CPU offload keeps the sharded ones on the host."""
+    own = 0 if on_host else 4 * params / shard
+    return {"params": Term.held(own),
+            "grads": Term.gradients(own + (4 * params if full_grads else 0), accumulating)}
+
+
+def gathered_copies(zero_stage: int, replicas: int, compute_bytes: int, params: float, largest_block: float) -> Term:
+    """Parameters in the compute dtype beside the fp32 ones, from forward to backward: ZeRO-3 two blocks gathered
+    (the current one and the prefetched next); ZeRO-2 and replicate every gathered parameter; one replica in
+    bf16/fp16 autocast's casts of the weights, kept for backward."""
+    if replicas > 1 and zero_stage == 3:
+        return Term.in_backward(2 * largest_block * compute_bytes)
+    if replicas > 1:
+        return Term.in_backward(params * compute_bytes)
+    return Term.in_backward(params * 2 if compute_bytes == 2 else 0)
+
+
+def last_unit_reduced(zero_stage: int, dp: int, compute_bytes: int, params: float, root: float,
+                      largest_block: float) -> Term:
+    """The end of backward under data parallelism: the last unit reduced (the root's embedding, else a block;
+    replicate's whole model) holds its gathered parameters, its unsharded gradients and their fp32 reduce copy;
+    the other units are resharded by then (ZeRO-2 too: it reshards after backward)."""
+    if dp == 1:
+        return Term()
+    unit = params if zero_stage == 0 else root or largest_block
+    return Term(reduced=unit * (2 * compute_bytes + 4))
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg, spec: ModelSpec,

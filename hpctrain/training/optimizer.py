@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hpctrain.core.config import Decay, OptimImpl, OptimName
+from hpctrain.core.memory import Term
 
 log = logging.getLogger("hpctrain")
 
@@ -27,6 +28,25 @@ def implementation(ocfg, dtensors: bool) -> OptimImpl:
     (any dp or tp layout), for which torch 2.13 has no fused kernel (no sharding rule for aten._fused_sgd_)."""
     impl = OptimImpl(ocfg.implementation)
     return OptimImpl.foreach if impl == OptimImpl.fused and ocfg.name == OptimName.sgd and dtensors else impl
+
+
+def state_bytes(ocfg, params: int, factored: float) -> float:
+    """The optimizer's state for `params` parameters: AdamW, LAMB, Sophia two fp32 moments (8·P); SGD with
+    momentum 4·P; Adafactor 4·(rows + cols) per matrix and numel per vector (`factored` elements)."""
+    name = OptimName(ocfg.name)
+    return {OptimName.adamw: 8 * params, OptimName.lamb: 8 * params, OptimName.sophia: 8 * params,
+            OptimName.sgd: 4 * params if ocfg.momentum > 0 else 0, OptimName.adafactor: 4 * factored}[name]
+
+
+def memory_terms(ocfg, params: int, factored: float, dtensors: bool, shard: int, on_host: bool) -> dict[str, Term]:
+    """The state on the device, and the step's temporary: foreach kernels make one parameter-sized temporary (AdamW:
+    the square root of the second moment, LAMB's update made from it in place), fused ones none. `shard`: the ranks
+    sharing the state (ZeRO-2/3); `on_host`: FSDP CPU offload keeps both on the host."""
+    plain_sgd = OptimName(ocfg.name) == OptimName.sgd and ocfg.momentum == 0
+    temp = 0 if plain_sgd or implementation(ocfg, dtensors) == OptimImpl.fused else 4 * params
+    if on_host:
+        return {}
+    return {"optim": Term.held(state_bytes(ocfg, params, factored) / shard), "opt_temp": Term(step=temp / shard)}
 
 
 def step_passes(optimizer: torch.optim.Optimizer) -> list:

@@ -1,32 +1,23 @@
 """`python -m hpctrain plan <overrides>`: layer-to-stage map, per-device memory, bubble and FLOPs of a layout.
 
-Nothing is allocated: parameters are counted on a model built on the meta device, the rest is arithmetic.
-Memory per device, in bytes, with P the parameters a device holds (TP-sharded matrices / tp + replicated
-norms), c the compute dtype size (2 for bf16/fp16, else 4), s·b tokens of one micro-batch:
+Nothing is allocated: parameters are counted on a model built on the meta device, the rest is arithmetic. Each
+feature states its own memory term beside its code (core/memory.py: the bytes it holds at each moment of a step);
+the planner gathers them per pipeline stage and takes the worst moment (`total`). With P a device's parameters
+(TP-sharded matrices / tp + replicated norms), c the compute dtype's size (2 for bf16/fp16, else 4):
 
-  parameters   4·P / (dp if zero_stage>=2)            fp32 master weights (FSDP2 shards them at ZeRO-2 too)
-  buffers      the model's own buffers on every stage: the RoPE tables, 2 · 4 · max_seq_len · head_dim
-  gradients    4·P / (dp if zero_stage>=2)            + 4·P with accumulation and sharded_accumulation=false
-                                                      + 4·P: grad_compression's residual (8·P with
-                                                        loss_spike.action=skip_batch: the previous one kept)
-  optimizer    AdamW, LAMB, Sophia 8·P, SGD+momentum 4·P, Adafactor 4·(rows+cols of matrices + norms);
-               / (dp if zero>=2);
-               the step's temporary: 4·P (same share) with optim.implementation=foreach, none fused
-  compute copy zero 3: 2 blocks gathered · c; zero 2 and replicate (dp>1): P · c; one replica in bf16/fp16:
-               P · 2 (autocast's weight casts, kept for backward)
-  activations  per block, s·b · ACT_BYTES (measured with saved-tensor hooks; see block_act_bytes); a
-               checkpointed block keeps its input. Times the micro-batches in flight (m = grad_accum per step):
-               1F1B min(m, pp−stage), GPipe m, interleaved / zero-bubble ×(1+(pp−1)/(pp·v)).
-  loss         s·b·vocab/tp · 12 (16 with loss_parallel): fp32 log-probabilities kept, their gradient, the
-               logits' gradient; a pipeline's last stage also keeps its output logits (· c). train.fused_loss:
-               4·vocab·dim + 4·s·b·dim (the gradients it made in forward) + one chunk's logits (· (4 + c)) or
-               the weight gradient's per-chunk temporaries, whichever is larger
-  reducing     dp>1: the last unit backward reduces (root, else a block; replicate: the model) · (2c + 4);
-               grad_compression: 3 buckets (a bucket: 25 MB of gradients, or the embedding's if larger):
-               its flat buffer, PowerSGD's copy, the new residual
-The peak is the largest of three moments (`total`): backward's start, backward's end under data parallelism,
-the optimizer step. With parallel.cpu_offload the first three live on the host. Verdict: worst stage <= 90 %
-of cluster.gpu_mem_gb. docs/planner.md gives the measured accuracy and how it was measured.
+  parameters, gradients   parallel/parallelize.sharded_weights    4·P each, / dp from ZeRO-2 on
+  buffers                 the model's own (the RoPE tables, 2 · 4 · max_seq_len · head_dim), counted here
+  optimizer, temporary    training/optimizer.memory_terms         AdamW/LAMB/Sophia 8·P, SGD 4·P, Adafactor factored
+  compute copies          parallel/parallelize.gathered_copies    gathered or autocast-cast weights, · c
+  activations             the model's spec.block_activations (measured per token) × parallelize.checkpointed_
+                          activations × Layout.in_flight (the pipeline schedule's micro-batches in flight)
+  loss buffers            models/cross_entropy.loss_buffers       ~ tokens × vocab / tp × 12 (fused: one chunk)
+  last unit reduced       parallel/parallelize.last_unit_reduced  (parallel/compression.memory_terms instead when
+                                                                  gradients are compressed, with its residual)
+  host copy               training/save_resume.host_copy_bytes   train.ckpt_async, host memory beside the device's
+
+Verdict: worst stage <= 90 % of cluster.gpu_mem_gb. docs/planner.md gives the measured accuracy and how it was
+measured.
 """
 
 from __future__ import annotations
@@ -37,22 +28,24 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.core.config import (
-    ActCkpt,
-    ConfigError,
-    GradCompression,
-    OptimImpl,
-    OptimName,
-    PrecisionName,
-    SpikeAction,
-)
+from hpctrain.core.config import ActCkpt, ConfigError, GradCompression, OptimName, PrecisionName, SpikeAction
+from hpctrain.core.memory import Term, merge, peak
 from hpctrain.models import ModelSpec, spec_of
+from hpctrain.models.cross_entropy import loss_buffers
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
-from hpctrain.parallel.compression import BUCKET_BYTES
+from hpctrain.parallel import compression
 from hpctrain.parallel.layout import world_of
+from hpctrain.parallel.parallelize import (
+    checkpointed_activations,
+    gathered_copies,
+    last_unit_reduced,
+    saved_activation_kind,
+    sharded_weights,
+)
 from hpctrain.parallel.process_group import local_device_count
 from hpctrain.runs.resolve import RunShape, resolve
-from hpctrain.training.optimizer import implementation
+from hpctrain.training import optimizer
+from hpctrain.training.save_resume import host_copy_bytes
 
 GiB = 2**30
 HEADROOM = 0.9  # usable share of device memory: allocator fragmentation, NCCL buffers, CUDA context
@@ -132,160 +125,96 @@ def _describe(i: int, st: StageParams, pp: int) -> str:
     return " + ".join(parts) or "(nothing)"
 
 
-# Bytes a Llama block saves for backward, per token, measured with saved-tensor hooks (see the module docstring):
-# (norm-side, linear inputs) × h replicated over tp (the first split by sequence parallelism), then
-# (h, kv_dim, ffn) coefficients of what tp shards.
-ACT_BYTES = {"fp32": (16, 8, (8, 8, 16)),  # fp32 / tf32
-             "autocast": (16, 10, (4, 4, 8)),  # bf16/fp16 autocast over fp32 parameters: fp32 residual stream
-             "lowp": (12, 4, (4, 4, 8))}  # bf16/fp16 parameters (FSDP/replicate MixedPrecisionPolicy)
+# The plan's memory lines: the names the features' terms carry.
+LINES = ("params", "buffers", "grads", "optim", "opt_temp", "copies", "logits", "reducing")
 
 
-def act_kind(c: int, dp: int) -> str:
-    """Which activations a block saves: fp32; autocast over fp32 parameters (one process per replica);
-    low-precision parameters, which data parallel gathers (FSDP2's MixedPrecisionPolicy)."""
-    return "fp32" if c == 4 else "lowp" if dp > 1 else "autocast"
+@dataclass(frozen=True)
+class _Run:
+    """What every stage's terms share: the run's settings, turned into the quantities the terms take."""
+
+    cfg: object
+    plan: RunShape
+    spec: ModelSpec
+    args: object
+    c: int  # the compute dtype's bytes
+    shard: int  # ranks sharing parameters, gradients and state: dp from ZeRO-2 on (FSDP2 shards them there)
+    compressed: bool  # parallel.grad_compression: one process's model with its own exchange, no data-parallel unit
+    m: int  # micro-batches per schedule: a pipelined step runs its grad_accum micro-batches through one
+    tokens: int  # of one micro-batch
+
+    @classmethod
+    def of(cls, cfg, plan: RunShape, seq_len: int) -> _Run:
+        spec, layout, p = spec_of(cfg), plan.layout, cfg.parallel
+        low = PrecisionName(cfg.precision.name) in (PrecisionName.bf16, PrecisionName.fp16)
+        return cls(cfg, plan, spec, spec.args(cfg.model), c=2 if low else 4,
+                   shard=layout.dp if p.zero_stage >= 2 else 1,
+                   compressed=layout.dp > 1 and GradCompression(p.grad_compression) != GradCompression.none,
+                   m=plan.grad_accum if layout.pipelined else 1, tokens=seq_len * plan.micro_batch)
 
 
-def block_act_bytes(args, tokens: int, kind: str, tp: int, sp: int) -> float:
-    """What one block saves for backward over `tokens` tokens (tp-sharded parts / tp, norm side / sp)."""
-    norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
-    per_token = (norm * args.dim / sp + lin * args.dim
-                 + (kh * args.dim + kkv * args.kv_heads * args.head_dim + kf * args.ffn_hidden) / tp
-                 + 8 + 4 * args.n_heads / tp)  # RMSNorm statistics, attention log-sum-exp
-    return tokens * per_token
+def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
+    """Stage `i`'s device: every feature's term, by the plan's line it shows on."""
+    p, layout, tp = r.cfg.parallel, r.plan.layout, r.plan.layout.tp
+    P, accumulating, replicas = st.per_device(tp), r.plan.grad_accum > 1, 1 if r.compressed else layout.dp
+    # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines: each
+    # schedule run reduces).
+    full_grads = r.shard > 1 and accumulating and not p.sharded_accumulation and not layout.pipelined
+    terms = [sharded_weights(P, r.shard, p.cpu_offload, accumulating, full_grads), {"buffers": Term.held(st.buffers)},
+             optimizer.memory_terms(r.cfg.optim, P, st.factored / tp, layout.dp > 1 or tp > 1, r.shard, p.cpu_offload),
+             {"copies": gathered_copies(p.zero_stage, replicas, r.c, P, st.largest_block / tp)}]
+    if i == layout.pp - 1:
+        terms.append({"logits": loss_buffers(r.args.vocab_size, r.args.dim, r.tokens, tp, r.c, layout.pipelined,
+                                             r.cfg.train.fused_loss)})
+    if r.compressed:
+        undo = SpikeAction(r.cfg.monitor.loss_spike.action) == SpikeAction.skip_batch
+        terms.append(compression.memory_terms(P, 4 * r.args.vocab_size * r.args.dim, undo, accumulating))
+    else:
+        terms.append({"reducing": last_unit_reduced(p.zero_stage, layout.dp, r.c, P, st.root / tp,
+                                                    st.largest_block / tp)})
+    return merge(*terms)
+
+
+def _activations(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
+    """Stage `i`'s activations, for each activation-checkpointing mode (selective checkpoints the blocks whose
+    global index is a multiple of parallel.ac_every)."""
+    p, layout = r.cfg.parallel, r.plan.layout
+    kind = saved_activation_kind(r.c, 1 if r.compressed else layout.dp)
+    saved, kept_input = r.spec.block_activations(r.args, r.tokens, kind, layout.tp,
+                                                 layout.tp if p.sequence_parallel else 1)
+    layers = [j for chunk in st.layers for j in chunk]
+    return {mode.value: checkpointed_activations(mode, p.ac_every, layers, saved, kept_input,
+                                                 layout.in_flight(i, r.m)) for mode in ActCkpt}
 
 
 def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
-    """Per-stage memory parts in bytes, keyed by activation-checkpointing mode, plus the step numbers."""
-    spec, p, pr, layout = spec_of(cfg), cfg.parallel, cfg.precision, plan.layout
-    args = spec.args(cfg.model)
-    dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.pp_virtual_stages
-    c = 2 if PrecisionName(pr.name) in (PrecisionName.bf16, PrecisionName.fp16) else 4
-    z2 = dp if p.zero_stage >= 2 else 1  # FSDP2 shards parameters, gradients and state from ZeRO-2 on
-    # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines:
-    # each schedule run reduces).
-    full_grads = z2 > 1 and plan.grad_accum > 1 and not p.sharded_accumulation and not layout.pipelined
-    # A pipelined step runs its grad_accum micro-batches through one schedule: they are the pipeline's.
-    m = plan.grad_accum if layout.pipelined else 1
-    b = plan.micro_batch
-    sp = tp if p.sequence_parallel else 1
-    # parallel.grad_compression: fp32 parameters under autocast as one process, plus each rank's residual (4·P,
-    # kept between steps) and, at backward's end, three buckets (below).
-    compressed = dp > 1 and GradCompression(p.grad_compression) != GradCompression.none
-    residuals = 2 if SpikeAction(cfg.monitor.loss_spike.action) == SpikeAction.skip_batch else 1  # + the undo's
-    replicas = 1 if compressed else dp
-    kind = act_kind(c, replicas)
-    act_layer = block_act_bytes(args, seq_len * b, kind, tp, sp)
-    act_input = seq_len * b * (2 if kind == "lowp" else 4) * args.dim / sp  # a checkpointed block keeps its input
-    schedule = layout.pp_schedule if layout.pipelined else "none"
-    stages = stage_params(args, pp, v, spec)
+    """Per stage: each feature's term (`terms`), the activations' per checkpointing mode (`activations`), and the
+    sizes the plan's lines show (LINES; `acts` and `recompute` per mode; `async_copy`: host memory); plus the
+    step's numbers."""
+    r = _Run.of(cfg, plan, seq_len)
+    layout = plan.layout
+    stages = stage_params(r.args, layout.pp, layout.pp_virtual_stages, r.spec)
     rows = []
     for i, st in enumerate(stages):
-        P = st.per_device(tp)
-        opt, opt_temp = _optimizer_bytes(cfg.optim, st, P, tp, dtensors=dp > 1 or tp > 1)
-        flight = _in_flight(schedule, pp, i, m, v)
-        idx = [j for chunk in st.layers for j in chunk]
-        n, acts, recompute = len(idx), {}, {}
-        for mode in ActCkpt:  # selective checkpoints blocks whose global index is a multiple of ac_every
-            ck = 0 if mode == ActCkpt.none else n if mode == ActCkpt.full else sum(j % p.ac_every == 0 for j in idx)
-            acts[mode.value] = flight * (ck * act_input + (n - ck) * act_layer)
-            recompute[mode.value] = act_layer if ck else 0  # one block recomputed at a time, in backward
-        # The loss at the start of backward: fp32 log-probabilities kept for backward, their gradient and the
-        # logits' (one more with loss_parallel, which keeps its own softmax statistics of the vocab shard).
-        # A pipeline schedule also keeps the last stage's output (the logits, in the compute dtype).
-        logits = (_loss_bytes(args, seq_len * b, tp, c, layout.pipelined, cfg.train.fused_loss)
-                  if i == pp - 1 else 0)
-        off = 0 if p.cpu_offload else 1  # FSDP CPU offload keeps sharded params, grads and state on the host
-        grads = off * 4 * P / z2 + (4 * P if full_grads else 0) + (residuals * 4 * P if compressed else 0)
-        # train.ckpt_async copies the checkpoint's shard (fp32 parameters, optimizer state) to host memory, kept
-        # between saves.
-        async_copy = (4 * P + opt) / z2 if cfg.train.ckpt_async and cfg.train.checkpointing else 0
-        rows.append({"stage": i, "desc": _describe(i, st, pp), "params_per_device": P, "params": off * 4 * P / z2,
-                     "buffers": st.buffers,
-                     "grads": grads, "held_grads": grads if plan.grad_accum > 1 else 0,  # only when accumulating
-                     "optim": off * opt / z2, "opt_temp": off * opt_temp / z2,
-                     "copies": _copies(p.zero_stage, replicas, c, st, P, tp),
-                     # A bucket: 25 MB of whole gradients, or one larger gradient (the embedding's); PowerSGD
-                     # also holds its copy, and the new residual.
-                     "reducing": (3 * min(max(BUCKET_BYTES, 4 * args.vocab_size * args.dim), 4 * P) if compressed
-                                  else _reducing(p.zero_stage, dp, c, st, P, tp)),
-                     "acts": acts, "recompute": recompute, "logits": logits, "flight": flight,
-                     "async_copy": async_copy})
-    bubble = layout.bubble(m)
-    flops = spec.flops_per_token(args, seq_len) * plan.global_batch * seq_len
-    return {"stages": stages, "rows": rows, "m": m, "b": b, "schedule": schedule, "bubble": bubble,
-            "flops": flops, "args": args, "c": c}
-
-
-def _loss_bytes(args, tokens: int, tp: int, c: int, pipelined: bool, fused: bool) -> float:
-    """The loss's buffers at the start of backward. Plain: fp32 log-probabilities kept for backward, their
-    gradient and the logits' (one more with loss_parallel, which keeps its own softmax statistics of the vocab
-    shard); a pipeline schedule also keeps the last stage's output (the logits, in the compute dtype).
-    train.fused_loss: the gradients it computed in forward (the weight's in fp32, the hidden states'), its
-    compute-dtype copies of both inputs, and one chunk's fp32 logits with their compute-dtype gradient."""
-    if not fused:
-        return tokens * args.vocab_size / tp * ((16 if tp > 1 else 12) + (c if pipelined else 0))
-    from hpctrain.models.cross_entropy import chunk_tokens
-
-    weight, hidden = args.vocab_size * args.dim, tokens * args.dim
-    copies = (weight + hidden) * c if c == 2 else 0
-    chunk = min(tokens, chunk_tokens(args.vocab_size)) * args.vocab_size
-    # A chunk's peak: its fp32 logits (the gradient is made in place) and, in bf16/fp16, the gradient's cast; then
-    # that gradient and the weight gradient's matmul result with, in bf16/fp16, its fp32 copy.
-    low = c == 2
-    return 4 * weight + 4 * hidden + copies + max(chunk * (4 + (c if low else 0)),
-                                                   chunk * c + weight * (c + (4 if low else 0)))
-
-
-def _optimizer_bytes(ocfg, st: StageParams, P: int, tp: int, dtensors: bool) -> tuple[float, float]:
-    """(state, the step's temporary): foreach optimizers make one parameter-sized temporary (AdamW: the square
-    root of the second moment, LAMB's update made from it in place); fused ones none (`dtensors`: the layout's
-    parameters are DTensors)."""
-    name = OptimName(ocfg.name)
-    state = {OptimName.adamw: 8 * P, OptimName.lamb: 8 * P, OptimName.sophia: 8 * P,
-             OptimName.sgd: 4 * P if ocfg.momentum > 0 else 0, OptimName.adafactor: 4 * st.factored / tp}[name]
-    plain_sgd = name == OptimName.sgd and ocfg.momentum == 0
-    return state, 0 if plain_sgd or implementation(ocfg, dtensors) == OptimImpl.fused else 4 * P
-
-
-def _copies(zero_stage: int, dp: int, c: int, st: StageParams, P: int, tp: int) -> float:
-    """Parameters in the compute dtype beside the fp32 ones, from forward to backward."""
-    if dp > 1 and zero_stage == 3:  # two blocks gathered: the current one and the prefetched next
-        return 2 * st.largest_block / tp * c
-    if dp > 1:  # ZeRO-2 and replicate keep every gathered parameter
-        return P * c
-    return P * 2 if c == 2 else 0  # autocast's casts of the weights, kept for backward
-
-
-def _reducing(zero_stage: int, dp: int, c: int, st: StageParams, P: int, tp: int) -> float:
-    """The end of backward under data parallelism: the last unit reduced (the root's embedding, else a block;
-    replicate's whole model) holds its gathered parameters, its unsharded gradients and their fp32 reduce copy;
-    the other units are resharded by then (ZeRO-2 too: it reshards after backward)."""
-    if dp == 1:
-        return 0
-    unit = P if zero_stage == 0 else (st.root or st.largest_block) / tp
-    return unit * (2 * c + 4)
-
-
-def _in_flight(schedule: str, pp: int, stage: int, m: int, v: int) -> float:
-    """Micro-batches whose activations a stage holds at once."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    return min(m, pp - stage) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        terms, acts = _stage_terms(r, i, st), _activations(r, i, st)
+        P = st.per_device(layout.tp)
+        state = optimizer.state_bytes(cfg.optim, P, st.factored / layout.tp)
+        rows.append({"stage": i, "desc": _describe(i, st, layout.pp), "params_per_device": P,
+                     "terms": terms, "activations": acts,
+                     **{name: terms.get(name, Term()).size for name in LINES},
+                     "acts": {mode: t.backward for mode, t in acts.items()},
+                     "recompute": {mode: t.recompute - t.backward for mode, t in acts.items()},
+                     "flight": layout.in_flight(i, r.m), "async_copy": host_copy_bytes(cfg.train, P, state, r.shard)})
+    flops = r.spec.flops_per_token(r.args, seq_len) * plan.global_batch * seq_len
+    return {"stages": stages, "rows": rows, "m": r.m, "b": plan.micro_batch,
+            "schedule": layout.pp_schedule if layout.pipelined else "none", "bubble": layout.bubble(r.m),
+            "flops": flops, "args": r.args, "c": r.c}
 
 
 def total(row: dict, mode: str) -> float:
-    """The largest of three peaks: backward's start (the saved activations and the loss's buffers, or a recomputed
-    block instead of the latter; gradients only when accumulating), backward's end under data parallelism (every
-    gradient, the last unit's being reduced) and the optimizer step (its temporary)."""
-    resident = row["params"] + row["optim"] + row["buffers"]
-    backward = (resident + row["held_grads"] + row["copies"] + row["acts"][mode]
-                + max(row["logits"], row["recompute"][mode]))
-    reduced = resident + row["grads"] + row["reducing"] if row["reducing"] else 0
-    step = resident + row["grads"] + row["opt_temp"]
-    return max(backward, reduced, step)
+    """The device's peak with checkpointing `mode`: the worst moment of every term (core/memory.py): backward's
+    start, a block recomputed, backward's end under data parallelism, the optimizer step."""
+    return peak([*row["terms"].values(), row["activations"][mode]])
 
 
 # The parts `largest_part` names, with what shrinks each.
@@ -343,7 +272,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     out.append(f"  {'':28}" + "".join(f"{'stage ' + str(r['stage']):>10}" for r in rows))
     lines = [("parameters (fp32)", "params"), ("buffers (RoPE tables)", "buffers"), ("gradients (fp32)", "grads"),
              (f"optimizer ({OptimName(cfg.optim.name).value})", "optim"),
-             (f"optimizer temporary ({implementation(cfg.optim, plan.dp > 1 or plan.tp > 1).value})", "opt_temp"),
+             (f"optimizer temporary ({optimizer.implementation(cfg.optim, plan.dp > 1 or plan.tp > 1).value})", "opt_temp"),
              (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),
              ("loss buffers", "logits"), ("last unit being reduced", "reducing")]
     for label, key in lines:

@@ -26,6 +26,12 @@ from hpctrain.training.step import params_finite
 log = logging.getLogger("hpctrain")
 
 
+def host_copy_bytes(tcfg, params: float, optim_state: float, shard: int) -> float:
+    """train.ckpt_async copies each rank's share of a checkpoint (fp32 parameters, optimizer state) to host memory
+    and keeps it between saves: host memory per rank, beside the device's."""
+    return (4 * params + optim_state) / shard if tcfg.ckpt_async and tcfg.checkpointing else 0
+
+
 class _NonFinite(Exception):
     """The weights of a checkpoint being written are not all finite (on some rank)."""
 

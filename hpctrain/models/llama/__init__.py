@@ -3,7 +3,7 @@ transformers adapter (`hf.py`), bound together in SPEC."""
 
 from hpctrain.models import ModelSpec
 from hpctrain.models.llama.model import Llama, ModelArgs, flops_per_token, init_rule, num_params
-from hpctrain.models.llama.parallel import check_layout, tp_plan
+from hpctrain.models.llama.parallel import block_activations, check_layout, tp_plan
 
 SPEC = ModelSpec(
     family="llama",
@@ -14,6 +14,7 @@ SPEC = ModelSpec(
     tp_plan=tp_plan,
     check_layout=check_layout,
     flops_per_token=flops_per_token,
+    block_activations=block_activations,
     num_params=num_params,
     init_rule=init_rule,
     hf_adapter="hpctrain.models.llama.hf",

@@ -64,3 +64,21 @@ def check_layout(args, layout, sequence_parallel: bool) -> None:
                     ("model.ffn_hidden", args.ffn_hidden)):
         if n % layout.tp:
             raise ConfigError(f"{what}={n} is not divisible by parallel.tp={layout.tp}: choose a tp that divides it")
+
+
+# Bytes a block saves for backward, per token, measured with saved-tensor hooks (docs/planner.md): (norm-side, linear
+# inputs) × dim replicated over tp (the first split by sequence parallelism), then (dim, kv_dim, ffn) coefficients of
+# what tp shards.
+ACT_BYTES = {"fp32": (16, 8, (8, 8, 16)),  # fp32 / tf32
+             "autocast": (16, 10, (4, 4, 8)),  # bf16/fp16 autocast over fp32 parameters: fp32 residual stream
+             "lowp": (12, 4, (4, 4, 8))}  # bf16/fp16 parameters (FSDP/replicate MixedPrecisionPolicy)
+
+
+def block_activations(args, tokens: int, kind: str, tp: int, sp: int) -> tuple[float, float]:
+    """(what one block saves for backward over `tokens` tokens, what it keeps when checkpointed: its input), with
+    tp-sharded parts / tp and the norm side and the input / sp (sequence parallel). `kind`: ACT_BYTES' key."""
+    norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
+    per_token = (norm * args.dim / sp + lin * args.dim
+                 + (kh * args.dim + kkv * args.kv_heads * args.head_dim + kf * args.ffn_hidden) / tp
+                 + 8 + 4 * args.n_heads / tp)  # RMSNorm statistics, attention log-sum-exp
+    return tokens * per_token, tokens * (2 if kind == "lowp" else 4) * args.dim / sp
