@@ -69,6 +69,28 @@ class TextTokenizer:
         return path
 
 
+def token_bytes(tok: TextTokenizer) -> list[int]:
+    """The UTF-8 bytes of text each token id stands for, special tokens (EOS) 0: bits per byte's divisor, which does
+    not depend on the tokenizer. Exact for byte-level BPE (GPT-2's, Llama 3's, the demo's: each character of a token
+    is one byte); for other tokenizers the token decoded alone (a decoder that strips a leading space counts it not)."""
+    core = tok.core
+    special = {tok.eos_id} | {i for i, t in core.get_added_tokens_decoder().items() if t.special}
+    byte_level = isinstance(core.decoder, decoders.ByteLevel)
+    out = []
+    for i in range(tok.vocab_size):
+        piece = core.id_to_token(i)
+        if i in special or piece is None:
+            out.append(0)
+        elif byte_level and all(c in _BYTE_LEVEL for c in piece):
+            out.append(len(piece))
+        else:
+            out.append(len(core.decode([i], skip_special_tokens=False).encode("utf-8")))
+    return out
+
+
+_BYTE_LEVEL = frozenset(pre_tokenizers.ByteLevel.alphabet())
+
+
 def _write_atomic(path: str, text: str) -> None:
     """Replace `path` by `text` atomically; a no-op when it already holds exactly that (so concurrent
     array tasks saving the same tokenizer never rewrite a file another task is reading)."""

@@ -139,6 +139,20 @@ def test_tokenizer_cli_trains_deterministically(corpus, tok_dir, tmp_path):
     assert r.returncode == 2 and _one_line(r.stderr, "matches no files")
 
 
+def test_token_bytes_add_up_to_the_text(tok_dir):
+    """Bits per byte's divisor: the bytes each token stands for add up to the UTF-8 bytes of the text it encodes
+    (non-ASCII included; EOS stands for none); a tokenizer that is not byte-level counts each token decoded alone."""
+    from data_prep.synthetic import word_tokenizer
+    from data_prep.tokenizer import token_bytes
+
+    tok = load_tokenizer(tok_dir)
+    table = token_bytes(tok)
+    text = _doc(3) + " naïve café — 東京 ✓\n\tdef f(x): return x"
+    assert sum(table[i] for i in tok.encode(text)) == len(text.encode()) and table[tok.eos_id] == 0
+    words = word_tokenizer(50)
+    assert token_bytes(words)[words.eos_id] == 0 and token_bytes(words)[12] == len("w12")
+
+
 def test_jsonl_pieces_cut_at_line_starts(corpus):
     path = os.path.join(os.path.dirname(corpus[1]), "big.jsonl")
     pieces = plan_pieces([path], piece_bytes=7000)

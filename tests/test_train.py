@@ -49,6 +49,20 @@ def test_run_writes_metrics_tensorboard_checkpoints_result(make_cfg, tmp_path):
         assert r["tokens_per_s"] > 0 and 0 <= r["data_wait_frac"] < 1 and r["mem_gb"] > 0
     assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
     assert steps[-1]["loss"] < steps[0]["loss"]
+    # Bits per byte: the evaluation's nats over the bytes of its targets' text, decoded here by the tokenizer
+    # (train.eval_batches=2 global batches of 8: the val split's first 16 samples).
+    import math
+
+    from data_prep.tokenizer import load_tokenizer
+    from hpctrain.data.loader import ShardStream
+
+    data = make_cfg().data.path
+    stream = ShardStream(data, "val", 16, 0, loop=False, shuffle=False)
+    tok = load_tokenizer(os.path.join(data, stream.manifest.tokenizer.path))
+    targets = next(iter(stream))[:, 1:]
+    text = sum(len(tok.decode(row.tolist(), skip_special_tokens=True).encode()) for row in targets)
+    for r in (r for r in recs if "val_loss" in r):
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] * targets.numel() / (math.log(2) * text), rel=1e-9)
 
     doc = read_json(os.path.join(run, "result.json"))
     assert doc == result and doc["status"] == "completed" and doc["steps"] == 6

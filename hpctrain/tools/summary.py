@@ -33,7 +33,8 @@ def summarize(run_dir: str) -> str:
     first, last = train[0], train[-1]
     text = f"{status}; loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']})"
     if val:
-        text += f"; val loss {val[-1]['val_loss']:.3f} (ppl {val[-1]['val_ppl']:.1f})"
+        bpb = f", {val[-1]['val_bpb']:.3f} bits/byte" if _numbers(val[-1], "val_bpb") else ""
+        text += f"; val loss {val[-1]['val_loss']:.3f} (ppl {val[-1]['val_ppl']:.1f}{bpb})"
     tps = [r["tokens_per_s"] for r in train[1:]] or [first["tokens_per_s"]]
     return text + f"; {sum(tps) / len(tps):,.0f} tokens/s"
 

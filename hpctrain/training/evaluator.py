@@ -9,17 +9,28 @@ from collections.abc import Callable
 class Evaluator:
     """Every `every` steps and at the last one: the mean token loss over the evaluation's validation samples (the
     same ones each time and in every layout, split over the data-parallel ranks by `batches`), logged as
-    val_loss / val_ppl."""
+    val_loss / val_ppl, and as val_bpb, bits per byte of text, which does not depend on the tokenizer (`text_bytes`:
+    the evaluation's targets and the bytes they stand for, counted once at the first evaluation; None on ranks that
+    log nothing)."""
 
-    def __init__(self, every: int, last_step: int, batches: Callable, step, metrics):
+    def __init__(self, every: int, last_step: int, batches: Callable, step, metrics,
+                 text_bytes: Callable[[], tuple[int, int] | None] | None = None):
         self.every, self.last_step = every, last_step
         self.batches, self.step, self.metrics = batches, step, metrics
+        self.text_bytes, self._counted = text_bytes, None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.last_step)
 
     def run(self, state) -> float:
         state.last_val_loss = self.step.evaluate(self.batches())
-        self.metrics.log({"step": state.step, "val_loss": state.last_val_loss,
-                          "val_ppl": math.exp(min(state.last_val_loss, 50.0))})
+        record = {"step": state.step, "val_loss": state.last_val_loss,
+                  "val_ppl": math.exp(min(state.last_val_loss, 50.0))}
+        if self.text_bytes is not None:
+            if self._counted is None:
+                self._counted = self.text_bytes() or (0, 0)
+            targets, nbytes = self._counted
+            if nbytes:
+                record["val_bpb"] = state.last_val_loss * targets / (math.log(2) * nbytes)
+        self.metrics.log(record)
         return state.last_val_loss

@@ -4,13 +4,17 @@ tokenizer and data lanes, timed (the loop's data wait)."""
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
 from collections.abc import Iterator
 
 import torch
 
 from hpctrain.core.errors import TrainingError
-from hpctrain.data.loader import ShardStream, choose_lanes, read_manifest
+from hpctrain.data.loader import DataError, ShardStream, choose_lanes, read_manifest
+
+log = logging.getLogger("hpctrain")
 
 
 def val_stream(data_dir: str, micro_batch: int, cfg) -> ShardStream:
@@ -31,6 +35,25 @@ def val_share(data_dir: str, cfg, shape, dp_rank: int) -> Iterator[torch.Tensor]
     stream = val_stream(data_dir, shape.micro_batch, cfg)
     n = eval_microbatches(stream.manifest.num_samples("val"), cfg.train.eval_batches, shape)
     return (batch for j, batch in zip(range(n), stream) if j % shape.dp == dp_rank)
+
+
+def val_bytes(data_dir: str, cfg, shape) -> tuple[int, int] | None:
+    """(targets, the UTF-8 bytes of text they stand for) over a whole evaluation, every rank's share: what turns the
+    mean token loss into bits per byte. None, with a warning, where the shards' tokenizer cannot be read."""
+    from data_prep.tokenizer import load_tokenizer, token_bytes
+
+    stream = val_stream(data_dir, shape.micro_batch, cfg)
+    try:
+        table = torch.tensor(token_bytes(load_tokenizer(os.path.join(data_dir, stream.manifest.tokenizer.path))))
+    except DataError as e:
+        log.warning("no val_bpb: %s", e)
+        return None
+    n = eval_microbatches(stream.manifest.num_samples("val"), cfg.train.eval_batches, shape)
+    targets = nbytes = 0
+    for _, batch in zip(range(n), stream):
+        targets += batch[:, 1:].numel()
+        nbytes += int(table[batch[:, 1:].long()].sum())
+    return targets, nbytes
 
 
 def check_bound(run: dict, dcfg, seed: int, data_dir: str, manifest=None) -> None:

@@ -32,7 +32,7 @@ from hpctrain.runtime import job
 from hpctrain.runtime.job import RunStatus, Stop
 from hpctrain.storage import checkpoint
 from hpctrain.training.evaluator import Evaluator
-from hpctrain.training.feed import TrainFeed, val_share
+from hpctrain.training.feed import TrainFeed, val_bytes, val_share
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optimizer import build_optimizer, build_scheduler, step_passes
 from hpctrain.training.precision import setup_precision
@@ -115,7 +115,8 @@ class Trainer:
         self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.corrupt_total)
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
         self.evaluator = Evaluator(t.eval_every, t.max_steps,
-                                   lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics)
+                                   lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics,
+                                   (lambda: val_bytes(prepared.data_dir, cfg, shape)) if env.is_main else None)
         self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(self.run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
