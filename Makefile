@@ -48,11 +48,11 @@ demo-data: install
 	$(PY) -m hpctrain prep demo
 
 # train.resume=never: a demo run already in DEMO_DIR is moved aside into DEMO_DIR/previous/ (never deleted).
-# model=demo, 600 steps of 16 x 256 tokens at lr 6e-3: the lowest validation bits per byte found for ~5 min on 2 cores
+# model=nano, 600 steps of 16 x 256 tokens at lr 6e-3: the lowest validation bits per byte found for ~5 min on 2 cores
 # (docs/training.md#the-demo).
 demo: install
 	$(PY) -m hpctrain run_dir=$(call arg,DEMO_DIR) train.resume=never train.max_steps=$(call arg,DEMO_STEPS) \
-		model=demo train.micro_batch=16 train.log_every=20 train.eval_every=100 optim.lr=6e-3 optim.warmup_steps=30
+		model=nano train.micro_batch=16 train.log_every=20 train.eval_every=100 optim.lr=6e-3 optim.warmup_steps=30
 	$(PY) -m hpctrain summary $(call arg,DEMO_DIR)
 	$(PY) -m hpctrain generate run_dir=$(call arg,DEMO_DIR) prompt="def " max_new_tokens=120
 
