@@ -11,7 +11,8 @@ import sysconfig
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# One worker runs the module (make test's xdist workers): its wheel and virtualenv are built once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packaging")]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SOURCES = ("pyproject.toml", "README.md", "hpctrain", "conf", "data_prep", "hydra_plugins")

@@ -17,6 +17,8 @@ from hpctrain.launch.sweep import main, report
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 COMBOS = ["optim.lr=0.01 train.global_batch=8", "optim.lr=0.01 train.global_batch=16",
           "optim.lr=0.003 train.global_batch=8", "optim.lr=0.003 train.global_batch=16"]
+# One worker runs the module (make test's xdist workers): its real sweep is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("sweep")
 
 
 @pytest.fixture(scope="module")

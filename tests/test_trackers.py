@@ -28,6 +28,8 @@ LONG = "x" * 7000  # over MLflow's 6000-character limit on a param's value
 BASE = [*SMALL_MODEL, "data.prepare_demo=false", "train.global_batch=8", "train.micro_batch=4", "train.log_every=1",
         "train.eval_every=3", "train.eval_batches=2", "train.ckpt_every=3", "optim.warmup_steps=2", "optim.lr=1e-2",
         "cluster.num_threads=1", "logging.trackers=[mlflow,wandb]"]
+# One worker runs the module (make test's xdist workers): its tracked and resumed run is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("trackers")
 
 
 def _cfg(demo_data, *overrides):
