@@ -179,7 +179,12 @@ PEAK_CASES = {"single": [], "ddp": ["parallel=ddp", "parallel.dp=2"], "fsdp": ["
               "fsdp_tied64k": ["parallel=fsdp", "parallel.dp=2", "model.vocab_size=65536", "model.max_seq_len=16",
                                "model.tie_embeddings=true", "model.n_layers=2"],
               # train.fused_loss on a 64k vocabulary, the loss's buffers a large part of the peak.
-              "fused64k": ["train.fused_loss=true", "model.vocab_size=65536", "model.n_layers=2"]}
+              "fused64k": ["train.fused_loss=true", "model.vocab_size=65536", "model.n_layers=2"],
+              # Gradient compression from step 2 (its first compressed step: 3): the residual kept between steps.
+              "ddp_powersgd": ["parallel=ddp", "parallel.dp=2", "parallel.grad_compression=powersgd",
+                               "parallel.compression_start_step=2", "train.max_steps=4"]}
+# The precisions each case is measured in (both, unless named here).
+PEAK_PRECISIONS = {"fsdp_tied64k": ("bf16",), "ddp_powersgd": ("fp32",)}
 PEAK_BF16 = ["model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=344"]
 PEAK_BF16_CASES = {"fused64k": ["model.vocab_size=16384", "model.max_seq_len=64"]}
 # bf16 runs take ~4x fp32's here (the bf16 matmuls above): activation checkpointing is measured in bf16 where it meets
@@ -243,7 +248,8 @@ def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, 
     # fsdp_tied64k in fp32: one rank of one run in ~6 held one more gathered copy of the 64k embedding (+64 MiB,
     # −23 %) at backward's end, a timing effect of the asynchronous collectives; bf16 is the case that matters
     # (make bench-scale), and it has not varied.
-    for precision in ("bf16",) if case == "fsdp_tied64k" else ("fp32", "bf16"):
+    # ddp_powersgd in fp32 only: the residual it adds is fp32 whatever the precision.
+    for precision in PEAK_PRECISIONS.get(case, ("fp32", "bf16")):
         overrides = [*PEAK_MODEL, *PEAK_RUN, *PEAK_CASES[case]]
         if precision == "bf16":
             overrides += [*PEAK_BF16, *PEAK_BF16_CASES.get(case, [])]

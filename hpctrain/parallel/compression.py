@@ -30,12 +30,12 @@ log = logging.getLogger("hpctrain")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
-def memory_terms(params: int, largest_grad: int, undo: bool, accumulating: bool) -> dict[str, Term]:
-    """Each rank's residual (4·P fp32, kept between steps; 8·P when a skipped batch can be undone: the previous one
-    kept too) and, at backward's end, three buckets (a bucket: 25 MB of whole gradients, or one larger gradient,
-    `largest_grad` bytes): its flat buffer, PowerSGD's copy, the new residual."""
+def memory_terms(params: int, largest_grad: int, undo: bool) -> dict[str, Term]:
+    """Each rank's residual (4·P fp32, kept between steps, so held at every moment; 8·P when a skipped batch can be
+    undone: the previous one kept too) and, at backward's end, three buckets (a bucket: 25 MB of whole gradients,
+    or one larger gradient, `largest_grad` bytes): its flat buffer, PowerSGD's copy, the new residual."""
     residual = (2 if undo else 1) * 4 * params
-    return {"grads": Term.gradients(residual, accumulating),
+    return {"grads": Term.held(residual),
             "reducing": Term(reduced=3 * min(max(BUCKET_BYTES, largest_grad), 4 * params))}
 
 

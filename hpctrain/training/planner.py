@@ -168,7 +168,7 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
                                              r.cfg.train.fused_loss)})
     if r.compressed:
         undo = SpikeAction(r.cfg.monitor.loss_spike.action) == SpikeAction.skip_batch
-        terms.append(compression.memory_terms(P, 4 * r.args.vocab_size * r.args.dim, undo, accumulating))
+        terms.append(compression.memory_terms(P, 4 * r.args.vocab_size * r.args.dim, undo))
     else:
         terms.append({"reducing": last_unit_reduced(p.zero_stage, layout.dp, r.c, P, st.root / tp,
                                                     st.largest_block / tp)})
