@@ -69,6 +69,9 @@ class TextTokenizer:
         return path
 
 
+_BYTE_LEVEL = frozenset(pre_tokenizers.ByteLevel.alphabet())  # a byte-level token's characters, one per byte
+
+
 def token_bytes(tok: TextTokenizer) -> list[int]:
     """The UTF-8 bytes of text each token id stands for, special tokens (EOS) 0: bits per byte's divisor, which does
     not depend on the tokenizer. Exact for byte-level BPE (GPT-2's, Llama 3's, the demo's: each character of a token
@@ -86,9 +89,6 @@ def token_bytes(tok: TextTokenizer) -> list[int]:
         else:
             out.append(len(core.decode([i], skip_special_tokens=False).encode("utf-8")))
     return out
-
-
-_BYTE_LEVEL = frozenset(pre_tokenizers.ByteLevel.alphabet())
 
 
 def _write_atomic(path: str, text: str) -> None:
