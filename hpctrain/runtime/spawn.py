@@ -87,6 +87,9 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
             "MASTER_PORT": str(free_port())}
     ctx = mp.get_context("fork")
     gc.collect()  # the parent's garbage (an earlier run's process groups) freed here, where its threads are
+    # What survives is frozen (Python's advice before fork): no later collect walks it again, here or in a rank,
+    # and a rank's first collect does not dirty every inherited page.
+    gc.freeze()
     errors = ctx.SimpleQueue()
     procs = []
     for rank in range(world):
