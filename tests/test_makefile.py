@@ -224,3 +224,27 @@ def test_train_sbatch_run_dir_with_space_and_quote(tmp_path, run_dir, path):
     log = submit / path / "slurm-7.out"
     assert f"run_dir={path}" in log.read_text()
     assert _calls(bin_dir) == [[sys.executable, "-m", "hpctrain", run_dir, f"x=`touch {marker}`"]]
+
+
+def test_make_tests_workers_keep_a_group_on_one_worker(tmp_path):
+    """`make test` runs pytest-xdist with --dist loadgroup, and tests/conftest.py puts every test that needs the Slurm
+    cluster in one xdist group, added at collection: the group must run on one worker, one test at a time (they share
+    the cluster's nodes, and one takes a node down). pytest 9.2 with pytest-xdist 3.8 silently dropped the grouping
+    (pytest-dev/pytest-xdist#1386): two Slurm tests then ran at once and one saw its job requeued by the other's node
+    failure."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef shared():\n    return None\n\n"
+        "@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(items):\n"
+        "    for item in items:\n        if 'shared' in item.fixturenames:\n"
+        "            item.add_marker(pytest.mark.xdist_group('shared'))\n")
+    tests = "".join(f"def test_{i}(shared):\n    time.sleep(0.2)\n    record()\n\n" for i in range(4))
+    (tmp_path / "test_grouped.py").write_text(
+        "import os, time\n\ndef record():\n    with open('workers.txt', 'a') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n\n" + tests
+        + "".join(f"def test_free_{i}():\n    time.sleep(0.2)\n\n" for i in range(4)))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    workers = (tmp_path / "workers.txt").read_text().split()
+    assert len(workers) == 4 and len(set(workers)) == 1, workers
