@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import hashlib
 import json
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -19,6 +21,14 @@ import torch
 
 from hpctrain.core.files import read_metrics
 from hpctrain.launch.sweep import sacct_state
+
+
+def model_on(cfg, layout, mesh, device):
+    """The run's model built on `layout` as the Trainer builds it."""
+    from hpctrain.training.model_init import build_model
+    from hpctrain.training.precision import compute_dtype
+
+    return build_model(cfg.model, cfg.parallel, layout, mesh, device, compute_dtype(cfg.precision), cfg.train.seed)
 
 
 def read(path) -> str:
@@ -108,6 +118,7 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
                 # pytest's capture replaced sys.stdout/err with its own files: write to the fds instead.
                 sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
                 sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True)  # a hang explains itself
                 os.chdir(cwd)
                 for key, value in (env or {}).items():
                     if value is None:
@@ -135,14 +146,25 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
                 os.kill(pid, signal.SIGINT)
                 interrupt_when = None
             if time.time() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError(f"{argv} did not finish in {timeout:.0f}s")
+                raise AssertionError(_hung(pid, argv, timeout, err))
             time.sleep(0.02)
         out.seek(0)
         err.seek(0)
         return Ran(os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"),
                    err.read().decode(errors="replace"))
+
+
+def _hung(pid: int, argv: list[str], timeout: float, err) -> str:
+    """Kill a forked child that did not finish; what it and this process were doing then (its threads' Python
+    stacks, dumped on SIGQUIT; this process's threads: a fork copies their locks, not them)."""
+    os.kill(pid, signal.SIGQUIT)
+    time.sleep(2)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    err.seek(0)
+    threads = ", ".join(t.name for t in threading.enumerate())
+    return (f"{argv} did not finish in {timeout:.0f}s; this process's threads now: {threads}; "
+            f"the child's stderr and stacks:\n{err.read().decode(errors='replace')[-6000:]}")
 
 
 _CONTENT: dict[tuple, bytes] = {}  # a file's (path, inode, size, ctime) -> the sha256 of its bytes

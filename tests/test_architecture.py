@@ -225,3 +225,37 @@ def test_the_code_map_names_every_module():
     missing += [str(p.relative_to(ROOT)) for top in ("hpctrain", "data_prep") for p in sorted((ROOT / top).rglob("*.py"))
                 if p.name not in ("__init__.py", "__main__.py") and p.name not in code_map]
     assert missing == [], f"add to the code map in docs/architecture.md: {missing}"
+
+
+# Where the whole config may go (a plan, a check or a record of a whole run); everything else gets its group.
+WHOLE_CONFIG = ("hpctrain.cli", "hpctrain.core.config", "hpctrain.runs", "hpctrain.launch", "hpctrain.training.run",
+                "hpctrain.training.planner", "hpctrain.training.trainer.Trainer.__init__",
+                "hpctrain.monitoring.trackers.resolved_config")
+
+
+def whole_config_takers(root: Path = ROOT) -> list[str]:
+    """Functions that take the whole config (a parameter named `cfg`, or annotated `Config`) outside WHOLE_CONFIG."""
+    found = []
+    for module, path in _modules(root).items():
+        tree = ast.parse(path.read_text())
+        for parent in ast.walk(tree):
+            for node in ast.iter_child_nodes(parent):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(a.arg == "cfg" or (a.annotation is not None and ast.unparse(a.annotation) == "Config")
+                       for a in args):
+                    owner = f".{parent.name}" if isinstance(parent, ast.ClassDef) else ""
+                    found.append(f"{module}{owner}.{node.name}")
+    return sorted(f for f in found if not any(f == w or f.startswith(w + ".") for w in WHOLE_CONFIG))
+
+
+def test_components_take_their_group_not_the_whole_config():
+    assert whole_config_takers() == []
+
+
+def test_the_whole_config_check_finds_a_component_taking_it(tmp_path):
+    (tmp_path / "hpctrain" / "training").mkdir(parents=True)
+    (tmp_path / "hpctrain" / "training" / "feed.py").write_text(
+        "class Feed:\n    def __init__(self, cfg):\n        pass\n\n\ndef val(data, whole: Config):\n    pass\n")
+    assert whole_config_takers(tmp_path) == ["hpctrain.training.feed.Feed.__init__", "hpctrain.training.feed.val"]

@@ -277,7 +277,7 @@ def _second_round(w, lock_holder) -> None:
     _edit_json(w / "otherdata" / "manifest.json", lambda m: m["tokenizer"].update(sha256="1" * 64))
     # A checkpoint with non-finite weights (the checkpointer never writes one: written by hand).
     nan = _copy_run(w, "nanrun")
-    model = build_model(cfg)
+    model = build_model(cfg.model)
     checkpoint.load_model(str(nan / "checkpoints" / "step-0000002"), model)
     with torch.no_grad():
         model.output.weight[0, 0] = float("nan")
@@ -290,7 +290,7 @@ def _second_round(w, lock_holder) -> None:
         if name.endswith(".distcp"):
             os.truncate(ck / name, os.path.getsize(ck / name) // 2)
     # A transformers model of the run's shape, saved here, and damaged copies of its safetensors.
-    args = build_model(cfg).args
+    args = build_model(cfg.model).args
     LlamaForCausalLM(to_hf_config(args)).save_pretrained(w / "hf")
     _hf_variant(w, "hf_int8", _hf_int8)
     _hf_variant(w, "hf_int32", _hf_int32)

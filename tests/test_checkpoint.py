@@ -337,7 +337,7 @@ def test_load_newest_falls_back_to_an_older_checkpoint(run_with_ckpts, make_cfg,
     cfg = make_cfg()
 
     def fresh():
-        model = Llama(model_args(cfg))
+        model = Llama(model_args(cfg.model))
         return model, build_optimizer(model, cfg.optim, cfg.optim.lr)
 
     run = run_with_ckpts
@@ -403,10 +403,10 @@ def test_real_checkpoints_load(run_with_ckpts, make_cfg):
     from hpctrain.models.llama.model import Llama
     from hpctrain.training.optimizer import build_optimizer
 
-    model = Llama(model_args(make_cfg()))
+    model = Llama(model_args(make_cfg().model))
     path, state = checkpoint.load_newest(str(run_with_ckpts), model, build_optimizer(model, make_cfg().optim, 0.1))
     assert path.endswith("step-0000004") and state["run"]["step"] == 4
-    exported = Llama(model_args(make_cfg()))
+    exported = Llama(model_args(make_cfg().model))
     checkpoint.load_model(path, exported)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), exported.state_dict().values()))
 
@@ -425,10 +425,10 @@ def test_a_multi_rank_checkpoint_loads_in_one_process(make_cfg, tmp_path):
     ckpt = _step(tmp_path / "run", 2)
     assert sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp")) == [
         "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]
-    model = Llama(model_args(cfg))
+    model = Llama(model_args(cfg.model))
     path, state = checkpoint.load_newest(str(tmp_path / "run"), model, build_optimizer(model, cfg.optim, 0.1))
     assert path == os.path.realpath(ckpt) and state["run"]["step"] == 2
-    checkpoint.load_model(ckpt, Llama(model_args(cfg)))
+    checkpoint.load_model(ckpt, Llama(model_args(cfg.model)))
 
 
 def test_rotation_keeps_what_it_just_wrote_and_cut_short_leaves_no_stray(small_run):

@@ -212,7 +212,7 @@ def _payload(cfg, rank: int | None) -> int:
     from hpctrain.models.llama.model import Llama
 
     with torch.device("meta"):
-        model = Llama(model_args(cfg))
+        model = Llama(model_args(cfg.model))
     total = 0
     for p in model.parameters():
         n, m = p.shape[0], p.numel() // p.shape[0]

@@ -35,7 +35,7 @@ def test_model_sizes_are_real(make_cfg, name, params_b, tol):
     from hpctrain.models import model_args
 
     cfg = make_cfg(f"model={name}", small_model=False)
-    n = num_params(model_args(cfg)) / 1e9
+    n = num_params(model_args(cfg.model)) / 1e9
     assert abs(n - params_b) / params_b < tol, (name, n)
 
 

@@ -65,7 +65,7 @@ def test_sdpa_runs_a_fused_attention_kernel():
     from hpctrain.runs.compose import compose
     from hpctrain.tools.bench_gpu import attention_kernels
 
-    kernels = attention_kernels(model_args(compose(["model=llama_1b"])), 2048, "bf16")
+    kernels = attention_kernels(model_args(compose(["model=llama_1b"]).model), 2048, "bf16")
     print("attention kernels:", kernels)
     assert any(w in k.lower() for k in kernels for w in ("flash", "cudnn", "fmha", "efficient")), kernels
 
@@ -103,7 +103,7 @@ def test_no_host_sync_inside_a_step_s_micro_batches(make_cfg, precision, fused):
     device = torch.device("cuda")
     torch.manual_seed(0)
     with device:
-        model = build_model(cfg)
+        model = build_model(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     step = TrainStep(model, optimizer, setup_precision(cfg.precision, device), 1.0, device, fused_loss=fused)
     batches = [torch.randint(0, cfg.model.vocab_size, (2, 65)).pin_memory() for _ in range(4)]
@@ -140,7 +140,7 @@ def test_nccl_fsdp2_step_and_dcp_round_trip(make_cfg, tmp_path):
         def built():
             torch.manual_seed(0)
             with env.device:
-                model = build_model(cfg)
+                model = build_model(cfg.model)
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh, mp_policy=mp)

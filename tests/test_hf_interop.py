@@ -243,9 +243,9 @@ def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path)
     first = ("train.eval_every=0", "train.ckpt_every=2", "train.max_steps=2", "logging.trackers=[]")
     train(make_cfg(*first), str(tmp_path / "a"))
     ckpt = checkpoint.latest(str(tmp_path / "a"))
-    want = Llama(model_args(make_cfg()))
+    want = Llama(model_args(make_cfg().model))
     checkpoint.load_model(ckpt, want)
-    got = Llama(model_args(make_cfg()))
+    got = Llama(model_args(make_cfg().model))
     checkpoint.load_weights(ckpt, got)
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))
     # Through a run: its first step starts from those weights (its loss is the loaded model's on that batch).
@@ -299,7 +299,7 @@ def test_export_hf_from_every_layout(make_cfg, tmp_path, monkeypatch):
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
         assert export_hf.main([str(run_dir), str(out)]) == 0
         assert len(list(out.glob("model-*.safetensors"))) > 2 and (out / "tokenizer.json").is_file()
-        ours = Llama(model_args(cfg)).eval()
+        ours = Llama(model_args(cfg.model)).eval()
         checkpoint.load_model(checkpoint.latest(str(run_dir)), ours)
         hf = AutoModelForCausalLM.from_pretrained(out).eval()
         diff = max_diff(ours, hf, x)
@@ -328,7 +328,7 @@ def test_export_hf_at_end(make_cfg, tmp_path):
                    "logging.trackers=[]", "cluster.num_threads=1")
     assert train(cfg, str(tmp_path))["status"] == "completed"
     out = tmp_path / "hf" / "step-0000002"
-    ours = Llama(model_args(cfg)).eval()
+    ours = Llama(model_args(cfg.model)).eval()
     checkpoint.load_model(checkpoint.latest(str(tmp_path)), ours)
     x = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
     assert max_diff(ours, AutoModelForCausalLM.from_pretrained(out).eval(), x) <= TOL

@@ -17,6 +17,7 @@ from helpers import (
     deltas,
     fsdp_unsharded_bytes,
     held_grad_bytes,
+    model_on,
     read,
     records,
     run_layout,
@@ -37,13 +38,16 @@ LAYOUTS = {
     "tp2_sp": ["parallel=tp2_sp"],
     "dp2_tp2_sp_zero3": ["parallel=dp2_tp2"],
 }
-_refs: dict[tuple, dict] = {}
+_refs: dict[tuple, tuple[dict, list[dict]]] = {}
 
 
-def reference(make_cfg, tmp_path, *overrides):
+def reference(make_cfg, tmp_path, *overrides, logged: bool = False):
+    """One process's run with these overrides (each run once per test process): its {step: (loss, grad_norm)}, and
+    with `logged` its metrics records."""
     if overrides not in _refs:
-        _refs[overrides] = run_layout(make_cfg, tmp_path / "single", *overrides)
-    return _refs[overrides]
+        run_dir = tmp_path / f"single-{len(_refs)}"
+        _refs[overrides] = run_layout(make_cfg, run_dir, *overrides), records(run_dir)
+    return _refs[overrides] if logged else _refs[overrides][0]
 
 
 @pytest.mark.multiproc
@@ -219,10 +223,8 @@ def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
     fetches a micro-batch (between backwards) and the parameters' own bytes."""
     import torch
 
-    from hpctrain.models import spec_of
     from hpctrain.parallel import process_group
     from hpctrain.parallel.layout import Layout
-    from hpctrain.training.model_init import build_model
     from hpctrain.training.optimizer import build_optimizer
     from hpctrain.training.precision import setup_precision
     from hpctrain.training.step import build_train_step
@@ -230,7 +232,7 @@ def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
     env = process_group.init(60.0)
     layout = Layout(dp=2)
     mesh = layout.build_mesh(env.device.type, 60.0)
-    model = build_model(cfg, spec_of(cfg), layout, env.device, mesh)
+    model = model_on(cfg, layout, mesh, env.device)
     step = build_train_step(model, build_optimizer(model, cfg.optim, 1e-3), setup_precision(cfg.precision, env.device),
                             env.device, mesh, layout, grad_clip=1.0, reduce_every_microbatch=sharded)
     held = []
@@ -270,13 +272,11 @@ def _init_state(cfg, layout, out: str) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hpctrain.models import spec_of
     from hpctrain.parallel import process_group
-    from hpctrain.training.model_init import build_model
 
     env = process_group.init(60.0)
     mesh = layout.build_mesh(env.device.type, 60.0)
-    model = build_model(cfg, spec_of(cfg), layout, env.device, mesh)
+    model = model_on(cfg, layout, mesh, env.device)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     torch.save({k: v.detach().clone() for k, v in state.items()}, f"{out}.{env.rank}")
     process_group.shutdown()
@@ -318,15 +318,13 @@ def _proc_status_kib(key: str) -> int:
 
 def _startup_excess(cfg, layout, out: str) -> None:
     """This rank's peak memory over its own starting point while the model is built and initialised."""
-    from hpctrain.models import spec_of
     from hpctrain.parallel import process_group
-    from hpctrain.training.model_init import build_model
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) restarts from now: a forked rank inherits its parent's
     start = _proc_status_kib("VmRSS")
     env = process_group.init(120.0)
-    build_model(cfg, spec_of(cfg), layout, env.device, layout.build_mesh(env.device.type, 120.0))
+    model_on(cfg, layout, layout.build_mesh(env.device.type, 120.0), env.device)
     with open(f"{out}.{env.rank}", "w") as f:
         f.write(str((_proc_status_kib("VmHWM") - start) * 1024))
     process_group.shutdown()
@@ -346,7 +344,7 @@ def test_startup_peak_is_even_across_ranks(make_cfg, tmp_path, dp):
                    "train.grad_accum=null", "train.global_batch=8", small_model=False)
     spawn(dp, _startup_excess, (cfg, resolve(cfg, dp).layout, str(tmp_path / "peak")), threads=1)
     excess = [int(read(tmp_path / f"peak.{rank}")) for rank in range(dp)]
-    full = num_params(model_args(cfg)) * 4
+    full = num_params(model_args(cfg.model)) * 4
     assert excess[0] <= 1.15 * excess[1], excess
     assert max(excess) < full / dp + 64 * 2**20 * 2, (excess, full)  # its fp32 shard, a chunk, and slack
 
@@ -370,7 +368,7 @@ def _weights_alive_after_forward(cfg, lean: bool, out: str) -> None:
     from hpctrain.training.precision import setup_precision
 
     env = process_group.init(60.0)
-    layout, spec = Layout(dp=2), spec_of(cfg)
+    layout, spec = Layout(dp=2), spec_of(cfg.model)
     mesh = layout.build_mesh(env.device.type, 60.0)
     args = spec.args(cfg.model)
     with torch.device("meta"):
@@ -417,7 +415,7 @@ def test_bf16_fsdp_keeps_no_whole_copy_alive_in_forward(make_cfg, tmp_path):
 
     cfg = make_cfg("parallel=fsdp", "parallel.dp=2", "precision=bf16", "model.n_layers=8", "model.dim=256",
                    "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_hidden=688", "model.tie_embeddings=false")
-    args = model_args(cfg)
+    args = model_args(cfg.model)
     root = (2 * args.vocab_size * args.dim + args.dim) * 2  # bf16 bytes of embedding, head and final norm
     block = (num_params(args) * 2 - root) // args.n_layers
     measured = {}
@@ -438,7 +436,7 @@ def test_evaluation_is_split_over_data_parallel_ranks(make_cfg, tmp_path, layout
 
     from hpctrain.core.files import read_metrics
     from hpctrain.runs.resolve import resolve
-    from hpctrain.training.feed import eval_microbatches, val_share
+    from hpctrain.training.feed import ValSplit, eval_microbatches
     from hpctrain.training.run import train
 
     ev = ("train.eval_every=2", "train.eval_batches=3", "train.max_steps=2", "train.global_batch=8",
@@ -455,9 +453,9 @@ def test_evaluation_is_split_over_data_parallel_ranks(make_cfg, tmp_path, layout
     cfg = make_cfg(*ev, *layout)
     shape = resolve(cfg, 4 if "dp2_tp2" in layout[0] else 2)
     data = cfg.data.path
-    shares = [list(val_share(data, cfg, shape, r)) for r in range(2)]
+    shares = [list(ValSplit.of(data, shape, cfg.data, cfg.train).share(r)) for r in range(2)]
     assert len(shares[0]) == len(shares[1]) == 6 == eval_microbatches(10**6, 3, shape) // 2
-    one = list(val_share(data, make_cfg(*ev), resolve(make_cfg(*ev), 1), 0))
+    one = list(ValSplit.of(data, resolve(make_cfg(*ev), 1), cfg.data, cfg.train).share(0))
     assert torch.equal(torch.cat(one[0::2]), torch.cat(shares[0])) and torch.equal(torch.cat(one[1::2]),
                                                                                    torch.cat(shares[1]))
 
@@ -501,9 +499,9 @@ def test_fp16_in_several_processes_tracks_one_process(make_cfg, tmp_path, layout
     one-process fp16 (pp2: with the tied embedding's two copies)."""
     for init, tol in ((2.0**40, 1e-5), (2.0**16, 2e-3)):
         fp16 = ("precision=fp16", f"precision.loss_scale_init={init}")
-        ref = run_layout(make_cfg, tmp_path / f"one-{init}", *fp16)
+        ref, logged = reference(make_cfg, tmp_path, *fp16, logged=True)  # (shared by the four layouts)
         got = run_layout(make_cfg, tmp_path / f"got-{init}", *fp16, *layout)
-        scales = [[r["loss_scale"] for r in records(tmp_path / f"{w}-{init}") if "loss" in r] for w in ("one", "got")]
+        scales = [[r["loss_scale"] for r in run if "loss" in r] for run in (logged, records(tmp_path / f"got-{init}"))]
         assert scales[0] == scales[1], scales
         assert max(abs(ref[s][0] - got[s][0]) for s in ref) <= tol, (init, ref, got)
 

@@ -50,7 +50,7 @@ def test_llama_70b_cli(tmp_path):
 
 def test_llama_70b_stage_counts_are_exact(make_cfg):
     cfg = make_cfg(*LLAMA_70B, small_model=False)
-    args, tp = model_args(cfg), 8
+    args, tp = model_args(cfg.model), 8
     stages = stage_params(args, 4)
     assert [len(s.layers[0]) for s in stages] == [20] * 4
     # Summed over stages and the tp ranks of a stage (norms are replicated, counted once): the whole model.
@@ -85,7 +85,7 @@ def _measure(cfg) -> dict[str, int]:
     """Tensor storage bytes of parameters, gradients and optimizer state in one real CPU step."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
-    model = Llama(model_args(cfg))
+    model = Llama(model_args(cfg.model))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens = torch.randint(0, cfg.model.vocab_size, (1, 65))
     logits = model(tokens[:, :-1])
@@ -115,7 +115,7 @@ def test_sharded_shares(make_cfg):
     """tp2: matrices halve, norms stay; dp2 zero3 and zero2: parameters, gradients and optimizer state halve (FSDP2
     shards them in both; ZeRO-2 keeps the gathered compute copy from forward to backward instead)."""
     base = make_cfg(*MEDIUM, small_model=False)
-    model = Llama(model_args(base))
+    model = Llama(model_args(base.model))
     full = sum(p.numel() for p in model.parameters())
     tp_share = sum(p.numel() // 2 if p.dim() > 1 else p.numel() for p in model.parameters())
 

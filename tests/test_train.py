@@ -99,7 +99,7 @@ def test_mfu_with_peak_tflops(make_cfg, tmp_path):
     from hpctrain.models.llama.model import flops_per_token
 
     cfg = make_cfg()
-    assert r["mfu"] == pytest.approx(flops_per_token(model_args(cfg), 64) * r["tokens_per_s"] / 1e12)
+    assert r["mfu"] == pytest.approx(flops_per_token(model_args(cfg.model), 64) * r["tokens_per_s"] / 1e12)
     assert r["tokens_per_s_per_device"] == r["tokens_per_s"]  # one device
     assert any(m.startswith("MFU against 1 TFLOP/s per device (cluster.peak_tflops); ") for m in lines.messages)
 
@@ -177,7 +177,7 @@ def test_fp16_skipped_step_leaves_weights_untouched(make_cfg):
 
     cfg = make_cfg("precision=fp16", "precision.loss_scale_init=1099511627776")
     torch.manual_seed(0)
-    model = Llama(model_args(cfg))
+    model = Llama(model_args(cfg.model))
     opt = build_optimizer(model, cfg.optim, 1e-2)
     step = TrainStep(model, opt, setup_precision(cfg.precision, torch.device("cpu")), 1.0, torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -209,7 +209,7 @@ def test_nonfinite_step_does_not_touch_weights(make_cfg):
     from hpctrain.training.step import TrainStep
 
     cfg = make_cfg()
-    model = Llama(model_args(cfg))
+    model = Llama(model_args(cfg.model))
     with torch.no_grad():
         model.layers["0"].attention.wq.weight[0, 0] = float("nan")
     opt = build_optimizer(model, cfg.optim, 1e-2)
@@ -297,7 +297,7 @@ def test_sample_greedy_is_deterministic(make_cfg):
     from hpctrain.tools.generate import sample
 
     torch.manual_seed(0)
-    model = Llama(model_args(make_cfg())).eval()
+    model = Llama(model_args(make_cfg().model)).eval()
     a = sample(model, [1, 2, 3], 8, temperature=0)
     b = sample(model, [1, 2, 3], 8, temperature=0)
     assert a == b and len(a) == 8
@@ -315,7 +315,7 @@ def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
 
     cfg = make_cfg()
     torch.manual_seed(0)
-    model = Llama(model_args(cfg))
+    model = Llama(model_args(cfg.model))
     events = []
     model.register_forward_pre_hook(lambda *_: events.append("forward"))
     batches = [torch.randint(0, 512, (2, 65)) for _ in range(6)]
@@ -331,7 +331,7 @@ def test_micro_batches_are_pulled_as_the_step_consumes_them(make_cfg):
     assert events == ["pull", "pull"] + ["forward", "pull"] * 4 + ["forward", "forward"]
     # ... and it is the same step as on the list.
     torch.manual_seed(0)
-    ref_model = Llama(model_args(cfg))
+    ref_model = Llama(model_args(cfg.model))
     ref = TrainStep(ref_model, build_optimizer(ref_model, cfg.optim, 1e-2),
                     setup_precision(cfg.precision, torch.device("cpu")), 1.0, torch.device("cpu"))(batches)
     assert streamed.loss == pytest.approx(ref.loss, abs=1e-6) and streamed.grad_norm == pytest.approx(ref.grad_norm)
@@ -347,7 +347,7 @@ def _checkpoint_with_nan_weight(make_cfg, tmp_path) -> str:
 
     cfg = make_cfg("train.max_steps=2", "train.eval_every=0", "train.ckpt_every=2")
     train(cfg, str(tmp_path / "good"))
-    model = Llama(model_args(cfg))
+    model = Llama(model_args(cfg.model))
     optimizer = build_optimizer(model, cfg.optim, 1e-2)
     build_scheduler(optimizer, cfg.optim, 2)  # the schedule's initial_lr is part of the optimizer state
     state = checkpoint.load(checkpoint.latest(str(tmp_path / "good")), model, optimizer)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hpctrain.core.config import ConfigError
+from hpctrain.core.config import ConfigError, ModelConfig
 
 FAMILIES = {"llama": "hpctrain.models.llama"}
 
@@ -43,9 +43,9 @@ class ModelSpec:
     init_rule: Callable[[Any], Callable[[str], tuple[str, float]]]  # args -> (name -> ("normal", std) | ("ones", 0))
     hf_adapter: str  # module with to_hf / from_hf / from_hf_config / to_hf_config (imports transformers)
 
-    def args(self, model_cfg) -> Any:
+    def args(self, model_cfg: ModelConfig) -> Any:
         """The model's arguments from the `model` config group."""
-        return self.args_type(**{f.name: model_cfg[f.name] for f in fields(self.args_type)})
+        return self.args_type(**{f.name: getattr(model_cfg, f.name) for f in fields(self.args_type)})
 
     def build(self, args) -> Any:
         return self.model_type(args)
@@ -68,27 +68,28 @@ def get_spec(family: str) -> ModelSpec:
     return importlib.import_module(FAMILIES[family]).SPEC
 
 
-def spec_of(cfg) -> ModelSpec:
-    return get_spec(cfg.model.get("family", "llama"))  # (a run saved before families existed: llama)
+def spec_of(model: ModelConfig) -> ModelSpec:
+    """The spec of the family the `model` group names."""
+    return get_spec(getattr(model, "family", None) or "llama")  # (a run saved before families existed: llama)
 
 
-def model_args(cfg) -> Any:
-    """The arguments of the model a run config describes."""
-    return spec_of(cfg).args(cfg.model)
+def model_args(model: ModelConfig) -> Any:
+    """The arguments of the model the `model` group describes."""
+    return spec_of(model).args(model)
 
 
-def build_model(cfg) -> Any:
-    """The model a run config describes (on the current default device: `with torch.device("meta")` for none)."""
-    spec = spec_of(cfg)
-    return spec.build(spec.args(cfg.model))
+def build_model(model: ModelConfig) -> Any:
+    """The model the `model` group describes (on the current default device: `with torch.device("meta")` for none)."""
+    spec = spec_of(model)
+    return spec.build(spec.args(model))
 
 
-def resident_bytes(cfg) -> tuple[int, int]:
-    """(parameter bytes, buffer bytes) of the model a run config describes, from a meta-device build: what one
+def resident_bytes(model: ModelConfig) -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) of the model the `model` group describes, from a meta-device build: what one
     process holds to run it, before any activation. The buffers are the RoPE tables (max_seq_len × head_dim)."""
     import torch
 
     with torch.device("meta"):
-        model = build_model(cfg)
-    return (sum(t.numel() * t.element_size() for t in model.parameters()),
-            sum(t.numel() * t.element_size() for t in model.buffers()))
+        built = build_model(model)
+    return (sum(t.numel() * t.element_size() for t in built.parameters()),
+            sum(t.numel() * t.element_size() for t in built.buffers()))

@@ -13,6 +13,7 @@ import resource
 import sys
 from dataclasses import dataclass
 
+from hpctrain.core.config import LoggingConfig, MonitorConfig, TrainConfig
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import METRICS_FILE, FileCheckError, lines, step_of
 from hpctrain.monitoring.monitor import AlertSink, Context
@@ -137,16 +138,17 @@ class ConsoleSink(Sink):
         log.info("  ".join(f"{k} {_fmt(v)}" for k, v in record.items() if v is not None))
 
 
-def run_sinks(cfg, run_dir: str, start_step: int, ctx: Context) -> tuple[list[Sink], AlertSink]:
+def run_sinks(lcfg: LoggingConfig, mcfg: MonitorConfig, run_dir: str, start_step: int, max_steps: int, ctx: Context,
+              conf: dict) -> tuple[list[Sink], AlertSink]:
     """The main rank's sinks: metrics.jsonl, TensorBoard (logging.trackers), the console, MLflow and W&B
-    (logging.trackers), a Prometheus endpoint (monitor.prometheus_port) and the alert rules, which pass their
-    events on to the trackers; returns (every sink, the alert rules)."""
+    (logging.trackers, given the run's config `conf`), a Prometheus endpoint (monitor.prometheus_port) and the alert
+    rules, which pass their events on to the trackers; returns (every sink, the alert rules)."""
     sinks: list[Sink] = [JsonlSink(run_dir, start_step)]
-    if "tensorboard" in chosen(cfg.logging.trackers):
+    if "tensorboard" in chosen(lcfg.trackers):
         sinks.append(TensorBoardSink(run_dir, start_step))
     sinks.append(ConsoleSink())
-    trackers = [*tracker_sinks(cfg, run_dir, start_step), *prometheus_sinks(cfg.monitor, run_dir)]
-    alerts = AlertSink(run_dir, cfg.monitor, ctx, trackers=trackers)
+    trackers = [*tracker_sinks(lcfg, run_dir, start_step, max_steps, conf), *prometheus_sinks(mcfg, run_dir)]
+    alerts = AlertSink(run_dir, mcfg, ctx, trackers=trackers)
     return [*sinks, *trackers, alerts], alerts
 
 
@@ -176,7 +178,7 @@ class Metrics:
         self._noted: dict = {}
 
     @classmethod
-    def for_run(cls, tcfg, sinks: list[Sink], start_step: int, throughput: Throughput, corrupt_total) -> Metrics:
+    def for_run(cls, tcfg: TrainConfig, sinks: list[Sink], start_step: int, throughput: Throughput, corrupt_total) -> Metrics:
         """`sinks`: the main rank's (`run_sinks`), none on the others; a progress bar where train.progress asks."""
         bar = None
         if sinks and (tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()):

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from hpctrain.core.config import AlertAction, AlertRule, AlertWhen, ConfigError, SpikeAction
+from hpctrain.core.config import AlertAction, AlertRule, AlertWhen, ConfigError, MonitorConfig, SpikeAction
 from hpctrain.monitoring.sink import Sink
 
 log = logging.getLogger("hpctrain")
@@ -130,7 +130,7 @@ def run_bounded(cmd: list[str], stdin: bytes, timeout: float, keep: int = 500) -
     return code, bytes(tail)
 
 
-def parse_rules(mcfg) -> dict[str, AlertRule]:
+def parse_rules(mcfg: MonitorConfig) -> dict[str, AlertRule]:
     """monitor.rules as AlertRules; a one-line ConfigError for a rule that cannot work."""
     known = {f.name for f in fields(AlertRule)}
     rules = {}
@@ -150,7 +150,7 @@ def parse_rules(mcfg) -> dict[str, AlertRule]:
     return rules
 
 
-def check_monitor(mcfg, checkpointing: bool = True) -> None:
+def check_monitor(mcfg: MonitorConfig, checkpointing: bool = True) -> None:
     """One-line ConfigErrors for rules, a notify command and a spike action that cannot work (before anything
     starts); `checkpointing`: train.checkpointing."""
     if SpikeAction(mcfg.loss_spike.action) == SpikeAction.rollback and not checkpointing:
@@ -180,7 +180,7 @@ class _State:
 class AlertSink(Sink):
     """The rules, evaluated at every logged record (a metrics sink: main rank only)."""
 
-    def __init__(self, run_dir: str, mcfg, ctx: Context, clock: Callable[[], float] = time.time, trackers=()):
+    def __init__(self, run_dir: str, mcfg: MonitorConfig, ctx: Context, clock: Callable[[], float] = time.time, trackers=()):
         self.rules, self.ctx, self.clock = parse_rules(mcfg), ctx, clock
         self.trackers = tuple(trackers)  # MLflow / W&B sinks: every event goes to them too
         self.notify_cmd = list(mcfg.notify_cmd) if mcfg.notify_cmd else None

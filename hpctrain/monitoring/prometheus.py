@@ -13,7 +13,7 @@ import os
 import re
 import socket
 
-from hpctrain.core.config import ConfigError
+from hpctrain.core.config import ConfigError, MonitorConfig
 from hpctrain.monitoring.sink import Sink
 
 log = logging.getLogger("hpctrain")
@@ -21,7 +21,7 @@ log = logging.getLogger("hpctrain")
 INSTALL = "pip install prometheus_client (or 'hpctrain[track]')"
 
 
-def check_prometheus(mcfg, local: bool) -> None:
+def check_prometheus(mcfg: MonitorConfig, local: bool) -> None:
     """One-line ConfigErrors before anything starts: the library, and (a run on this machine) a port in use."""
     port = mcfg.prometheus_port
     if port is None:
@@ -65,7 +65,7 @@ def _gauge_name(key: str) -> str | None:
 class PrometheusSink(Sink):
     """A metrics sink (and alert listener) serving the latest values over HTTP."""
 
-    def __init__(self, mcfg, run_dir: str):
+    def __init__(self, mcfg: MonitorConfig, run_dir: str):
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
         self._registry = CollectorRegistry()  # this run's alone: a later run in the process starts clean
@@ -102,5 +102,5 @@ class PrometheusSink(Sink):
         self._thread.join(timeout=5)
 
 
-def prometheus_sinks(mcfg, run_dir: str) -> list[PrometheusSink]:
+def prometheus_sinks(mcfg: MonitorConfig, run_dir: str) -> list[PrometheusSink]:
     return [PrometheusSink(mcfg, run_dir)] if mcfg.prometheus_port is not None else []

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from hpctrain.core.config import ConfigError, WandbMode
+from hpctrain.core.config import ConfigError, LoggingConfig, WandbMode
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import open_checked, read_object, write_json
 from hpctrain.monitoring.sink import Sink
@@ -62,7 +62,7 @@ def _installed(name: str) -> bool:
         return False
 
 
-def check_trackers(lcfg, local: bool = True) -> None:
+def check_trackers(lcfg: LoggingConfig, local: bool = True) -> None:
     """One-line ConfigErrors for tracker settings that cannot work, before anything is spawned or written;
     `local`: the run starts here (a server it logs to must answer here; a submission's node may see other ones)."""
     trackers = chosen(lcfg.trackers)
@@ -72,7 +72,7 @@ def check_trackers(lcfg, local: bool = True) -> None:
         _check_wandb(lcfg)
 
 
-def _check_mlflow(lcfg, local: bool) -> None:
+def _check_mlflow(lcfg: LoggingConfig, local: bool) -> None:
     if not _installed("mlflow"):
         raise ConfigError("logging.trackers has mlflow but the mlflow package is not installed: pip install "
                           f"mlflow-skinny sqlalchemy alembic (or {_INSTALL}), or drop mlflow from logging.trackers")
@@ -136,7 +136,7 @@ def _check_server(uri: str) -> None:
                           "server or fix the URI, or drop mlflow from logging.trackers") from None
 
 
-def _check_wandb(lcfg) -> None:
+def _check_wandb(lcfg: LoggingConfig) -> None:
     if not _installed("wandb"):
         raise ConfigError(f"logging.trackers has wandb but the wandb package is not installed: pip install wandb "
                           f"(or {_INSTALL}), or drop wandb from logging.trackers")
@@ -195,7 +195,7 @@ def placement(run_dir: str) -> Placement:
     return Placement(run_dir, sweep, f"{head}/{os.path.relpath(run_dir, sweep)}" if sweep else head)
 
 
-def mlflow_uri(lcfg, place: Placement) -> str:
+def mlflow_uri(lcfg: LoggingConfig, place: Placement) -> str:
     return (lcfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
             or "sqlite:///" + os.path.join(place.store_dir, "mlflow.db"))
 
@@ -336,7 +336,7 @@ class MLflowSink(_Sink):
 
     label = "MLflow"
 
-    def __init__(self, place: Placement, lcfg, params: dict[str, str], max_steps: int, start_step: int):
+    def __init__(self, place: Placement, lcfg: LoggingConfig, params: dict[str, str], max_steps: int, start_step: int):
         from mlflow import MlflowClient
         from mlflow.utils import validation
 
@@ -384,7 +384,7 @@ class MLflowSink(_Sink):
         self.client.update_run(run_id, status="RUNNING")
         return run_id
 
-    def _create(self, lcfg, place: Placement) -> str:
+    def _create(self, lcfg: LoggingConfig, place: Placement) -> str:
         from mlflow.exceptions import MlflowException
 
         name = lcfg.mlflow_experiment or place.sweep or "hpctrain"
@@ -468,7 +468,7 @@ class WandbSink(_Sink):
 
     label = "W&B"
 
-    def __init__(self, place: Placement, lcfg, conf: dict, max_steps: int, start_step: int):
+    def __init__(self, place: Placement, lcfg: LoggingConfig, conf: dict, max_steps: int, start_step: int):
         import wandb
 
         self.max_steps, self.last_step = max_steps, start_step
@@ -509,18 +509,19 @@ class WandbSink(_Sink):
             log.error("W&B: could not finish run %s: %s", self.run.id, e)
 
 
-def tracker_sinks(cfg, run_dir: str, start_step: int) -> list:
-    """The MLflow and W&B sinks `logging.trackers` selects (main rank); their packages are imported only here."""
-    trackers = chosen(cfg.logging.trackers)
+def tracker_sinks(lcfg: LoggingConfig, run_dir: str, start_step: int, max_steps: int, conf: dict) -> list:
+    """The MLflow and W&B sinks `logging.trackers` selects (main rank), each given the run's config `conf`
+    (`resolved_config`); their packages are imported only here."""
+    trackers = chosen(lcfg.trackers)
     if not trackers & {"mlflow", "wandb"}:
         return []
-    place, conf = placement(run_dir), resolved_config(cfg, run_dir)
+    place = placement(run_dir)
     sinks = []
     try:
         if "mlflow" in trackers:
-            sinks.append(MLflowSink(place, cfg.logging, flatten(conf), cfg.train.max_steps, start_step))
+            sinks.append(MLflowSink(place, lcfg, flatten(conf), max_steps, start_step))
         if "wandb" in trackers:
-            sinks.append(WandbSink(place, cfg.logging, conf, cfg.train.max_steps, start_step))
+            sinks.append(WandbSink(place, lcfg, conf, max_steps, start_step))
     except BaseException:
         for sink in sinks:  # (closed as failed: an exception is on its way out)
             sink.close()

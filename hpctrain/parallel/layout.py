@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpctrain.core.config import ConfigError, GradCompression, ReduceDtype
+from hpctrain.core.config import ClusterConfig, ConfigError, GradCompression, ParallelConfig, ReduceDtype
 
 # Mesh order, outermost first: pipeline stages span nodes, tensor parallel stays inside one (fastest links).
 DIMS = ("pp", "dp", "tp")
@@ -92,11 +92,11 @@ class Layout:
         return "×".join(_SHOWN) + "=" + "×".join(str(getattr(self, name)) for name in _SHOWN)
 
     @classmethod
-    def from_config(cls, p, world: int) -> Layout:
+    def from_config(cls, p: ParallelConfig, world: int) -> Layout:
         """The layout of `parallel` (a ParallelConfig) on `world` ranks; ConfigError naming the fix."""
         for name in DIMS:
-            if name != "dp" and p[name] < 1:
-                raise ConfigError(f"parallel.{name}={p[name]} must be >= 1")
+            if name != "dp" and getattr(p, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
         dp = _dp(p, world, f"world size {world}")
         _check_schedule(p)
         layout = cls(pp=p.pp, dp=dp, tp=p.tp, pp_schedule=p.pp_schedule,
@@ -131,13 +131,14 @@ def group_timeouts(mesh) -> dict[str, float]:
             for name in DIMS}
 
 
-def _replica(p) -> tuple[int, str]:
+def _replica(p: ParallelConfig) -> tuple[int, str]:
     """Ranks of one model replica (every dimension but dp) of a ParallelConfig, and how to name them."""
     others = [name for name in _SHOWN if name != "dp"]
-    return math.prod(p[name] for name in others), "×".join(others) + "=" + "×".join(str(p[n]) for n in others)
+    sizes = [getattr(p, name) for name in others]
+    return math.prod(sizes), "×".join(others) + "=" + "×".join(map(str, sizes))
 
 
-def _dp(p, ranks: int, what: str) -> int:
+def _dp(p: ParallelConfig, ranks: int, what: str) -> int:
     """parallel.dp as a number; `auto`: what the other dimensions leave of `ranks` (named `what`)."""
     others, named = _replica(p)
     if p.dp == "auto":
@@ -153,7 +154,7 @@ def _dp(p, ranks: int, what: str) -> int:
     return dp
 
 
-def world_of(p, available: int) -> int:
+def world_of(p: ParallelConfig, available: int) -> int:
     """Ranks the layout takes when `available` are there: dp·tp·pp, with dp=auto filling them (at least one
     replica). For a layout that cannot be read, 1: `Layout.from_config` names the bad value."""
     try:
@@ -163,7 +164,7 @@ def world_of(p, available: int) -> int:
         return 1
 
 
-def job_shape(p, c) -> dict[str, int | None]:
+def job_shape(p: ParallelConfig, c: ClusterConfig) -> dict[str, int | None]:
     """Slurm shape of a run: nodes, tasks per node (= ranks), GPUs per node; ConfigError if it cannot fit."""
     per_node = c.gpus_per_node or c.tasks_per_node
     what = "cluster.gpus_per_node" if c.gpus_per_node else "cluster.tasks_per_node"
@@ -188,7 +189,7 @@ def job_shape(p, c) -> dict[str, int | None]:
 _PP_INTERLEAVED = tuple(name for name, (_, multi) in PP_SCHEDULES.items() if multi)
 
 
-def _check_schedule(p) -> None:
+def _check_schedule(p: ParallelConfig) -> None:
     """Pipeline schedule and virtual stages."""
     pp, v, sched = p.pp, p.pp_virtual_stages, p.pp_schedule
     if sched not in PP_SCHEDULES:
@@ -203,7 +204,7 @@ def _check_schedule(p) -> None:
                           "must be 1, or use pp_schedule=interleaved_1f1b")
 
 
-def _check_sharding(p, layout: Layout) -> None:
+def _check_sharding(p: ParallelConfig, layout: Layout) -> None:
     """How the dimensions are applied: ZeRO stage, offload, sequence parallel."""
     if layout.pipelined and p.pp_schedule == "zero_bubble" and layout.dp > 1 and p.zero_stage == 3:
         # Measured: its split weight-gradient pass does not match one process with parameters resharded.

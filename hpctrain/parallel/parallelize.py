@@ -23,7 +23,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hpctrain.core.config import ActCkpt, GradCompression, ReduceDtype
+from hpctrain.core.config import ActCkpt, GradCompression, ParallelConfig, ReduceDtype
 from hpctrain.core.memory import Term
 from hpctrain.models import ModelSpec
 from hpctrain.parallel.compression import apply_grad_compression
@@ -277,7 +277,7 @@ def last_unit_reduced(zero_stage: int, dp: int, compute_bytes: int, params: floa
     return Term(reduced=unit * (2 * compute_bytes + 4))
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg, spec: ModelSpec,
+def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg: ParallelConfig, spec: ModelSpec,
                 param_dtype: torch.dtype | None = None) -> nn.Module:
     """The layout's model: the model itself (pp=1) or a StageParts view of this rank's pipeline stages."""
     tied = tied_parameters(model)

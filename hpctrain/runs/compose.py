@@ -57,3 +57,10 @@ def compose(overrides: list[str]):
     register()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def typed(cfg) -> Config:
+    """The composed config as the schema's own objects (`core.config.Config` and its groups' dataclasses), once its
+    checks have passed: what a run's components are built from. Interpolations are resolved here; keys a `+key=`
+    override added stay as attributes."""
+    return cfg if isinstance(cfg, Config) else OmegaConf.to_object(cfg)

@@ -14,6 +14,7 @@ from hpctrain.core.config import (
     ConfigError,
     GradCompression,
     LrScaling,
+    OptimConfig,
     OptimImpl,
     OptimName,
     PrecisionName,
@@ -85,14 +86,14 @@ def _batch(global_batch, micro_batch, grad_accum, dp) -> tuple[int, int, int]:
     return global_batch, micro_batch, grad_accum
 
 
-def scaled_lr(ocfg, global_batch: int) -> float:
+def scaled_lr(ocfg: OptimConfig, global_batch: int) -> float:
     """`optim.lr` was tuned at `ref_global_batch`; scale it to this run's global batch."""
     ratio = global_batch / ocfg.ref_global_batch
     factor = {LrScaling.none: 1.0, LrScaling.linear: ratio, LrScaling.sqrt: math.sqrt(ratio)}[ocfg.lr_scaling]
     return ocfg.lr * factor
 
 
-def _check_schedule(ocfg, global_batch: int) -> None:
+def _check_schedule(ocfg: OptimConfig, global_batch: int) -> None:
     if ocfg.decay_steps is not None and ocfg.decay_steps <= ocfg.warmup_steps:
         raise ConfigError(f"optim.decay_steps={ocfg.decay_steps} must be > optim.warmup_steps={ocfg.warmup_steps}: it "
                           "is the step the decay ends at (null: train.max_steps)")
@@ -138,7 +139,7 @@ def resolve(cfg, world: int = 1) -> RunShape:
     check_keys(cfg)
     check_values(cfg)
     signal_number(cfg.cluster.signal)
-    spec = spec_of(cfg)
+    spec = spec_of(cfg.model)
     layout = Layout.from_config(p, world)
     spec.check_layout(spec.args(m), layout, p.sequence_parallel)
     if p.sequence_parallel and t.seq_len is not None and t.seq_len % layout.tp:

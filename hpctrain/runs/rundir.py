@@ -286,7 +286,7 @@ def _check_run_config(cfg: DictConfig, config: str) -> None:
 
     try:
         check_values(cfg, prefix="model.")
-        params, buffers = resident_bytes(cfg)
+        params, buffers = resident_bytes(cfg.model)
     except Exception as e:  # noqa: BLE001 - a range, a missing key, a wrong type: one line whatever it is
         raise RunDirError(f"{config}: {' '.join(str(e).split())}: restore it from a copy of the run") from None
     cap = available_memory()

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = compose_cfg([])
     data_dir, seq_len = prepare_data(cfg, resolve(cfg))  # builds the demo shards on first use
-    args, seed = model_args(cfg), cfg.train.seed
+    args, seed = model_args(cfg.model), cfg.train.seed
     machine = (f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {a.threads} torch threads; "
                f"torch {torch.__version__}, transformers {transformers.__version__}, "
                f"python {platform.python_version()}")

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     from hpctrain.runs.compose import compose
 
     cfg = compose([f"model={a.model}", f"precision={a.precision}", *a.overrides])
-    args, spec, dev = model_args(cfg), spec_of(cfg), device()
+    args, spec, dev = model_args(cfg.model), spec_of(cfg.model), device()
     flops_per_token = spec.flops_per_token(args, a.seq_len)
     peak = peak_flops(dev, a.precision, cfg.cluster.peak_tflops)
     os.makedirs(a.out, exist_ok=True)

@@ -48,7 +48,7 @@ def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, ob
     from hpctrain.runs.rundir import run_config
 
     cfg, ckpt = run_config(run_dir, ckpt)
-    model = build_model(cfg)
+    model = build_model(cfg.model)
     checkpoint.load_model(ckpt, model)
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise GenerateError(f"checkpoint {ckpt} holds non-finite weights (its run diverged): pass checkpoint=DIR of "

@@ -8,18 +8,16 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from hpctrain.core.config import DataConfig, TrainConfig
 from hpctrain.core.errors import TrainingError
 from hpctrain.data.loader import DataError, ShardStream, choose_lanes, read_manifest
+from hpctrain.runs.resolve import RunShape
 
 log = logging.getLogger("hpctrain")
-
-
-def val_stream(data_dir: str, micro_batch: int, cfg) -> ShardStream:
-    return ShardStream(data_dir, "val", micro_batch, cfg.train.seed, loop=False, shuffle=False,
-                       on_corrupt=cfg.data.on_corrupt)
 
 
 def eval_microbatches(n_samples: int, eval_batches: int, shape) -> int:
@@ -29,34 +27,54 @@ def eval_microbatches(n_samples: int, eval_batches: int, shape) -> int:
     return min(wanted, n_samples // shape.micro_batch) // shape.dp * shape.dp
 
 
-def val_share(data_dir: str, cfg, shape, dp_rank: int) -> Iterator[torch.Tensor]:
-    """This data-parallel rank's share of an evaluation: the split is read in order (the same samples in every
-    layout) and micro-batch j goes to rank j % dp."""
-    stream = val_stream(data_dir, shape.micro_batch, cfg)
-    n = eval_microbatches(stream.manifest.num_samples("val"), cfg.train.eval_batches, shape)
-    return (batch for j, batch in zip(range(n), stream) if j % shape.dp == dp_rank)
+@dataclass(frozen=True)
+class ValSplit:
+    """The validation split as an evaluation reads it: in order (the same samples in every layout), in the run's
+    micro-batches, train.eval_batches global batches of it."""
+
+    data_dir: str
+    shape: RunShape
+    seed: int
+    on_corrupt: str
+    eval_batches: int
+
+    @classmethod
+    def of(cls, data_dir: str, shape: RunShape, data: DataConfig, train: TrainConfig) -> ValSplit:
+        return cls(data_dir, shape, train.seed, data.on_corrupt, train.eval_batches)
+
+    def stream(self) -> ShardStream:
+        return ShardStream(self.data_dir, "val", self.shape.micro_batch, self.seed, loop=False, shuffle=False,
+                           on_corrupt=self.on_corrupt)
+
+    def _batches(self, stream: ShardStream) -> Iterator[torch.Tensor]:
+        n = eval_microbatches(stream.manifest.num_samples("val"), self.eval_batches, self.shape)
+        return (batch for _, batch in zip(range(n), stream))
+
+    def share(self, dp_rank: int) -> Iterator[torch.Tensor]:
+        """This data-parallel rank's share of an evaluation: micro-batch j goes to rank j % dp."""
+        dp = self.shape.dp
+        return (batch for j, batch in enumerate(self._batches(self.stream())) if j % dp == dp_rank)
+
+    def text_bytes(self) -> tuple[int, int] | None:
+        """(targets, the UTF-8 bytes of text they stand for) over a whole evaluation, every rank's share: what turns
+        the mean token loss into bits per byte. None, with a warning, where the shards' tokenizer cannot be read."""
+        from data_prep.tokenizer import load_tokenizer, token_bytes
+
+        stream = self.stream()
+        try:
+            table = torch.tensor(token_bytes(load_tokenizer(os.path.join(self.data_dir,
+                                                                         stream.manifest.tokenizer.path))))
+        except DataError as e:
+            log.warning("no val_bpb: %s", e)
+            return None
+        targets = nbytes = 0
+        for batch in self._batches(stream):
+            targets += batch[:, 1:].numel()
+            nbytes += int(table[batch[:, 1:].long()].sum())
+        return targets, nbytes
 
 
-def val_bytes(data_dir: str, cfg, shape) -> tuple[int, int] | None:
-    """(targets, the UTF-8 bytes of text they stand for) over a whole evaluation, every rank's share: what turns the
-    mean token loss into bits per byte. None, with a warning, where the shards' tokenizer cannot be read."""
-    from data_prep.tokenizer import load_tokenizer, token_bytes
-
-    stream = val_stream(data_dir, shape.micro_batch, cfg)
-    try:
-        table = torch.tensor(token_bytes(load_tokenizer(os.path.join(data_dir, stream.manifest.tokenizer.path))))
-    except DataError as e:
-        log.warning("no val_bpb: %s", e)
-        return None
-    n = eval_microbatches(stream.manifest.num_samples("val"), cfg.train.eval_batches, shape)
-    targets = nbytes = 0
-    for _, batch in zip(range(n), stream):
-        targets += batch[:, 1:].numel()
-        nbytes += int(table[batch[:, 1:].long()].sum())
-    return targets, nbytes
-
-
-def check_bound(run: dict, dcfg, seed: int, data_dir: str, manifest=None) -> None:
+def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=None) -> None:
     """A run state (`RunState.state_dict()`, or the `run` of a checkpoint's trainer_state.json) against this run's
     `data` group, train.seed and shards: the tokenizer the weights were trained on and what fixes the order of the
     samples (lanes, seed, shuffling) cannot change on resume (one TrainingError line)."""
@@ -77,7 +95,7 @@ def check_bound(run: dict, dcfg, seed: int, data_dir: str, manifest=None) -> Non
                                 f"samples: drop the override or set {key}={was} (or start over: train.resume=never)")
 
 
-def bind_run(dcfg, seed: int, data_dir: str, state, dp: int) -> int:
+def bind_run(dcfg: DataConfig, seed: int, data_dir: str, state, dp: int) -> int:
     """Check the shards and the sample order against what the run was trained on (`check_bound`), record them in
     the run state; return the data lanes."""
     manifest = read_manifest(data_dir)
@@ -91,7 +109,7 @@ def bind_run(dcfg, seed: int, data_dir: str, state, dp: int) -> int:
 class TrainFeed:
     """Micro-batches of this data-parallel rank, from the run's sample position on."""
 
-    def __init__(self, dcfg, seed: int, data_dir: str, shape, state, device: torch.device, dp_mesh):
+    def __init__(self, dcfg: DataConfig, seed: int, data_dir: str, shape, state, device: torch.device, dp_mesh):
         """`dcfg`: the `data` group; `seed`: train.seed; `dp_mesh`: the ranks the global batch is split over
         (`Layout.batch_mesh`)."""
         lanes = bind_run(dcfg, seed, data_dir, state, shape.dp)

@@ -6,40 +6,43 @@ import os
 
 import torch
 
-from hpctrain.models import ModelSpec
+from hpctrain.core.config import ModelConfig, ParallelConfig
+from hpctrain.models import spec_of
 from hpctrain.parallel.init import init_parameters
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.parallelize import parallelize, tied_aliases
-from hpctrain.training.precision import compute_dtype
 
 
-def build_model(cfg, spec: ModelSpec, layout: Layout, device: torch.device, mesh) -> torch.nn.Module:
-    """Build on the meta device, parallelize, then allocate and initialise: each rank materialises and draws only
-    its shards, with the values one process draws (`hpctrain.parallel.init`). No full copy on any rank."""
-    args = spec.args(cfg.model)
+def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, layout: Layout, mesh, device: torch.device,
+                dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """Build on the meta device, parallelize (computing in `dtype`), then allocate and initialise from `seed`: each
+    rank materialises and draws only its shards, with the values one process draws (`hpctrain.parallel.init`). No
+    full copy on any rank."""
+    spec = spec_of(model_cfg)
+    args = spec.args(model_cfg)
     with torch.device("meta"):
         model = spec.build(args)
-    model = parallelize(model, layout, mesh, cfg.parallel, spec, compute_dtype(cfg.precision))
+    model = parallelize(model, layout, mesh, parallel, spec, dtype)
     model.to_empty(device=device)
     model.init_buffers()
     model.tie_weights()
-    init_parameters(model, spec.init_rule(args), cfg.train.seed, tied_aliases(model))
+    init_parameters(model, spec.init_rule(args), seed, tied_aliases(model))
     return model.train()
 
 
 HF_PREFIX = "hf:"
 
 
-def _init_source(cfg) -> tuple[bool, str] | None:
+def _init_source(model_cfg: ModelConfig) -> tuple[bool, str] | None:
     """model.init_from as (a transformers directory?, its path), or None when unset."""
-    source = cfg.model.init_from
+    source = model_cfg.init_from
     if source is None:
         return None
     hf = source.startswith(HF_PREFIX)
     return hf, os.path.expanduser(source[len(HF_PREFIX):] if hf else source)
 
 
-def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None,
+def check_init_from(model_cfg: ModelConfig, tokenizer_sha256: str | None = None,
                     tokenizer_json: str | None = None) -> None:
     """model.init_from names weights this model can start from, trained on the token ids of the run's shards
     (their tokenizer: `tokenizer_sha256`, `tokenizer_json`) when the source says which — a checkpoint's recorded
@@ -47,16 +50,17 @@ def check_init_from(cfg, spec: ModelSpec, tokenizer_sha256: str | None = None,
     only metadata and tokenizers, before anything is spawned."""
     from hpctrain.storage import checkpoint
 
-    source = _init_source(cfg)
+    source = _init_source(model_cfg)
     if source is None:
         return
     hf, path = source
+    spec = spec_of(model_cfg)
     if hf:
-        spec.hf().check_hf_dir(path, spec.args(cfg.model))
+        spec.hf().check_hf_dir(path, spec.args(model_cfg))
         _check_hf_tokenizer(path, tokenizer_json)
         return
     saved = checkpoint.check_loadable(path)
-    checkpoint.check_model(path, spec.weights(spec.args(cfg.model)))
+    checkpoint.check_model(path, spec.weights(spec.args(model_cfg)))
     theirs = saved.get("run", {}).get("tokenizer_sha256") if isinstance(saved.get("run"), dict) else None
     if tokenizer_sha256 and isinstance(theirs, str) and theirs != tokenizer_sha256:
         raise ValueError(f"its weights were trained on token ids of another tokenizer (sha256 {theirs[:12]}) than "
@@ -83,17 +87,18 @@ def _check_hf_tokenizer(path: str, tokenizer_json: str | None) -> None:
                          f"(hpctrain prep shards --tokenizer {path} ...)")
 
 
-def load_initial_weights(model: torch.nn.Module, cfg, spec: ModelSpec) -> str | None:
+def load_initial_weights(model: torch.nn.Module, model_cfg: ModelConfig) -> str | None:
     """Overwrite the drawn weights with model.init_from's, in place, each rank reading its own shards; returns
     what was loaded (None when unset). Collective when distributed."""
     from hpctrain.storage import checkpoint
 
-    source = _init_source(cfg)
+    source = _init_source(model_cfg)
     if source is None:
         return None
     hf, path = source
+    spec = spec_of(model_cfg)
     if hf:
-        spec.hf().load_hf_weights(model, path, spec.args(cfg.model))
+        spec.hf().load_hf_weights(model, path, spec.args(model_cfg))
     else:
-        checkpoint.load_weights(path, model, spec.weights(spec.args(cfg.model)))
-    return cfg.model.init_from
+        checkpoint.load_weights(path, model, spec.weights(spec.args(model_cfg)))
+    return model_cfg.init_from

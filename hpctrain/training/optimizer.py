@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from hpctrain.core.config import Decay, OptimImpl, OptimName
+from hpctrain.core.config import Decay, OptimConfig, OptimImpl, OptimName
 from hpctrain.core.memory import Term
 
 log = logging.getLogger("hpctrain")
@@ -23,14 +23,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def implementation(ocfg, dtensors: bool) -> OptimImpl:
+def implementation(ocfg: OptimConfig, dtensors: bool) -> OptimImpl:
     """The kernels the optimizer runs: optim.implementation, except foreach for SGD over DTensor parameters
     (any dp or tp layout), for which torch 2.13 has no fused kernel (no sharding rule for aten._fused_sgd_)."""
     impl = OptimImpl(ocfg.implementation)
     return OptimImpl.foreach if impl == OptimImpl.fused and ocfg.name == OptimName.sgd and dtensors else impl
 
 
-def state_bytes(ocfg, params: int, factored: float) -> float:
+def state_bytes(ocfg: OptimConfig, params: int, factored: float) -> float:
     """The optimizer's state for `params` parameters: AdamW, LAMB, Sophia two fp32 moments (8·P); SGD with
     momentum 4·P; Adafactor 4·(rows + cols) per matrix and numel per vector (`factored` elements)."""
     name = OptimName(ocfg.name)
@@ -38,7 +38,7 @@ def state_bytes(ocfg, params: int, factored: float) -> float:
             OptimName.sgd: 4 * params if ocfg.momentum > 0 else 0, OptimName.adafactor: 4 * factored}[name]
 
 
-def memory_terms(ocfg, params: int, factored: float, dtensors: bool, shard: int, on_host: bool) -> dict[str, Term]:
+def memory_terms(ocfg: OptimConfig, params: int, factored: float, dtensors: bool, shard: int, on_host: bool) -> dict[str, Term]:
     """The state on the device, and the step's temporary: foreach kernels make one parameter-sized temporary (AdamW:
     the square root of the second moment, LAMB's update made from it in place), fused ones none. `shard`: the ranks
     sharing the state (ZeRO-2/3); `on_host`: FSDP CPU offload keeps both on the host."""
@@ -56,7 +56,7 @@ def step_passes(optimizer: torch.optim.Optimizer) -> list:
     return [CurvaturePass(optimizer)] if isinstance(optimizer, SophiaG) else []
 
 
-def build_optimizer(model: nn.Module, ocfg, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, ocfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
     from torch.distributed.tensor import DTensor
 
     groups = param_groups(model, ocfg.weight_decay)
@@ -94,7 +94,7 @@ def lr_factor(step: int, warmup: int, decay_end: int, decay: Decay, min_ratio: f
     return min_ratio + (1 - min_ratio) * shape
 
 
-def build_scheduler(optimizer, ocfg, max_steps: int) -> Schedule:
+def build_scheduler(optimizer, ocfg: OptimConfig, max_steps: int) -> Schedule:
     decay_end = ocfg.decay_steps if ocfg.decay_steps is not None else max_steps
     args = (ocfg.warmup_steps, decay_end, ocfg.decay, ocfg.min_lr_ratio)
     return Schedule(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, *args)))

@@ -145,7 +145,7 @@ class _Run:
 
     @classmethod
     def of(cls, cfg, plan: RunShape, seq_len: int) -> _Run:
-        spec, layout, p = spec_of(cfg), plan.layout, cfg.parallel
+        spec, layout, p = spec_of(cfg.model), plan.layout, cfg.parallel
         low = PrecisionName(cfg.precision.name) in (PrecisionName.bf16, PrecisionName.fp16)
         return cls(cfg, plan, spec, spec.args(cfg.model), c=2 if low else 4,
                    shard=layout.dp if p.zero_stage >= 2 else 1,

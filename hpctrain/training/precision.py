@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpctrain.core.config import MAX_LOSS_SCALE, PrecisionName
+from hpctrain.core.config import MAX_LOSS_SCALE, PrecisionConfig, PrecisionName
 
 
 @dataclass
@@ -64,12 +64,12 @@ class AgreedGradScaler(torch.amp.GradScaler):
         return {found_inf.device: found_inf}
 
 
-def compute_dtype(pcfg) -> torch.dtype | None:
+def compute_dtype(pcfg: PrecisionConfig) -> torch.dtype | None:
     """The low-precision compute dtype of precision=bf16|fp16; None for fp32 and tf32."""
     return {PrecisionName.bf16: torch.bfloat16, PrecisionName.fp16: torch.float16}.get(PrecisionName(pcfg.name))
 
 
-def setup_precision(pcfg, device: torch.device) -> Precision:
+def setup_precision(pcfg: PrecisionConfig, device: torch.device) -> Precision:
     name = PrecisionName(pcfg.name)
     # fp32 means fp32: PyTorch would otherwise let cuBLAS/cuDNN pick TF32 on Ampere+.
     torch.backends.cuda.matmul.allow_tf32 = name == PrecisionName.tf32

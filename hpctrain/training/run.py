@@ -22,10 +22,11 @@ from hpctrain.monitoring.trackers import check_trackers
 from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
 from hpctrain.runs import rundir
+from hpctrain.runs.compose import typed
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
-from hpctrain.training.feed import check_bound, val_stream
+from hpctrain.training.feed import ValSplit, check_bound
 from hpctrain.training.save_resume import check_trainer_state
 from hpctrain.training.trainer import Trainer
 
@@ -105,7 +106,7 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
             raise DataError(f"evaluation needs a validation split of at least train.micro_batch x dp = {need} "
                             f"samples, the shards in {path} have {manifest.num_samples('val')}: set "
                             "train.eval_every=0, or rebuild the shards with a validation split (--val-fraction, e.g. 0.01)")
-        val_stream(path, shape.micro_batch, cfg)  # every val shard is there
+        ValSplit.of(path, shape, cfg.data, cfg.train).stream()  # every val shard is there
     return path, seq_len
 
 
@@ -128,17 +129,16 @@ def _check_resume(cfg) -> None:
 def _weights(cfg) -> dict:
     from hpctrain.models import spec_of
 
-    spec = spec_of(cfg)
+    spec = spec_of(cfg.model)
     return spec.weights(spec.args(cfg.model))
 
 
 def _check_init_from(cfg, data_dir: str) -> None:
-    from hpctrain.models import spec_of
     from hpctrain.training.model_init import check_init_from
 
     try:
         tokenizer = read_manifest(data_dir).tokenizer
-        check_init_from(cfg, spec_of(cfg), tokenizer.sha256, os.path.join(data_dir, tokenizer.path))
+        check_init_from(cfg.model, tokenizer.sha256, os.path.join(data_dir, tokenizer.path))
     except (ValueError, OSError) as e:  # config.json unreadable or not this model
         raise TrainingError(f"model.init_from={cfg.model.init_from}: {e}") from None
     except CheckpointError as e:
@@ -179,6 +179,7 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
     under torchrun/srun.
     """
     prepared = prepared or prepare(cfg)
+    cfg = typed(cfg)  # from here on, each component is built from its group's dataclass
     with rundir.claimed(run_dir):  # (the main rank; re-entered when the CLI holds it already)
         os.makedirs(run_dir, exist_ok=True)
         if process_group.launched_world() is None:  # the ranks forked here start as decided here, before the fork

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hpctrain.core.config import TrainConfig
 from hpctrain.core.errors import TrainingError
 from hpctrain.parallel.norms import all_finite
 from hpctrain.parallel.vote import OverlappedVote, any_rank
@@ -26,7 +27,7 @@ from hpctrain.training.step import params_finite
 log = logging.getLogger("hpctrain")
 
 
-def host_copy_bytes(tcfg, params: float, optim_state: float, shard: int) -> float:
+def host_copy_bytes(tcfg: TrainConfig, params: float, optim_state: float, shard: int) -> float:
     """train.ckpt_async copies each rank's share of a checkpoint (fp32 parameters, optimizer state) to host memory
     and keeps it between saves: host memory per rank, beside the device's."""
     return (4 * params + optim_state) / shard if tcfg.ckpt_async and tcfg.checkpointing else 0
@@ -62,7 +63,7 @@ class Checkpointer:
     `stall_s` / `write_s`: how long each save held training back, and how long each took to reach the disk.
     """
 
-    def __init__(self, run_dir: str, t, model, optimizer, parts: dict, optional: dict | None = None,
+    def __init__(self, run_dir: str, t: TrainConfig, model, optimizer, parts: dict, optional: dict | None = None,
                  timeout_s: float = 600.0, expected: dict | None = None):
         """`t`: the run's `train` config (ckpt_every, ckpt_keep, max_steps, checkpointing, ckpt_async,
         ckpt_write_threads); `timeout_s`: the background writes' group timeout; `expected`: the whole model's

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from hpctrain.core.config import PrecisionName, SpikeAction
+from hpctrain.core.config import Config, ParallelConfig, PrecisionName, SpikeAction
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import RESULT_FILE, no_space, write_json
 from hpctrain.data.loader import DataError
@@ -27,15 +27,16 @@ from hpctrain.monitoring.memory import MemoryProbe, Peaks
 from hpctrain.monitoring.metrics import Metrics, Throughput, peak_flops, run_sinks
 from hpctrain.monitoring.monitor import Context
 from hpctrain.monitoring.profiling import MemorySnapshot, StepProfiler
+from hpctrain.monitoring.trackers import resolved_config
 from hpctrain.runs.resolve import scaled_lr
 from hpctrain.runtime import job
 from hpctrain.runtime.job import RunStatus, Stop
 from hpctrain.storage import checkpoint
 from hpctrain.training.evaluator import Evaluator
-from hpctrain.training.feed import TrainFeed, val_bytes, val_share
+from hpctrain.training.feed import TrainFeed, ValSplit
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optimizer import build_optimizer, build_scheduler, step_passes
-from hpctrain.training.precision import setup_precision
+from hpctrain.training.precision import compute_dtype, setup_precision
 from hpctrain.training.save_resume import Checkpointer
 from hpctrain.training.spikes import LossSpikeGuard, Rollback
 from hpctrain.training.state import RunState
@@ -47,13 +48,13 @@ warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\
 
 
 class Trainer:
-    def __init__(self, cfg, run_dir: str, prepared, env, start: str | None):
+    def __init__(self, cfg: Config, run_dir: str, prepared, env, start: str | None):
         """`prepared`: the run's checked shape and data (`run.prepare`); `start`: what to resume from ("auto",
         a checkpoint directory, or None). The builds, in the order they depend on each other."""
         self.cfg, self.run_dir, self.env, self.shape = cfg, run_dir, env, prepared.shape
         self.tokens_per_step = prepared.shape.global_batch * prepared.seq_len
         _set_threads(cfg.cluster.num_threads)
-        self.spec = spec_of(cfg)
+        self.spec = spec_of(cfg.model)
         self._build_model()  # the mesh, the model on it, precision, optimizer and schedule
         self._build_step()  # the layout's step and the loss-spike guard it reports to
         self._build_checkpointer(start)  # the run state, what a checkpoint holds, the weights to start from
@@ -74,7 +75,8 @@ class Trainer:
         self.mesh = layout.build_mesh(env.device.type, cfg.cluster.pg_timeout_s)
         self.memory = MemoryProbe(env.device)  # before the model: its peak counts the build
         built = time.perf_counter()
-        self.model = build_model(cfg, self.spec, layout, env.device, self.mesh)
+        self.model = build_model(cfg.model, cfg.parallel, layout, self.mesh, env.device, compute_dtype(cfg.precision),
+                                 cfg.train.seed)
         self.init_s = time.perf_counter() - built
         self.precision = setup_precision(cfg.precision, env.device)
         self.lr = scaled_lr(cfg.optim, self.shape.global_batch)
@@ -99,7 +101,7 @@ class Trainer:
                                          {"run": self.state, "scheduler": self.scheduler},
                                          {"scaler": self.precision.scaler, "loss_spike": self.spikes},
                                          self.cfg.cluster.pg_timeout_s, spec.weights(spec.args(self.cfg.model)))
-        self._start_weights(start, spec)
+        self._start_weights(start)
 
     def _build_monitoring(self, prepared) -> None:
         cfg, env, shape, t, m, spec = self.cfg, self.env, self.shape, self.cfg.train, self.cfg.monitor, self.spec
@@ -111,12 +113,13 @@ class Trainer:
                                    t.profile_steps and tuple(t.profile_steps))
         ctx = Context(env.device, env.world, self.sampler.every,
                       job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s)
-        sinks, self.alerts = run_sinks(cfg, self.run_dir, self.state.step, ctx) if env.is_main else ([], None)
+        sinks, self.alerts = run_sinks(cfg.logging, m, self.run_dir, self.state.step, t.max_steps, ctx,
+                                       resolved_config(cfg, self.run_dir)) if env.is_main else ([], None)
         self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.corrupt_total)
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
-        self.evaluator = Evaluator(t.eval_every, t.max_steps,
-                                   lambda: val_share(prepared.data_dir, cfg, shape, dp_rank), self.step, self.metrics,
-                                   (lambda: val_bytes(prepared.data_dir, cfg, shape)) if env.is_main else None)
+        val = ValSplit.of(prepared.data_dir, shape, cfg.data, t)
+        self.evaluator = Evaluator(t.eval_every, t.max_steps, lambda: val.share(dp_rank), self.step, self.metrics,
+                                   val.text_bytes if env.is_main else None)
         self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(self.run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
@@ -235,11 +238,11 @@ class Trainer:
                                     "last checkpoint")
         return False
 
-    def _start_weights(self, start: str | None, spec) -> None:
+    def _start_weights(self, start: str | None) -> None:
         """The checkpoint `start` restored (a resumed run continues its own weights), or on a fresh start
         model.init_from's weights loaded; checked finite (collective)."""
         self.resumed_from = self.checkpointer.restore(start)
-        self.init_from = None if self.resumed_from else load_initial_weights(self.model, self.cfg, spec)
+        self.init_from = None if self.resumed_from else load_initial_weights(self.model, self.cfg.model)
         self._check_start_finite()
 
     def _check_start_finite(self) -> None:
@@ -275,7 +278,7 @@ class Trainer:
             log.info("%s is exported already (%s)", ckpt, out)
             return
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        log.info("exported %s as a transformers model to %s", ckpt, export(self.cfg, ckpt, out))
+        log.info("exported %s as a transformers model to %s", ckpt, export(self.cfg.model, self.cfg.data.path, ckpt, out))
 
     def _evaluate(self, saved: bool) -> None:
         if not self.evaluator.due(self.state.step):
@@ -334,7 +337,7 @@ class Trainer:
             log.warning("train.checkpointing=false: no checkpoint will be written; this run cannot be resumed")
 
 
-def sharded_gradients(p) -> bool:
+def sharded_gradients(p: ParallelConfig) -> bool:
     """Whether gradients stay sharded through accumulation (ZeRO-2/3 with parallel.sharded_accumulation)."""
     return p.zero_stage >= 2 and p.sharded_accumulation
 

@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from hpctrain.core.config import ModelConfig
+
 SHARD_BYTES = 2 * 10**9
 USAGE = ("usage: python -m hpctrain export-hf RUN_DIR OUT [checkpoint=DIR]\nwrites the run's latest checkpoint "
          "(or checkpoint=DIR) as a transformers model directory OUT (config.json, safetensors, tokenizer)")
@@ -37,15 +39,16 @@ def _groups(shapes: dict[str, tuple[torch.Size, torch.dtype]], limit: int) -> li
     return groups
 
 
-def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
-    """Write checkpoint `ckpt` of a run with config `cfg` to `out` as a transformers directory; returns `out`."""
+def export(model_cfg: ModelConfig, data_path: str, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
+    """Write checkpoint `ckpt` of a run (its `model` group, its data.path for the tokenizer) to `out` as a
+    transformers directory; returns `out`."""
     from hpctrain.models import spec_of
     from hpctrain.storage import checkpoint
 
     if os.path.lexists(out):
         raise ExportError(f"{out} exists: choose a new OUT (nothing is ever overwritten or removed)")
-    spec = spec_of(cfg)
-    weights = spec.weights(spec.args(cfg.model))
+    spec = spec_of(model_cfg)
+    weights = spec.weights(spec.args(model_cfg))
     checkpoint.check_model(ckpt, weights)  # exactly this model's weights, before OUT is made
     tmp = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     try:
@@ -54,7 +57,7 @@ def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
         raise ExportError(f"cannot create {out} ({e.strerror}: {e.filename}): choose an OUT in a directory you can "
                           "write to") from None
     try:  # whatever stops the export (an error, Ctrl-C), the partial directory this call made goes
-        _write(cfg, ckpt, tmp, weights, shard_bytes or SHARD_BYTES)
+        _write(model_cfg, data_path, ckpt, tmp, weights, shard_bytes or SHARD_BYTES)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -62,7 +65,7 @@ def export(cfg, ckpt: str, out: str, shard_bytes: int | None = None) -> str:
     return out
 
 
-def _write(cfg, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
+def _write(model_cfg: ModelConfig, data_path: str, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
     """The weights file by file, their index, the tokenizer and config.json into the new directory `tmp`."""
     from safetensors.torch import save_file
 
@@ -70,8 +73,8 @@ def _write(cfg, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
     from hpctrain.models import spec_of
     from hpctrain.storage import checkpoint
 
-    spec = spec_of(cfg)
-    args = spec.args(cfg.model)
+    spec = spec_of(model_cfg)
+    args = spec.args(model_cfg)
     names = spec.hf().key_map(args.n_layers)
     shapes = {k: (torch.Size(shape), dtype) for k, (shape, dtype) in weights.items()
               if k in names and not (args.tie_embeddings and k == "output.weight")}  # a tied head is the embedding
@@ -86,17 +89,17 @@ def _write(cfg, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
         total += sum(t.nbytes for t in tensors.values())
     write_json(os.path.join(tmp, "model.safetensors.index.json"),
                {"metadata": {"total_size": total}, "weight_map": weight_map})
-    eos = _copy_tokenizer(cfg, tmp)
+    eos = _copy_tokenizer(data_path, tmp)
     ids = {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
     spec.hf().to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
     fsync_dir(tmp)
 
 
-def _copy_tokenizer(cfg, dest: str) -> int | None:
+def _copy_tokenizer(data_path: str, dest: str) -> int | None:
     """The tokenizer the run's shards name, copied beside the weights; returns its EOS id (None without shards)."""
     from hpctrain.core.shard_format import read_manifest
 
-    data = os.path.expanduser(str(cfg.data.path))
+    data = os.path.expanduser(str(data_path))
     try:
         manifest = read_manifest(data)
     except Exception:  # noqa: BLE001 - the data may be gone; the weights are still worth exporting
@@ -123,7 +126,7 @@ def main(argv: list[str]) -> int:
         if len(positional) != 2 or set(options) - {"checkpoint"}:
             raise ExportError(f"expected RUN_DIR OUT [checkpoint=DIR], got {' '.join(argv) or 'nothing'}")
         cfg, ckpt = run_config(positional[0], options.get("checkpoint"))
-        print(f"exported {ckpt} to {export(cfg, ckpt, positional[1])}")
+        print(f"exported {ckpt} to {export(cfg.model, cfg.data.path, ckpt, positional[1])}")
 
     # A disk that filled, a directory that vanished: nothing of OUT is left (see export).
     return run_command(work, "hpctrain export-hf", (ExportError, RunDirError, CheckpointError),
