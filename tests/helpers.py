@@ -119,6 +119,11 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
                 sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
                 sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
                 faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True)  # a hang explains itself
+                # Ctrl-C as in a new interpreter, whatever an earlier test left in this process (a handler, a
+                # blocked mask, an event loop's wakeup fd).
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.pthread_sigmask(signal.SIG_SETMASK, set())
+                signal.set_wakeup_fd(-1)
                 os.chdir(cwd)
                 for key, value in (env or {}).items():
                     if value is None:
@@ -157,14 +162,23 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
 def _hung(pid: int, argv: list[str], timeout: float, err) -> str:
     """Kill a forked child that did not finish; what it and this process were doing then (its threads' Python
     stacks, dumped on SIGQUIT; this process's threads: a fork copies their locks, not them)."""
+    def signals(p) -> str:
+        with open(f"/proc/{p}/status") as f:
+            return " ".join(line.replace(":\t", " ").strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+    mine, theirs = signals(os.getpid()), signals(pid)
+    err.seek(0, os.SEEK_END)
+    before = err.tell()
     os.kill(pid, signal.SIGQUIT)
     time.sleep(2)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     err.seek(0)
+    text = err.read().decode(errors="replace")
     threads = ", ".join(t.name for t in threading.enumerate())
-    return (f"{argv} did not finish in {timeout:.0f}s; this process's threads now: {threads}; "
-            f"the child's stderr and stacks:\n{err.read().decode(errors='replace')[-6000:]}")
+    return (f"{argv} did not finish in {timeout:.0f}s; the child's signals: {theirs}; this process's: {mine}, "
+            f"SIGINT handler {signal.getsignal(signal.SIGINT)}, threads: {threads}; the child's stacks:\n"
+            f"{text[before:before + 5000]}\nthe end of its stderr before:\n{text[max(0, before - 2000):before]}")
 
 
 _CONTENT: dict[tuple, bytes] = {}  # a file's (path, inode, size, ctime) -> the sha256 of its bytes

@@ -21,6 +21,7 @@ before anything starts (`check_trackers`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -31,6 +32,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from enum import Enum
 from urllib.parse import urlsplit, urlunsplit
 
 from hpctrain.core.config import ConfigError, LoggingConfig, WandbMode
@@ -220,18 +222,33 @@ def save_id(run_dir: str, tracker: str, doc: dict) -> None:
 
 
 def resolved_config(cfg, run_dir: str) -> dict:
-    """The config as plain data (enums as names), with the run dir this run really uses."""
+    """The config (the typed objects a run is built from, or a DictConfig) as plain data (enums as names), with the
+    run dir this run really uses."""
     from omegaconf import DictConfig, OmegaConf
 
     if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.structured(cfg)
-    try:
-        conf = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    except Exception:  # noqa: BLE001 - e.g. ${hydra:...} outside Hydra: the unresolved text is still a record
-        conf = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+        conf = _plain(cfg)
+    else:
+        try:
+            conf = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        except Exception:  # noqa: BLE001 - e.g. ${hydra:...} outside Hydra: the unresolved text is still a record
+            conf = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     conf.pop("hydra", None)
     conf["run_dir"] = os.path.abspath(run_dir)
     return conf
+
+
+def _plain(value):
+    """Dataclass objects as dicts (keys a `+key=` override added included), enums as their names."""
+    if dataclasses.is_dataclass(value):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    if isinstance(value, Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def flatten(conf: dict, prefix: str = "") -> dict[str, str]:
