@@ -12,9 +12,10 @@ import sys
 import time
 
 import pytest
-from helpers import last_step, losses, run_layout
-from test_train import _cli, read_json, read_text
+from helpers import last_step, losses, run_forked, run_layout
+from test_train import _args, _cli, read_json, read_text
 
+from hpctrain import cli
 from hpctrain.core.errors import TrainingError
 from hpctrain.storage import checkpoint
 from hpctrain.training.run import train
@@ -129,7 +130,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
     SIGKILL then leaves step 2 as `latest`, and rerunning continues exactly as an uninterrupted run."""
     steps = ("train.max_steps=10", ASYNC)
     ref, run = tmp_path / "ref", tmp_path / "run"
-    subprocess.run(_cli(ref, demo_data, *steps), check=True, capture_output=True, timeout=300)
+    assert run_forked(cli.main, _args(ref, demo_data, *steps), cwd=tmp_path, timeout=300).code == 0
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, *_cli(run, demo_data, *steps)[3:]],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -146,8 +147,8 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert checkpoint.latest(str(run)).endswith("step-0000002") and not (run / "checkpoints" / "step-0000004").exists()
-    p = subprocess.run(_cli(run, demo_data, *steps), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    p = run_forked(cli.main, _args(run, demo_data, *steps), cwd=tmp_path, timeout=300)
+    assert p.code == 0, p.err
     assert "resumed from" in read_text(run / "train.log")
     lr, lrun = losses(ref), losses(run)
     for s in range(3, 11):

@@ -3,6 +3,7 @@ and the `hpctrain` console script run from an empty directory with the configs t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -66,17 +67,44 @@ def test_wheel_carries_the_configs(fresh):
     assert not os.listdir(empty)  # --cfg makes no run directory
 
 
+# `hpctrain COMMAND --help` for each command: a forked child of one interpreter per command (an interpreter each
+# cost ~2 s), its exit code, stdout and stderr.
+_HELPS = r"""
+import json, os, sys, tempfile
+from hpctrain.cli import console
+results = []
+for command in sys.argv[1:]:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+            code = 1
+            try:
+                code = console([command, "--help"]) or 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            finally:
+                sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0); err.seek(0)
+        results.append((os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()))
+print(json.dumps(results))
+"""
+
+
 @pytest.mark.timeout(600)
 def test_console_script_has_every_command(fresh):
     venv, empty = fresh
     script = venv / "bin" / "hpctrain"
     p = _run([script, "--help"], empty)
     assert p.returncode == 0, p.stderr
-    for command in ("train", "plan", "report", "preflight", "generate", "export-hf", "summary", "bench", "prep",
-                    "gpu-check"):
+    commands = ("train", "plan", "report", "preflight", "generate", "export-hf", "summary", "bench", "prep", "gpu-check")
+    # Each command's --help through the script's own function, in one interpreter of the fresh environment.
+    helps = _run([venv / "bin" / "python", "-c", _HELPS, *commands], empty)
+    assert helps.returncode == 0, helps.stderr
+    for command, (code, out, err) in zip(commands, json.loads(helps.stdout)):
         assert f"  {command} " in p.stdout, command
-        h = _run([script, command, "--help"], empty)
-        assert h.returncode == 0 and "usage" in h.stdout.lower(), (command, h.stdout, h.stderr)
+        assert code == 0 and "usage" in out.lower(), (command, out, err)
     p = _run([script, "plan", "model=llama_7b", "parallel.dp=8", "train.global_batch=64", "cluster.gpu_mem_gb=80"],
              empty)
     assert p.returncode == 0 and "6.738B parameters" in p.stdout, p.stdout + p.stderr

@@ -154,10 +154,14 @@ def test_does_not_fit_suggests(make_cfg):
     (["train.bogus=1"], ["bogus"]),
 ])
 def test_errors_are_one_line(tmp_path, overrides, words):
-    p = _plan(overrides, tmp_path)
-    assert p.returncode == 2
-    err = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("hpctrain: error:"), p.stderr
+    from helpers import run_forked
+
+    from hpctrain import cli
+
+    p = run_forked(cli.main, ["plan", *overrides], cwd=tmp_path)
+    assert p.code == 2
+    err = p.err_lines
+    assert len(err) == 1 and err[0].startswith("hpctrain: error:"), p.err
     assert all(w in err[0] for w in words), err[0]
 
 

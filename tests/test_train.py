@@ -11,7 +11,9 @@ import time
 
 import pytest
 import torch
+from helpers import run_forked
 
+from hpctrain import cli
 from hpctrain.training.run import TrainingError, train
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "mfu", "data_wait_frac",
@@ -222,9 +224,14 @@ def test_nonfinite_step_does_not_touch_weights(make_cfg):
 
 
 def _cli(run_dir, demo_data, *extra):
+    return [sys.executable, "-m", "hpctrain", *_args(run_dir, demo_data, *extra)]
+
+
+def _args(run_dir, demo_data, *extra) -> list[str]:
+    """`python -m hpctrain`'s arguments of a small run (for `cli.main` in a forked child: `run_forked`)."""
     from conftest import SMALL_MODEL
 
-    return [sys.executable, "-m", "hpctrain", f"run_dir={run_dir}", f"data.path={demo_data}",
+    return [f"run_dir={run_dir}", f"data.path={demo_data}",
             "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
             "train.log_every=1", "train.eval_every=0", "train.ckpt_every=2", "logging.trackers=[]",
             "cluster.num_threads=1", *extra]
@@ -235,7 +242,8 @@ def test_resume_after_kill_equals_uninterrupted(demo_data, tmp_path):
     """SIGKILL a run right after a checkpoint; rerunning in the same directory continues exactly."""
     steps = "train.max_steps=40"
     ref, run = tmp_path / "ref", tmp_path / "run"
-    subprocess.run(_cli(ref, demo_data, steps), check=True, capture_output=True, timeout=300)
+    # (The run that is killed is a process of its own; the others fork this one: the same CLI, torch imported.)
+    assert run_forked(cli.main, _args(ref, demo_data, steps), cwd=tmp_path, timeout=300).code == 0
     proc = subprocess.Popen(_cli(run, demo_data, steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = run / "checkpoints" / "latest"
     deadline = time.time() + 240
@@ -245,8 +253,8 @@ def test_resume_after_kill_equals_uninterrupted(demo_data, tmp_path):
     proc.wait()
     resumed_from = read_json(latest / "trainer_state.json")["run"]["step"]
     assert resumed_from < 40, "the run finished before it could be killed"
-    p = subprocess.run(_cli(run, demo_data, steps), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    p = run_forked(cli.main, _args(run, demo_data, steps), cwd=tmp_path, timeout=300)
+    assert p.code == 0, p.err
     assert "resumed from" in read_text(run / "train.log")
     lr, lrun = losses(ref), losses(run)
     assert sorted(lrun) == list(range(1, 41))  # each step logged once, even those redone
@@ -285,10 +293,11 @@ def test_generate_cli(make_cfg, tmp_path, demo_data):
 
     os.makedirs(tmp_path / ".hydra")
     OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")  # as the CLI records it
-    p = subprocess.run([sys.executable, "-m", "hpctrain.tools.generate", f"run_dir={tmp_path}", "prompt=def ",
-                        "max_new_tokens=12", "seed=1"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("def ") and len(p.stdout.strip()) > len("def")
+    from hpctrain.tools import generate
+
+    p = run_forked(generate.main, [f"run_dir={tmp_path}", "prompt=def ", "max_new_tokens=12", "seed=1"], cwd=tmp_path)
+    assert p.code == 0, p.err
+    assert p.out.startswith("def ") and len(p.out.strip()) > len("def")
 
 
 def test_sample_greedy_is_deterministic(make_cfg):
@@ -485,9 +494,8 @@ def test_cli_start_over_moves_the_old_config_and_log_too(demo_data, tmp_path):
     """From the command line the old run's .hydra/ and train.log move aside with it, before the new run writes."""
     run = tmp_path / "run"
     for extra in (["train.seed=1"], ["train.seed=2", "train.resume=never"]):
-        p = subprocess.run(_cli(run, demo_data, "train.max_steps=2", *extra), cwd=tmp_path, capture_output=True,
-                           text=True, timeout=240)
-        assert p.returncode == 0, p.stderr
+        p = run_forked(cli.main, _args(run, demo_data, "train.max_steps=2", *extra), cwd=tmp_path, timeout=240)
+        assert p.code == 0, p.err
     (previous,) = (run / "previous").iterdir()
     assert "train.seed=1" in read_text(previous / ".hydra" / "overrides.yaml").replace("- ", "")
     assert "train.seed=2" in read_text(run / ".hydra" / "overrides.yaml").replace("- ", "")
