@@ -22,6 +22,7 @@ from hpctrain.core.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERRUPTED, fa
 from hpctrain.core.files import no_space
 from hpctrain.runs import rundir
 from hpctrain.runs.compose import compose, conf_dir, register
+from hpctrain.runs.hf_shape import shape_from_checkpoint
 
 PROG = "python -m hpctrain"
 # When the command started: what was made after it (by Hydra, for this run) may be removed again.
@@ -50,6 +51,11 @@ def _task(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
     where = f"sweep point #{hc.job.num} ({_sweep_values(hc.overrides.task)}): " if hc.mode == RunMode.MULTIRUN else ""
+    try:  # model.init_from=hf:DIR: the model's shape from its config.json, before the run is submitted or checked
+        shape_from_checkpoint(cfg, hc.overrides.task)
+    except BAD_INPUT as e:
+        rundir.remove_if_fresh(run_dir, _started)
+        fail(where + str(e))
     if hc.mode == RunMode.RUN and str(hc.launcher.get("_target_", "")).startswith("hydra_plugins.hpctrain_launcher."):
         # `python -m hpctrain hydra/launcher=slurm ...`: submit this one run instead of training here.
         from hydra.utils import instantiate

@@ -520,6 +520,9 @@ CASES = [
     ("init-from-int8-weights", *_hp("model.init_from=hf:{w}/hf_int8"), ["is I8 (quantized?)"]),
     ("init-from-int32-weights", *_hp("model.init_from=hf:{w}/hf_int32"), ["up_proj.weight is I32 (quantized?)"]),
     ("init-from-wrong-shape", *_hp("model.init_from=hf:{w}/hf_shape"), ["up_proj.weight is [64, 176]", "needs"]),
+    # The shape comes from config.json: a typed model key against it is refused (no run directory made).
+    ("init-from-hf-contradicting-override", *_hp("model.init_from=hf:{w}/hf", "model.n_layers=3"),
+     ["model.n_layers=3 contradicts", "num_hidden_layers=2", "drop the override"]),
     # 17. A run that applied no step is never "completed" (the run dir stays, its result.json says failed).
     ("every-step-skipped", *_hp("model.init_std=1e30"), ["none of this run's 2 steps was applied"]),
     ("non-finite-from-the-first-step", *_hp("model.init_std=1e30", "train.max_nonfinite=1"),

@@ -220,6 +220,87 @@ def test_runs_start_from_hf_weights_in_every_layout(make_cfg, tmp_path):
         assert abs(loss - ref[0]) <= TOL and abs(norm - ref[1]) <= TOL * ref[1], (name, loss, norm, ref)
 
 
+# --- The model's shape from its config.json: model.init_from=hf:DIR is all a user types ------------------------------
+def _compose(*overrides):
+    from hpctrain.runs.compose import compose
+
+    return compose(["data.prepare_demo=false", *overrides])
+
+
+def test_the_shape_comes_from_config_json(tmp_path, demo_data):
+    """Every model key from config.json (the default `model` group, tiny, says otherwise), the family its model_type
+    names, the directory's name; `plan` the same."""
+    from helpers import run_forked
+
+    from hpctrain import cli
+
+    path = _published(tmp_path, tie=True)
+    m = _compose(f"model.init_from=hf:{path}", f"data.path={demo_data}").model
+    assert (m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.max_seq_len) == (
+        512, 64, 2, 4, 2, 176, 64)
+    assert (m.tie_embeddings, m.rope_theta, m.norm_eps, m.family, m.name) == (
+        True, 10000.0, 1e-5, "llama", Path(path).name)
+    p = run_forked(cli.main, ["plan", f"model.init_from=hf:{path}", f"data.path={demo_data}"], cwd=tmp_path)
+    assert p.code == 0 and f"model {Path(path).name}: " in p.out and "2 layers" not in p.err, p.out + p.err
+
+
+def test_an_override_against_config_json_is_one_line_and_float32_equal_is_equal(tmp_path, demo_data):
+    """A model.* override that contradicts config.json is refused naming both; 1e-5 stored as float32
+    (9.999999747378752e-06) is 1e-5; model.max_seq_len (the RoPE tables' reach) may differ; another model_type is
+    named."""
+    from hpctrain.core.config import ConfigError
+    from hpctrain.training.run import prepare
+
+    path = Path(_published(tmp_path))
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, "rms_norm_eps": 9.999999747378752e-06}))
+    run = (f"model.init_from=hf:{path}", f"data.path={demo_data}", "logging.trackers=[]")
+    with pytest.raises(ConfigError) as e:
+        _compose(*run, "model.n_layers=3")
+    msg = str(e.value)
+    assert "\n" not in msg and f"model.n_layers=3 contradicts {path}/config.json (num_hidden_layers=2)" in msg, msg
+    cfg = _compose(*run, "model.norm_eps=1e-5", "model.n_heads=4", "model.max_seq_len=32", "train.seq_len=32")
+    assert (cfg.model.norm_eps, cfg.model.max_seq_len, cfg.model.dim) == (1e-5, 32, 64)
+    with pytest.raises(Exception, match="seq_len 64"):  # the shards' 64-token samples need 64 positions
+        prepare(cfg)
+    prepare(_compose(*run, "model.norm_eps=1e-5"))  # the weights' check agrees: the same number in float32
+    (path / "config.json").write_text(json.dumps({**conf, "model_type": "qwen2"}))
+    with pytest.raises(ConfigError, match='model_type="qwen2", which no hpctrain model family reads .it reads llama.'):
+        _compose(*run)
+
+
+def test_shards_of_a_larger_vocabulary_name_the_models_tokenizer(tmp_path, demo_data):
+    from hpctrain.data.loader import DataError
+    from hpctrain.training.run import prepare
+
+    path = tmp_path / "small-vocab"
+    LlamaForCausalLM(LlamaConfig(**{**RUN_MODEL, "vocab_size": 256})).save_pretrained(path)
+    with pytest.raises(DataError) as e:
+        prepare(_compose(f"model.init_from=hf:{path}", f"data.path={demo_data}"))
+    assert "512-token tokenizer" in str(e.value) and f"hpctrain prep shards --tokenizer {path}" in str(e.value)
+
+
+@pytest.mark.multiproc
+def test_init_from_alone_trains_fsdp_bf16_from_the_command_line(tmp_path, demo_data):
+    """model.init_from=hf:DIR and no other model key: a dp=2 FSDP bf16 run trains, and its recorded config holds the
+    checkpoint's shape."""
+    from helpers import run_forked
+
+    from hpctrain import cli
+    from hpctrain.core.files import read_json
+
+    path = _published(tmp_path)
+    run = tmp_path / "run"
+    p = run_forked(cli.main, [f"run_dir={run}", f"data.path={demo_data}", "data.prepare_demo=false",
+                              f"model.init_from=hf:{path}", "parallel=fsdp", "parallel.dp=2", "precision=bf16",
+                              "train.max_steps=2", "train.eval_every=0", "train.global_batch=4", "train.micro_batch=2",
+                              "logging.trackers=[]", "cluster.num_threads=1"], cwd=tmp_path, timeout=300)
+    assert p.code == 0, p.err
+    assert read_json(run / "result.json")["status"] == "completed"
+    saved = (run / ".hydra" / "config.yaml").read_text()
+    assert "dim: 64" in saved and "ffn_hidden: 176" in saved and f"name: {Path(path).name}" in saved, saved
+
+
 def test_init_from_a_mismatched_or_missing_model_is_one_line(make_cfg, tmp_path):
     from hpctrain.training.run import TrainingError, prepare
 

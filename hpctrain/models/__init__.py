@@ -18,6 +18,7 @@ parallel.compile sets `compile_loss`; `init_weights()` draws every parameter and
 from __future__ import annotations
 
 import importlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -41,7 +42,8 @@ class ModelSpec:
     block_activations: Callable[[Any, int, str, int, int], tuple[float, float]]
     num_params: Callable[[Any], int]  # parameter count (a module or args)
     init_rule: Callable[[Any], Callable[[str], tuple[str, float]]]  # args -> (name -> ("normal", std) | ("ones", 0))
-    hf_adapter: str  # module with to_hf / from_hf / from_hf_config / to_hf_config (imports transformers)
+    hf_adapter: str  # module with to_hf / from_hf / from_hf_config / to_hf_config / read_args (imports transformers)
+    hf_model_types: tuple[str, ...] = ()  # config.json `model_type`s this family reads
 
     def args(self, model_cfg: ModelConfig) -> Any:
         """The model's arguments from the `model` config group."""
@@ -66,6 +68,41 @@ def get_spec(family: str) -> ModelSpec:
     if family not in FAMILIES:
         raise ConfigError(f"model.family={family!r} is not a known model family: use one of {', '.join(FAMILIES)}")
     return importlib.import_module(FAMILIES[family]).SPEC
+
+
+def spec_for_hf(path: str) -> ModelSpec:
+    """The family that reads the transformers directory `path`, by its config.json's `model_type` (read as JSON:
+    transformers is not imported); ConfigError naming the families when none does."""
+    import json
+    import os
+
+    from hpctrain.core.files import read_json
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ConfigError(f"{path} has no config.json: point it at a transformers model directory")
+    try:
+        model_type = read_json(config).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"cannot read {config} ({' '.join(str(e).split())}): point it at a transformers model "
+                          "directory (config.json + *.safetensors)") from None
+    specs = [get_spec(family) for family in FAMILIES]
+    for spec in specs:
+        if model_type in spec.hf_model_types:
+            return spec
+    known = ", ".join(t for spec in specs for t in spec.hf_model_types)
+    raise ConfigError(f"{config} has model_type={json.dumps(model_type)}, which no hpctrain model family reads (it "
+                      f"reads {known})")
+
+
+def float32_equal(a, b) -> bool:
+    """Equal, floats once rounded to float32 (a config.json may hold 1e-5 as 9.999999747378752e-06)."""
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return struct.pack("f", float(a)) == struct.pack("f", float(b))
+        except (TypeError, ValueError, OverflowError):
+            return False
+    return a == b
 
 
 def spec_of(model: ModelConfig) -> ModelSpec:

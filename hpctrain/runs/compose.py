@@ -50,13 +50,18 @@ def conf_dir() -> str:
 
 
 def compose(overrides: list[str]):
-    """The config a run with these overrides gets, composed as `python -m hpctrain` does (no run directory)."""
+    """The config a run with these overrides gets, composed as `python -m hpctrain` does (no run directory), the
+    model's shape taken from model.init_from's config.json when it names a transformers directory."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from hpctrain.runs.hf_shape import shape_from_checkpoint
+
     register()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    shape_from_checkpoint(cfg, overrides)  # model.init_from=hf:DIR: the shape from its config.json
+    return cfg
 
 
 def typed(cfg) -> Config:

@@ -23,6 +23,7 @@ from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
 from hpctrain.runs import rundir
 from hpctrain.runs.compose import typed
+from hpctrain.runs.hf_shape import HF_PREFIX
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
@@ -88,6 +89,11 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
             f"the shards in {path} hold {manifest.block_len}-token blocks (seq_len {seq_len}) but "
             f"model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len or re-shard with SEQ_LEN"
         )
+    source = cfg.model.init_from or ""
+    if source.startswith(HF_PREFIX) and manifest.vocab_size > cfg.model.vocab_size:  # the vocabulary is the model's
+        raise DataError(f"the shards in {path} were made with a {manifest.vocab_size}-token tokenizer but "
+                        f"model.init_from={source} has a {cfg.model.vocab_size}-token vocabulary: build the shards "
+                        f"with its tokenizer (hpctrain prep shards --tokenizer {source[len(HF_PREFIX):]} ...)")
     check_compat(manifest, cfg.model.vocab_size, seq_len)
     if cfg.parallel.sequence_parallel and seq_len % shape.tp:
         raise TrainingError(f"seq_len {seq_len} (from the shards in {path}) is not divisible by parallel.tp="

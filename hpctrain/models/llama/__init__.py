@@ -18,4 +18,5 @@ SPEC = ModelSpec(
     num_params=num_params,
     init_rule=init_rule,
     hf_adapter="hpctrain.models.llama.hf",
+    hf_model_types=("llama",),  # LlamaForCausalLM: Llama 1-3, TinyLlama, SmolLM, OpenLLaMA, ...
 )

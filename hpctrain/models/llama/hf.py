@@ -155,31 +155,47 @@ def save_hf(model: Llama, out_dir: str | Path, **config_overrides) -> Path:
     return out
 
 
-# Architecture fields that must agree between config.json and the run's model (max_seq_len and init_std need not).
-_MUST_MATCH = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-               "n_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size",
-               "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
+# config.json's name for each model.* key. All but max_seq_len (how far the RoPE tables reach) and init_std (the
+# scale of a random draw the weights replace) must agree with the checkpoint's.
+HF_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size",
+             "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+             "max_seq_len": "max_position_embeddings", "init_std": "initializer_range"}
+FREE = ("max_seq_len", "init_std")
+
+
+def read_args(path: str | Path) -> ModelArgs:
+    """The ModelArgs a local transformers directory's config.json describes; ValueError (one line) when it has none,
+    is not a file of sane size, or describes a network Llama cannot represent. Reads config.json only."""
+    from hpctrain.core.files import MAX_JSON_BYTES, FileCheckError, check_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json: point it at a transformers model directory")
+    try:
+        check_file(str(path / "config.json"), MAX_JSON_BYTES)
+    except FileCheckError as e:
+        raise ValueError(str(e)) from None
+    return from_hf_config(LlamaConfig.from_pretrained(str(path), local_files_only=True))
+
+
+def _field(args: ModelArgs, key: str):
+    return args.kv_heads if key == "n_kv_heads" else getattr(args, key)  # (None: as many as n_heads)
 
 
 def check_hf_dir(path: str | Path, args: ModelArgs) -> None:
     """A local transformers Llama directory whose config.json describes `args`' network, with safetensors weights
     holding exactly that network's tensors in floating point; ValueError (one line naming the first mismatch)
     otherwise. Reads config.json and the safetensors headers, no weights."""
-    from hpctrain.core.files import MAX_JSON_BYTES, FileCheckError, check_file
+    from hpctrain.models import float32_equal
     from hpctrain.models.safetensors_dir import check_tensors
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json: point it at a transformers model directory")
+    theirs = read_args(path)
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} has no *.safetensors weights (only safetensors are read, never pickles)")
-    try:
-        check_file(str(path / "config.json"), MAX_JSON_BYTES)
-    except FileCheckError as e:
-        raise ValueError(str(e)) from None
-    theirs = from_hf_config(LlamaConfig.from_pretrained(str(path), local_files_only=True))
-    bad = [f"{hf}={getattr(theirs, ours)} vs model.{'n_kv_heads' if ours == 'kv_heads' else ours}="
-           f"{getattr(args, ours)}" for ours, hf in _MUST_MATCH.items() if getattr(theirs, ours) != getattr(args, ours)]
+    bad = [f"{hf}={_field(theirs, ours)} vs model.{ours}={_field(args, ours)}" for ours, hf in HF_FIELDS.items()
+           if ours not in FREE and not float32_equal(_field(theirs, ours), _field(args, ours))]
     if bad:
         raise ValueError(f"{path}/config.json does not describe this model: {'; '.join(bad)}")
     with torch.device("meta"):

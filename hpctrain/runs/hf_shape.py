@@ -1,0 +1,55 @@
+"""`model.init_from=hf:DIR` is all a run needs to say about its model: the shape comes from DIR's config.json.
+
+Applied where a config is composed (`runs.compose.compose`, the training command, `plan`), with the overrides the
+user typed: every model key config.json sets replaces the `model` group's default, the family is the one that reads
+the directory's `model_type`, and a `model.KEY=value` override that contradicts config.json is refused in one line
+(numbers equal once rounded to float32 are equal). `model.max_seq_len` and `model.init_std` may be set apart from
+the checkpoint: how far the RoPE tables reach, and the scale of a draw the weights replace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from hpctrain.core.config import ConfigError
+from hpctrain.models import float32_equal, spec_for_hf
+
+HF_PREFIX = "hf:"
+
+
+def typed_model_keys(overrides) -> set[str]:
+    """The `model.KEY` names among command-line overrides (`model.dim=64`, `+model.x=1`, `++model.y=2`)."""
+    keys = set()
+    for override in overrides or ():
+        key = str(override).split("=", 1)[0].lstrip("+~")
+        if key.startswith("model.") and "=" in str(override):
+            keys.add(key[len("model."):])
+    return keys
+
+
+def shape_from_checkpoint(cfg, overrides) -> None:
+    """Fill `cfg.model` (in place) from model.init_from's config.json when it names a transformers directory;
+    ConfigError naming the file and the fix otherwise. A no-op for any other run."""
+    source = cfg.model.init_from
+    if not source or not str(source).startswith(HF_PREFIX):
+        return
+    path = os.path.expanduser(str(source)[len(HF_PREFIX):])
+    try:
+        spec = spec_for_hf(path)
+        adapter = spec.hf()
+        args = adapter.read_args(path)
+    except (ValueError, OSError) as e:  # (ConfigError is a ValueError)
+        raise ConfigError(f"model.init_from={source}: {' '.join(str(e).split())}") from None
+    typed = typed_model_keys(overrides)
+    for field in dataclasses.fields(args):
+        key, theirs = field.name, getattr(args, field.name)
+        if key not in typed:
+            setattr(cfg.model, key, theirs)
+        elif key not in adapter.FREE and not float32_equal(getattr(cfg.model, key), theirs):
+            raise ConfigError(
+                f"model.{key}={getattr(cfg.model, key)} contradicts {os.path.join(path, 'config.json')} "
+                f"({adapter.HF_FIELDS.get(key, key)}={theirs}): drop the override (with model.init_from=hf:DIR the "
+                "shape comes from the checkpoint)")
+    cfg.model.family = spec.family
+    cfg.model.name = os.path.basename(os.path.normpath(path))
