@@ -19,6 +19,9 @@ from hpctrain.runtime.spawn import free_port
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SMALL = ["--size-mb", "1", "--gemm", "256", "--iters", "3"]
+# Where the tests expect "ok": the suite's other process shares these cores, and a healthy rank was measured at 0.6x
+# the median under it (a real slow node, test_slurm_slow_node_detected, is ~0.15x). A lower threshold than the tool's 0.7.
+SHARED_CORES = ["--slow-frac", "0.3"]
 
 
 def _local_env(**extra: str) -> dict[str, str]:
@@ -36,7 +39,7 @@ def _preflight(args: list[str], env: dict[str, str] | None = None, timeout: int 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight") / "pf.json"
-    p = _preflight(["--ranks", "2", *SMALL, "--out", str(out)])
+    p = _preflight(["--ranks", "2", *SMALL, *SHARED_CORES, "--out", str(out)])
     data = json.loads(out.read_text()) if out.exists() else None
     return p, data
 
@@ -63,7 +66,7 @@ def test_local_two_ranks_ok(local_run):
 def test_verdict_on_measured_numbers(local_run):
     _, data = local_run
     results = data["ranks"]
-    assert verdict(results, 0.7)[0] == "ok"
+    assert verdict(results, 0.3)[0] == "ok"  # (SHARED_CORES)
     # Rank 1 at a fifth of its measured GEMM speed: slow, and only its node is named.
     slow = copy.deepcopy(results)
     for r, node in zip(slow, ("n1", "n2")):
@@ -144,8 +147,8 @@ def _srun(shell: str, timeout: int = 120):
 def test_slurm_two_nodes_ok(slurm, tmp_path):
     out = tmp_path / "pf.json"
     p = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", sys.executable, "-m",
-                        "hpctrain.launch.preflight", *SMALL, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+                        "hpctrain.launch.preflight", *SMALL, *SHARED_CORES, "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "preflight: ok (2 ranks on 2 nodes)" in p.stdout, p.stdout
     data = json.loads(out.read_text())
