@@ -463,3 +463,46 @@ def test_init_from_hf_weights_of_another_tokenizer_is_one_line(make_cfg, tmp_pat
     msg = str(e.value)
     assert "\n" not in msg and "numbers tokens differently" in msg and "id 300: " in msg, msg
     assert f"--tokenizer {path}" in msg, msg
+
+
+def test_an_export_gives_back_the_model_the_run_started_from(make_cfg, tmp_path, demo_data):
+    """A run started from a published instruct model (its own special-token ids, a chat template, generation
+    settings): `export-hf` writes the same class with the original's token ids, tokenizer files, chat template and
+    generation_config.json, and transformers gives our logits to 1e-5."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+    from hpctrain.data.loader import read_manifest
+    from hpctrain.models import model_args
+    from hpctrain.storage import checkpoint
+    from hpctrain.training.run import train
+    from hpctrain.weights import export_hf
+
+    path = Path(_published(tmp_path))
+    manifest = read_manifest(demo_data)  # the shards' tokenizer is the model's (as `prep shards --tokenizer` makes it)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(demo_data) / manifest.tokenizer.path))
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=True, temperature=0.7, top_p=0.9).save_pretrained(path)
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, "bos_token_id": 1, "eos_token_id": 2}))
+
+    cfg = make_cfg("model.tie_embeddings=false", f"model.init_from=hf:{path}", "train.max_steps=2",
+                   "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1")
+    run_dir, out = tmp_path / "run", tmp_path / "exported"
+    assert train(cfg, str(run_dir))["status"] == "completed"
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    assert export_hf.main([str(run_dir), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["architectures"]) == (1, 2, ["LlamaForCausalLM"])
+    assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads(
+        (path / "generation_config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (path / name).read_bytes(), name
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf) is LlamaForCausalLM
+    ours = Llama(model_args(cfg.model)).eval()
+    checkpoint.load_model(checkpoint.latest(str(run_dir)), ours)
+    assert max_diff(ours, hf, torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))) <= TOL

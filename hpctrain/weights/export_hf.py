@@ -1,7 +1,9 @@
 """`python -m hpctrain export-hf RUN_DIR OUT [checkpoint=DIR]`: a run's checkpoint as a transformers model directory.
 
 OUT gets config.json, the weights as safetensors files of at most `SHARD_BYTES` with their index (the layout the
-hub uses), and the tokenizer the run's shards were made with, so that `AutoModelForCausalLM.from_pretrained(OUT)`
+hub uses), and the tokenizer the run's shards were made with — or, for a run started from a transformers directory
+(model.init_from=hf:DIR), that directory's tokenizer files, chat template, generation_config.json and special-token
+ids — so that `AutoModelForCausalLM.from_pretrained(OUT)`
 and `AutoTokenizer.from_pretrained(OUT)` load it. The checkpoint is read one output file at a time, whatever
 layout wrote it: memory stays one file's worth, never the whole model. OUT is written under a temporary name and
 renamed when complete; an existing OUT is refused, never overwritten.
@@ -89,10 +91,48 @@ def _write(model_cfg: ModelConfig, data_path: str, ckpt: str, tmp: str, weights:
         total += sum(t.nbytes for t in tensors.values())
     write_json(os.path.join(tmp, "model.safetensors.index.json"),
                {"metadata": {"total_size": total}, "weight_map": weight_map})
-    eos = _copy_tokenizer(data_path, tmp)
-    ids = {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
+    origin = _origin(model_cfg)
+    if origin:  # the model the run started from: its tokenizer, chat template, generation settings and token ids
+        ids = _carry_over(origin, tmp)
+    else:
+        eos = _copy_tokenizer(data_path, tmp)
+        ids = {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
     spec.hf().to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
     fsync_dir(tmp)
+
+
+# What a published model directory holds besides its weights and config.json: an export of a run started from it
+# carries these over, so that the fine-tuned model tokenizes, chats and generates as the original did.
+CARRIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+           "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+           "generation_config.json")
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+CARRIED_BYTES = 64 * 2**20  # a tokenizer.json of a 256k vocabulary is ~30 MB
+
+
+def _origin(model_cfg: ModelConfig) -> str | None:
+    """The transformers directory the run started from (model.init_from=hf:DIR), while it is still there."""
+    source = model_cfg.init_from or ""
+    path = os.path.expanduser(source[len("hf:"):]) if source.startswith("hf:") else None
+    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def _carry_over(origin: str, dest: str) -> dict:
+    """Copy CARRIED files of `origin` (regular files of sane size; symlinks of a hub cache followed) into `dest`;
+    return its config.json's special-token ids."""
+    from hpctrain.core.files import FileCheckError, read_bytes, read_json
+
+    try:
+        for name in CARRIED:
+            src = os.path.join(origin, name)
+            if os.path.lexists(src):
+                data = read_bytes(src, CARRIED_BYTES)
+                with open(os.path.join(dest, name), "wb") as f:
+                    f.write(data)
+        config = read_json(os.path.join(origin, "config.json"))
+    except (FileCheckError, ValueError) as e:
+        raise ExportError(f"cannot carry {origin}'s tokenizer and settings over: {' '.join(str(e).split())}") from None
+    return {k: config[k] for k in SPECIAL_IDS if isinstance(config, dict) and config.get(k) is not None}
 
 
 def _copy_tokenizer(data_path: str, dest: str) -> int | None:

@@ -59,6 +59,7 @@ def to_hf_config(args: ModelArgs, **overrides) -> LlamaConfig:
         initializer_range=args.init_std,
         attention_bias=False,
         mlp_bias=False,
+        architectures=["LlamaForCausalLM"],  # what hub tools and AutoModel read first
     )
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
