@@ -189,7 +189,7 @@ PEAK_CASES = {"single": [], "ddp": ["parallel=ddp", "parallel.dp=2"], "fsdp": ["
               "ddp_topk": ["parallel=ddp", "parallel.dp=2", "parallel.grad_compression=topk",
                            "parallel.compression_start_step=1", "train.max_steps=3"]}
 # The precisions each case is measured in (both, unless named here).
-PEAK_PRECISIONS = {"fsdp_tied64k": ("bf16",), "ddp_topk": ("fp32",)}
+PEAK_PRECISIONS = {"ddp_topk": ("fp32",)}
 # Tighter than the 15 % promise where a term would hide inside it: top-k's residual is 11 % of its peak (measured
 # within 1.2 % of the plan; −11.6 % with the residual left out of backward's start).
 PEAK_TOLERANCE = {"ddp_topk": 0.05}
@@ -253,9 +253,9 @@ def test_planner_within_15_percent_of_measured_peak(make_cfg, synthetic_shards, 
     from hpctrain.runtime.spawn import spawn
     from hpctrain.training.run import prepare
 
-    # fsdp_tied64k in fp32: one rank of one run in ~6 held one more gathered copy of the 64k embedding (+64 MiB,
-    # −23 %) at backward's end, a timing effect of the asynchronous collectives; bf16 is the case that matters
-    # (make bench-scale), and it has not varied.
+    # fsdp_tied64k: a rank may hold one more gathered copy of the 64k embedding at backward's end (a race of the
+    # asynchronous collectives, seen on one rank of two in bf16 and fp32 alike): the planner counts it (within 0 %
+    # when a rank holds it, +6 … +12 % when not).
     # ddp_topk in fp32 only: the residual it adds is fp32 whatever the precision.
     for precision in PEAK_PRECISIONS.get(case, ("fp32", "bf16")):
         overrides = [*PEAK_MODEL, *PEAK_RUN, *PEAK_CASES[case]]
