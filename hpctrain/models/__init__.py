@@ -18,6 +18,7 @@ parallel.compile sets `compile_loss`; `init_weights()` draws every parameter and
 from __future__ import annotations
 
 import importlib
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -74,7 +75,6 @@ def spec_for_hf(path: str) -> ModelSpec:
     """The family that reads the transformers directory `path`, by its config.json's `model_type` (read as JSON:
     transformers is not imported); ConfigError naming the families when none does."""
     import json
-    import os
 
     from hpctrain.core.files import read_json
 
@@ -93,6 +93,18 @@ def spec_for_hf(path: str) -> ModelSpec:
     known = ", ".join(t for spec in specs for t in spec.hf_model_types)
     raise ConfigError(f"{config} has model_type={json.dumps(model_type)}, which no hpctrain model family reads (it "
                       f"reads {known})")
+
+
+HF_PREFIX = "hf:"  # model.init_from=hf:DIR: a transformers directory (else an hpctrain checkpoint)
+
+
+def init_source(model: ModelConfig) -> tuple[bool, str] | None:
+    """model.init_from as (a transformers directory?, its path), or None when unset."""
+    source = model.init_from
+    if source is None:
+        return None
+    hf = str(source).startswith(HF_PREFIX)
+    return hf, os.path.expanduser(str(source)[len(HF_PREFIX):] if hf else str(source))
 
 
 def float32_equal(a, b) -> bool:

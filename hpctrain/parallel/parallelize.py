@@ -273,7 +273,7 @@ def last_unit_reduced(zero_stage: int, dp: int, compute_bytes: int, params: floa
     the other units are resharded by then (ZeRO-2 too: it reshards after backward). A sharded root is counted with
     one more gathered copy: whether the previous unit's buffers are freed before the root's gradients are made is a
     race of the asynchronous collectives, and a rank that loses it holds one more (measured: +16 MiB on a bf16 64k x
-    128 tied embedding in about one run of eight, +64 MiB in fp32 in one of six)."""
+    128 tied embedding, +64 MiB in fp32, on one rank of two in some runs)."""
     if dp == 1:
         return Term()
     unit = params if zero_stage == 0 else root or largest_block

@@ -13,9 +13,7 @@ import dataclasses
 import os
 
 from hpctrain.core.config import ConfigError
-from hpctrain.models import float32_equal, spec_for_hf
-
-HF_PREFIX = "hf:"
+from hpctrain.models import float32_equal, init_source, spec_for_hf
 
 
 def typed_model_keys(overrides) -> set[str]:
@@ -31,10 +29,10 @@ def typed_model_keys(overrides) -> set[str]:
 def shape_from_checkpoint(cfg, overrides) -> None:
     """Fill `cfg.model` (in place) from model.init_from's config.json when it names a transformers directory;
     ConfigError naming the file and the fix otherwise. A no-op for any other run."""
-    source = cfg.model.init_from
-    if not source or not str(source).startswith(HF_PREFIX):
+    source, init = cfg.model.init_from, init_source(cfg.model)
+    if not init or not init[0]:
         return
-    path = os.path.expanduser(str(source)[len(HF_PREFIX):])
+    path = init[1]
     try:
         spec = spec_for_hf(path)
         adapter = spec.hf()

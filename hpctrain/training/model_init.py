@@ -7,7 +7,7 @@ import os
 import torch
 
 from hpctrain.core.config import ModelConfig, ParallelConfig
-from hpctrain.models import spec_of
+from hpctrain.models import init_source, spec_of
 from hpctrain.parallel.init import init_parameters
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.parallelize import parallelize, tied_aliases
@@ -30,18 +30,6 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, layout: Layout
     return model.train()
 
 
-HF_PREFIX = "hf:"
-
-
-def _init_source(model_cfg: ModelConfig) -> tuple[bool, str] | None:
-    """model.init_from as (a transformers directory?, its path), or None when unset."""
-    source = model_cfg.init_from
-    if source is None:
-        return None
-    hf = source.startswith(HF_PREFIX)
-    return hf, os.path.expanduser(source[len(HF_PREFIX):] if hf else source)
-
-
 def check_init_from(model_cfg: ModelConfig, tokenizer_sha256: str | None = None,
                     tokenizer_json: str | None = None) -> None:
     """model.init_from names weights this model can start from, trained on the token ids of the run's shards
@@ -50,7 +38,7 @@ def check_init_from(model_cfg: ModelConfig, tokenizer_sha256: str | None = None,
     only metadata and tokenizers, before anything is spawned."""
     from hpctrain.storage import checkpoint
 
-    source = _init_source(model_cfg)
+    source = init_source(model_cfg)
     if source is None:
         return
     hf, path = source
@@ -92,7 +80,7 @@ def load_initial_weights(model: torch.nn.Module, model_cfg: ModelConfig) -> str 
     what was loaded (None when unset). Collective when distributed."""
     from hpctrain.storage import checkpoint
 
-    source = _init_source(model_cfg)
+    source = init_source(model_cfg)
     if source is None:
         return None
     hf, path = source

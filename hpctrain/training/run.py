@@ -15,6 +15,7 @@ from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
 from hpctrain.core.files import RESULT_FILE, read_json
 from hpctrain.core.host import available_memory
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
+from hpctrain.models import init_source
 from hpctrain.monitoring.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.monitoring.monitor import check_monitor
 from hpctrain.monitoring.prometheus import check_prometheus
@@ -23,7 +24,6 @@ from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
 from hpctrain.runs import rundir
 from hpctrain.runs.compose import typed
-from hpctrain.runs.hf_shape import HF_PREFIX
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
@@ -89,11 +89,11 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
             f"the shards in {path} hold {manifest.block_len}-token blocks (seq_len {seq_len}) but "
             f"model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len or re-shard with SEQ_LEN"
         )
-    source = cfg.model.init_from or ""
-    if source.startswith(HF_PREFIX) and manifest.vocab_size > cfg.model.vocab_size:  # the vocabulary is the model's
+    init = init_source(cfg.model)
+    if init and init[0] and manifest.vocab_size > cfg.model.vocab_size:  # the vocabulary is the model's
         raise DataError(f"the shards in {path} were made with a {manifest.vocab_size}-token tokenizer but "
-                        f"model.init_from={source} has a {cfg.model.vocab_size}-token vocabulary: build the shards "
-                        f"with its tokenizer (hpctrain prep shards --tokenizer {source[len(HF_PREFIX):]} ...)")
+                        f"model.init_from={cfg.model.init_from} has a {cfg.model.vocab_size}-token vocabulary: build "
+                        f"the shards with its tokenizer (hpctrain prep shards --tokenizer {init[1]} ...)")
     check_compat(manifest, cfg.model.vocab_size, seq_len)
     if cfg.parallel.sequence_parallel and seq_len % shape.tp:
         raise TrainingError(f"seq_len {seq_len} (from the shards in {path}) is not divisible by parallel.tp="

@@ -112,9 +112,10 @@ CARRIED_BYTES = 64 * 2**20  # a tokenizer.json of a 256k vocabulary is ~30 MB
 
 def _origin(model_cfg: ModelConfig) -> str | None:
     """The transformers directory the run started from (model.init_from=hf:DIR), while it is still there."""
-    source = model_cfg.init_from or ""
-    path = os.path.expanduser(source[len("hf:"):]) if source.startswith("hf:") else None
-    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+    from hpctrain.models import init_source
+
+    init = init_source(model_cfg)
+    return init[1] if init and init[0] and os.path.isfile(os.path.join(init[1], "config.json")) else None
 
 
 def _carry_over(origin: str, dest: str) -> dict:
