@@ -123,8 +123,7 @@ def test_to_hf_config_round_trip():
     [
         dict(attention_bias=True),
         dict(mlp_bias=True),
-        dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-        dict(head_dim=32),
+        dict(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}),
         dict(hidden_act="gelu"),
     ],
 )
@@ -149,15 +148,19 @@ RUN_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidd
                  num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5)
 
 
-def _published(tmp_path, tie: bool = False, dtype=torch.float32) -> str:
-    """A transformers checkpoint as a hub download leaves it: several safetensors files and their index."""
-    torch.manual_seed(1)
-    hf = LlamaForCausalLM(LlamaConfig(**RUN_MODEL, tie_word_embeddings=tie)).to(dtype)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    out = tmp_path / f"published-{tie}-{str(dtype)[6:]}"
+def _published(tmp_path, tie: bool = False, dtype=torch.float32, case: str | None = None) -> str:
+    """A transformers checkpoint as a hub download leaves it: several safetensors files and their index. `case`: a
+    model of FAMILY_CASES (its own tying) instead of RUN_MODEL's Llama."""
+    if case:
+        hf = _family_model(case, dtype=dtype)
+    else:
+        torch.manual_seed(1)
+        hf = LlamaForCausalLM(LlamaConfig(**RUN_MODEL, tie_word_embeddings=tie)).to(dtype)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    out = tmp_path / f"published-{case or 'llama'}-{tie}-{str(dtype)[6:]}"
     hf.save_pretrained(out, max_shard_size="100KB")
     assert len(list(out.glob("*.safetensors"))) > 2 and (out / "model.safetensors.index.json").is_file()
     return str(out)
@@ -187,35 +190,41 @@ def _step_one(run_dir) -> tuple[float, float]:
 
 
 @pytest.mark.multiproc
-def test_runs_start_from_hf_weights_in_every_layout(make_cfg, tmp_path):
-    """model.init_from=hf:PATH: the first step's loss is transformers' on the same batch (one process), and every
-    layout (fsdp dp=2, tp2, pp2) starts from the same weights: the same first loss and gradient norm."""
+@pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+def test_runs_start_from_hf_weights_in_every_layout(demo_data, tmp_path, case):
+    """model.init_from=hf:PATH and no other model key, for each family: the first step's loss is transformers' on the
+    same batch (one process), and every layout (fsdp dp=2 with activation checkpointing, tp2 with sequence
+    parallelism, pp2) starts from the same weights: the same first loss and gradient norm."""
+    from transformers import AutoModelForCausalLM
+
+    from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
 
-    path = _published(tmp_path)
-    run = ("model.tie_embeddings=false", f"model.init_from=hf:{path}", "train.max_steps=1", "train.eval_every=0",
-           "train.checkpointing=false", "train.global_batch=4", "train.micro_batch=2", "train.grad_accum=null",
-           "logging.trackers=[]", "cluster.num_threads=1")
-    assert train(make_cfg(*run), str(tmp_path / "one"))["status"] == "completed"
+    path = _published(tmp_path, case=None if case == "llama" else case)
+    run = (f"model.init_from=hf:{path}", f"data.path={demo_data}", "data.prepare_demo=false", "train.max_steps=1",
+           "train.eval_every=0", "train.checkpointing=false", "train.global_batch=4", "train.micro_batch=2",
+           "train.grad_accum=null", "logging.trackers=[]", "cluster.num_threads=1")
+    assert train(compose(list(run)), str(tmp_path / "one"))["status"] == "completed"
     ref = _step_one(tmp_path / "one")
     # The same global batch through transformers: the run's first two micro-batches (one process, in order).
     from hpctrain.data.loader import ShardStream, choose_lanes, read_manifest
 
-    cfg = make_cfg(*run)
+    cfg = compose(list(run))
     manifest = read_manifest(cfg.data.path)
     stream = iter(ShardStream(cfg.data.path, "train", 2, cfg.train.seed, lanes=choose_lanes(None, 1, manifest),
                               global_batch=4))
     batch = torch.cat([next(stream), next(stream)])
-    hf = LlamaForCausalLM.from_pretrained(path).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         logits = hf(input_ids=batch[:, :-1]).logits
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert cfg.model.family == FAMILY_CASES.get(case, ("llama",))[0]
     assert abs(ref[0] - want) <= TOL, (ref, want)
-    for name, layout in (("fsdp", ["parallel=fsdp", "parallel.dp=2"]), ("tp2", ["parallel=tp2"]),
-                         ("pp2", ["parallel=pp2"])):
-        assert train(make_cfg(*run, *layout), str(tmp_path / name))["status"] == "completed"
+    for name, layout in (("fsdp", ["parallel=fsdp", "parallel.dp=2", "parallel.activation_checkpointing=full"]),
+                         ("tp2", ["parallel=tp2", "parallel.sequence_parallel=true"]), ("pp2", ["parallel=pp2"])):
+        assert train(compose([*run, *layout]), str(tmp_path / name))["status"] == "completed"
         loss, norm = _step_one(tmp_path / name)
-        print(f"init_from=hf: {name}: |Δ first loss| {abs(loss - ref[0]):.2e}, rel |Δ grad norm| "
+        print(f"init_from=hf: {case} {name}: |Δ first loss| {abs(loss - ref[0]):.2e}, rel |Δ grad norm| "
               f"{abs(norm - ref[1]) / ref[1]:.2e} vs one process (one process vs transformers: {abs(ref[0] - want):.2e})")
         assert abs(loss - ref[0]) <= TOL and abs(norm - ref[1]) <= TOL * ref[1], (name, loss, norm, ref)
 
@@ -264,8 +273,9 @@ def test_an_override_against_config_json_is_one_line_and_float32_equal_is_equal(
     with pytest.raises(Exception, match="seq_len 64"):  # the shards' 64-token samples need 64 positions
         prepare(cfg)
     prepare(_compose(*run, "model.norm_eps=1e-5"))  # the weights' check agrees: the same number in float32
-    (path / "config.json").write_text(json.dumps({**conf, "model_type": "qwen2"}))
-    with pytest.raises(ConfigError, match='model_type="qwen2", which no hpctrain model family reads .it reads llama.'):
+    (path / "config.json").write_text(json.dumps({**conf, "model_type": "gemma2"}))
+    with pytest.raises(ConfigError, match="model_type=\"gemma2\", which no hpctrain model family reads .it reads llama, "
+                                          "mistral, qwen2, qwen3."):
         _compose(*run)
 
 
@@ -281,15 +291,16 @@ def test_shards_of_a_larger_vocabulary_name_the_models_tokenizer(tmp_path, demo_
 
 
 @pytest.mark.multiproc
-def test_init_from_alone_trains_fsdp_bf16_from_the_command_line(tmp_path, demo_data):
-    """model.init_from=hf:DIR and no other model key: a dp=2 FSDP bf16 run trains, and its recorded config holds the
-    checkpoint's shape."""
+@pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3"])
+def test_init_from_alone_trains_fsdp_bf16_from_the_command_line(tmp_path, demo_data, case):
+    """model.init_from=hf:DIR and no other model key, for each family: a dp=2 FSDP bf16 run trains, and its recorded
+    config holds the checkpoint's shape and family."""
     from helpers import run_forked
 
     from hpctrain import cli
     from hpctrain.core.files import read_json
 
-    path = _published(tmp_path)
+    path = _published(tmp_path, case=None if case == "llama" else case)
     run = tmp_path / "run"
     p = run_forked(cli.main, [f"run_dir={run}", f"data.path={demo_data}", "data.prepare_demo=false",
                               f"model.init_from=hf:{path}", "parallel=fsdp", "parallel.dp=2", "precision=bf16",
@@ -299,6 +310,7 @@ def test_init_from_alone_trains_fsdp_bf16_from_the_command_line(tmp_path, demo_d
     assert read_json(run / "result.json")["status"] == "completed"
     saved = (run / ".hydra" / "config.yaml").read_text()
     assert "dim: 64" in saved and "ffn_hidden: 176" in saved and f"name: {Path(path).name}" in saved, saved
+    assert f"family: {case}" in saved, saved
 
 
 def test_init_from_a_mismatched_or_missing_model_is_one_line(make_cfg, tmp_path):
@@ -465,20 +477,22 @@ def test_init_from_hf_weights_of_another_tokenizer_is_one_line(make_cfg, tmp_pat
     assert f"--tokenizer {path}" in msg, msg
 
 
-def test_an_export_gives_back_the_model_the_run_started_from(make_cfg, tmp_path, demo_data):
-    """A run started from a published instruct model (its own special-token ids, a chat template, generation
-    settings): `export-hf` writes the same class with the original's token ids, tokenizer files, chat template and
-    generation_config.json, and transformers gives our logits to 1e-5."""
+@pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+def test_an_export_gives_back_the_model_the_run_started_from(tmp_path, demo_data, case):
+    """A run started from a published instruct model of each family (its own special-token ids, a chat template,
+    generation settings): `export-hf` writes the same class with the original's token ids, tokenizer files, chat
+    template and generation_config.json, and transformers gives our logits to 1e-5."""
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
     from hpctrain.data.loader import read_manifest
     from hpctrain.models import model_args
+    from hpctrain.runs.compose import compose
     from hpctrain.storage import checkpoint
     from hpctrain.training.run import train
     from hpctrain.weights import export_hf
 
-    path = Path(_published(tmp_path))
+    path = Path(_published(tmp_path, case=None if case == "llama" else case))
     manifest = read_manifest(demo_data)  # the shards' tokenizer is the model's (as `prep shards --tokenizer` makes it)
     tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(demo_data) / manifest.tokenizer.path))
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -487,22 +501,125 @@ def test_an_export_gives_back_the_model_the_run_started_from(make_cfg, tmp_path,
     conf = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**conf, "bos_token_id": 1, "eos_token_id": 2}))
 
-    cfg = make_cfg("model.tie_embeddings=false", f"model.init_from=hf:{path}", "train.max_steps=2",
-                   "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1")
+    cfg = compose([f"model.init_from=hf:{path}", f"data.path={demo_data}", "data.prepare_demo=false",
+                   "train.max_steps=2", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
+                   "logging.trackers=[]", "cluster.num_threads=1"])
     run_dir, out = tmp_path / "run", tmp_path / "exported"
     assert train(cfg, str(run_dir))["status"] == "completed"
     (run_dir / ".hydra").mkdir()
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     assert export_hf.main([str(run_dir), str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"], config["architectures"]) == (1, 2, ["LlamaForCausalLM"])
+    original = AutoModelForCausalLM.from_pretrained(path)
+    assert (config["bos_token_id"], config["eos_token_id"], config["architectures"]) == (
+        1, 2, [type(original).__name__])
+    theirs = json.loads((path / "config.json").read_text())
+    head_dim = theirs["hidden_size"] // theirs["num_attention_heads"]  # (Qwen2's config.json has no head_dim)
+    for key in ("model_type", "head_dim", "rope_parameters", "sliding_window", "tie_word_embeddings",
+                "max_position_embeddings", "rms_norm_eps", "num_key_value_heads"):
+        mine, first = (c.get(key, head_dim if key == "head_dim" else None) for c in (config, theirs))
+        assert mine == first, (key, mine, first)
     assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
     assert json.loads((out / "generation_config.json").read_text()) == json.loads(
         (path / "generation_config.json").read_text())
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (path / name).read_bytes(), name
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(hf) is LlamaForCausalLM
+    assert type(hf) is type(original)
     ours = Llama(model_args(cfg.model)).eval()
     checkpoint.load_model(checkpoint.latest(str(run_dir)), ours)
     assert max_diff(ours, hf, torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))) <= TOL
+
+
+# --- The families: Llama 3.x RoPE scaling and head_dim, Mistral, Qwen2/2.5, Qwen3 ---------------------------------
+# Each case: (family, config.json fields beyond RUN_MODEL, a field whose default would give other logits). Small random
+# models of the family's own transformers class, saved by the test.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+FAMILY_CASES = {
+    "llama3": ("llama", dict(head_dim=24, rope_parameters=LLAMA3_ROPE), "rope_parameters"),
+    "linear": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+               "rope_parameters"),
+    # dynamic NTK grows theta past max_position_embeddings: a run sets model.max_seq_len beyond it to get there
+    "dynamic": ("llama", dict(max_position_embeddings=32,
+                              rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+                "rope_parameters"),
+    "mistral": ("mistral", dict(sliding_window=24, head_dim=32), "sliding_window"),  # a window shorter than the run's
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True), None),
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True), None),
+}
+
+
+def _family_model(case: str, drop: bool = False, dtype=torch.float32):
+    """A random transformers model of the case's family (norms and biases away from their init, so that a dropped or
+    swapped one shows); `drop`: the same draw without the case's distinguishing field."""
+    from hpctrain.models import get_spec
+
+    family, extra, field = FAMILY_CASES[case]
+    extra = {k: v for k, v in extra.items() if not (drop and k == field)}
+    config_cls, model_cls = get_spec(family).hf().hf_classes()
+    base = {k: v for k, v in RUN_MODEL.items() if not ("rope_parameters" in extra and k == "rope_theta")}
+    torch.manual_seed(1)
+    hf = model_cls(config_cls(**{**base, **extra})).to(dtype)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.uniform_(0.5, 1.5)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_each_family_converts_both_ways_with_transformers_logits(case, tmp_path):
+    """Each family's transformers model -> ours: the logits to 1e-5 on 64 positions (past Mistral's 24-token window
+    and dynamic RoPE's 32-position original context); ours -> the same class back, and a saved directory loads with
+    AutoModelForCausalLM as that class with the same logits. The distinguishing field matters (its default gives
+    other logits), so the match is not an accident."""
+    from transformers import AutoModelForCausalLM
+
+    from hpctrain.models import get_spec
+
+    family, _, field = FAMILY_CASES[case]
+    adapter = get_spec(family).hf()
+    hf = _family_model(case)
+    ours = adapter.from_hf(hf)
+    if ours.args.max_seq_len < 64:  # dynamic: the tables reach past the original context (model.max_seq_len)
+        longer = Llama(dataclasses.replace(ours.args, max_seq_len=64))
+        longer.load_state_dict(ours.state_dict())
+        ours = longer
+    ours.eval()
+    x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    diff = max_diff(ours, hf, x)
+    back = adapter.to_hf(ours)
+    saved = AutoModelForCausalLM.from_pretrained(adapter.save_hf(ours, tmp_path / case)).eval()
+    print(f"{case}: max |Δlogit| hf->ours {diff:.2e}, ours->hf {max_diff(ours, back, x):.2e}, saved "
+          f"{max_diff(ours, saved, x):.2e}")
+    assert diff <= TOL and max_diff(ours, back, x) <= TOL and max_diff(ours, saved, x) <= TOL, case
+    assert type(back) is type(hf) and type(saved) is type(hf), (type(back), type(saved))
+    if field:
+        assert max_diff(ours, _family_model(case, drop=True), x) > 1e-3, f"{case}: {field} changes nothing"
+
+
+@pytest.mark.parametrize("family, kw, words", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding-window layers"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=True"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                    "original_max_position_embeddings": 32}), "rope type 'yarn'"),
+])
+def test_a_family_config_hpctrain_cannot_represent_is_one_line(family, kw, words):
+    from hpctrain.models import get_spec
+
+    adapter = get_spec(family).hf()
+    config = adapter.hf_classes()[0](**{k: v for k, v in RUN_MODEL.items() if k != "rope_theta"}, **kw)
+    with pytest.raises(ValueError, match=f"cannot represent this transformers config as hpctrain {family}") as e:
+        adapter.from_hf_config(config)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_family_option_on_another_family_is_one_line(make_cfg):
+    from hpctrain.core.config import ConfigError
+    from hpctrain.models import model_args
+
+    with pytest.raises(ConfigError, match=r"model.sliding_window=16 is not an option of model.family=qwen2 \(it is "
+                                          r"mistral's\): drop it or choose that family"):
+        model_args(make_cfg("model.family=qwen2", "model.sliding_window=16").model)
+    assert model_args(make_cfg("model.family=mistral", "model.sliding_window=16").model).sliding_window == 16

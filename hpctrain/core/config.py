@@ -82,10 +82,29 @@ class ActCkpt(str, Enum):
     selective = "selective"
 
 
+class RopeType(str, Enum):
+    default = "default"  # plain RoPE
+    linear = "linear"  # positions / factor
+    dynamic = "dynamic"  # NTK: theta grows with a sequence longer than original_max_seq_len
+    llama3 = "llama3"  # Llama 3.1: low frequencies / factor, high ones kept, a smooth band between
+
+
+@dataclass
+class RopeScaling:
+    """RoPE frequency scaling as transformers defines it (`rope_scaling` / `rope_parameters` in config.json)."""
+
+    type: RopeType = RopeType.default
+    factor: float = 1.0
+    original_max_seq_len: int | None = None  # the context it was pretrained at (llama3, dynamic)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+
+
 @dataclass
 class TransformerDims:
     """The dimensions of a decoder-only transformer, defined once: the `model` group's schema (ModelConfig) and
-    Llama's own arguments (hpctrain.models.llama.ModelArgs) both extend it."""
+    the decoder's own arguments (hpctrain.models.llama.ModelArgs) both extend it. sliding_window is a family option
+    (a family's ModelSpec names the options it has)."""
 
     vocab_size: int = 4096
     dim: int = 256
@@ -98,6 +117,9 @@ class TransformerDims:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    head_dim: int | None = None  # None: dim / n_heads
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    sliding_window: int | None = None  # attend to the last N positions only (Mistral); None: all before
 
 
 @dataclass
@@ -389,7 +411,8 @@ _AT_LEAST_1, _AT_LEAST_0, _POSITIVE, _FRACTION = (1, True, None, False), (0, Tru
     (0, False, None, False), (0, True, 1, False)
 _RANGES = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-                     "model.ffn_hidden", "model.max_seq_len", "parallel.tp", "parallel.pp",
+                     "model.ffn_hidden", "model.max_seq_len", "model.head_dim", "model.sliding_window",
+                     "model.rope_scaling.original_max_seq_len", "parallel.tp", "parallel.pp",
                      "parallel.pp_virtual_stages", "parallel.ac_every", "parallel.powersgd_rank",
                      "optim.update_every", "precision.loss_scale_growth_interval",
                      "optim.ref_global_batch", "data.lanes", "train.seq_len", "train.max_steps", "optim.decay_steps",
@@ -402,7 +425,8 @@ _RANGES = {
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
                      "monitor.loss_spike.max_rollbacks", "monitor.sample_every",
                      "parallel.compression_start_step"), _AT_LEAST_0),
-    **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "precision.loss_scale_init",
+    **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "model.rope_scaling.factor",
+                     "model.rope_scaling.low_freq_factor", "model.rope_scaling.high_freq_factor", "precision.loss_scale_init",
                      "optim.eps", "optim.max_trust", "optim.rho", "cluster.pg_timeout_s", "cluster.peak_tflops",
                      "cluster.gpu_mem_gb",
                      "monitor.hang_s", "monitor.heartbeat_s", "monitor.straggler_frac",

@@ -3,7 +3,10 @@ of a model (its class and arguments, tensor-parallel plan, pipeline split rule, 
 and transformers adapter).
 
 Generic code (parallelization, training, planning, generation) builds and inspects models only through a
-spec. A family is a package `hpctrain.models.<family>` whose `SPEC` is its ModelSpec, listed in FAMILIES.
+spec. A family is a package `hpctrain.models.<family>` whose `SPEC` is its ModelSpec, listed in FAMILIES. Llama,
+Mistral, Qwen2 and Qwen3 share one decoder (hpctrain.models.llama); each of them is its traits (Qwen2's q/k/v
+biases, Qwen3's q/k norms), its options (Mistral's sliding window), its tensor-parallel plan and its transformers
+adapter.
 
 The module contract every family's model follows: blocks in `model.layers`, an `nn.ModuleDict` keyed by the
 global layer index (names stay stable when a pipeline stage drops layers); the modules named in
@@ -21,12 +24,14 @@ import importlib
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
-from hpctrain.core.config import ConfigError, ModelConfig
+from hpctrain.core.config import ConfigError, ModelConfig, TransformerDims
 
-FAMILIES = {"llama": "hpctrain.models.llama"}
+FAMILIES = {"llama": "hpctrain.models.llama", "mistral": "hpctrain.models.mistral", "qwen2": "hpctrain.models.qwen2",
+            "qwen3": "hpctrain.models.qwen3"}
+OPTIONS = {"sliding_window": None}  # `model` keys only some families have, and their value when off
 
 
 @dataclass(frozen=True)
@@ -39,16 +44,27 @@ class ModelSpec:
     tp_plan: Callable[[bool], tuple[dict, dict]]  # sequence_parallel -> (root plan, per-block plan)
     check_layout: Callable[[Any, Any, bool], None]  # (args, Layout, sequence_parallel): ConfigError if it cannot
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len): training FLOPs per token
-    # (args, tokens, saved kind, tp, sp) -> (bytes a block saves for backward, its input: what a checkpointed one keeps)
-    block_activations: Callable[[Any, int, str, int, int], tuple[float, float]]
+    # (args, tokens, saved kind, tp, sp, seq_len) -> (bytes a block saves for backward, its input: what a checkpointed
+    # one keeps)
+    block_activations: Callable[[Any, int, str, int, int, int], tuple[float, float]]
     num_params: Callable[[Any], int]  # parameter count (a module or args)
     init_rule: Callable[[Any], Callable[[str], tuple[str, float]]]  # args -> (name -> ("normal", std) | ("ones", 0))
-    hf_adapter: str  # module with to_hf / from_hf / from_hf_config / to_hf_config / read_args (imports transformers)
+    hf_adapter: str  # module whose ADAPTER converts to and from transformers (hpctrain.models.llama.hf.HFAdapter)
     hf_model_types: tuple[str, ...] = ()  # config.json `model_type`s this family reads
+    traits: tuple[tuple[str, Any], ...] = ()  # model arguments the family fixes (Qwen2: ("qkv_bias", True))
+    options: tuple[str, ...] = ()  # the OPTIONS the family has (Mistral: sliding_window)
 
     def args(self, model_cfg: ModelConfig) -> Any:
-        """The model's arguments from the `model` config group."""
-        return self.args_type(**{f.name: getattr(model_cfg, f.name) for f in fields(self.args_type)})
+        """The model's arguments from the `model` config group (its keys of TransformerDims) and the family's traits;
+        ConfigError when the group sets an option this family does not have."""
+        for key, off in OPTIONS.items():
+            value = getattr(model_cfg, key, off)
+            if key not in self.options and value != off:
+                has = [f for f in FAMILIES if key in get_spec(f).options]
+                raise ConfigError(f"model.{key}={value} is not an option of model.family={self.family} (it is "
+                                  f"{' and '.join(has)}'s): drop it or choose that family")
+        given = {f.name: getattr(model_cfg, f.name) for f in fields(TransformerDims) if hasattr(model_cfg, f.name)}
+        return self.args_type(**given, **dict(self.traits))
 
     def build(self, args) -> Any:
         return self.model_type(args)
@@ -62,7 +78,8 @@ class ModelSpec:
         return {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict().items()}
 
     def hf(self):
-        return importlib.import_module(self.hf_adapter)
+        """The family's transformers adapter (imports transformers)."""
+        return importlib.import_module(self.hf_adapter).ADAPTER
 
 
 def get_spec(family: str) -> ModelSpec:
@@ -115,6 +132,17 @@ def float32_equal(a, b) -> bool:
         except (TypeError, ValueError, OverflowError):
             return False
     return a == b
+
+
+def flat(value, prefix: str = ""):
+    """(dotted key, leaf) pairs of a dataclass: model arguments with rope_scaling's fields as rope_scaling.factor, ...
+    (enums as their values)."""
+    for f in fields(value):
+        leaf = getattr(value, f.name)
+        if is_dataclass(leaf):
+            yield from flat(leaf, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", getattr(leaf, "value", leaf)
 
 
 def spec_of(model: ModelConfig) -> ModelSpec:

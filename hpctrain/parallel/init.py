@@ -69,7 +69,7 @@ def fill_normal(p: torch.Tensor, name: str, seed: int, std: float) -> None:
 @torch.no_grad()
 def init_parameters(model: nn.Module, rule: Callable[[str], tuple[str, float]], seed: int,
                     aliases: dict[str, str] | None = None) -> int:
-    """Initialise every parameter of `model` (sharded or not) by `rule(name) -> ("normal", std) | ("ones", 0)`;
+    """Initialise every parameter of `model` (sharded or not) by `rule(name) -> ("normal", std) | ("ones" | "zeros", 0)`;
     return the number of elements this rank drew. `aliases`: copies drawn as the parameter they copy."""
     drawn, aliases = 0, aliases or {}
     for name, p in model.named_parameters():
@@ -77,8 +77,8 @@ def init_parameters(model: nn.Module, rule: Callable[[str], tuple[str, float]], 
         name = aliases.get(name, name)
         kind, std = rule(name)
         local = p.to_local() if isinstance(p, DTensor) else p
-        if kind == "ones":
-            local.fill_(1.0)
+        if kind in ("ones", "zeros"):
+            local.fill_(1.0 if kind == "ones" else 0.0)
         elif kind == "normal":
             fill_normal(p, name, seed, std)
             drawn += local.numel()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hpctrain.core.config import ConfigError
-from hpctrain.models import float32_equal, init_source, spec_for_hf
+from omegaconf import OmegaConf
+
+from hpctrain.core.config import ConfigError, TransformerDims
+from hpctrain.models import flat, float32_equal, init_source, spec_for_hf
 
 
 def typed_model_keys(overrides) -> set[str]:
@@ -40,14 +42,18 @@ def shape_from_checkpoint(cfg, overrides) -> None:
     except (ValueError, OSError) as e:  # (ConfigError is a ValueError)
         raise ConfigError(f"model.init_from={source}: {' '.join(str(e).split())}") from None
     typed = typed_model_keys(overrides)
-    for field in dataclasses.fields(args):
-        key, theirs = field.name, getattr(args, field.name)
-        if key not in typed:
-            setattr(cfg.model, key, theirs)
-        elif key not in adapter.FREE and not float32_equal(getattr(cfg.model, key), theirs):
+    theirs = dict(flat(args))
+    for key in sorted(typed):
+        top, mine = key.split(".")[0], OmegaConf.select(cfg.model, key)
+        mine = getattr(mine, "value", mine)  # (an enum)
+        if top not in adapter.FREE and key in theirs and not float32_equal(mine, theirs[key]):
             raise ConfigError(
-                f"model.{key}={getattr(cfg.model, key)} contradicts {os.path.join(path, 'config.json')} "
-                f"({adapter.HF_FIELDS.get(key, key)}={theirs}): drop the override (with model.init_from=hf:DIR the "
-                "shape comes from the checkpoint)")
+                f"model.{key}={mine} contradicts {os.path.join(path, 'config.json')} "
+                f"({adapter.HF_FIELDS.get(top, top)}{key[len(top):]}={theirs[key]}): drop the override (with "
+                "model.init_from=hf:DIR the shape comes from the checkpoint)")
+    ours = {f.name for f in dataclasses.fields(TransformerDims)}  # (not the family's traits: family says them)
+    for key, value in theirs.items():
+        if key not in typed and key.split(".")[0] in ours:
+            OmegaConf.update(cfg.model, key, value)
     cfg.model.family = spec.family
     cfg.model.name = os.path.basename(os.path.normpath(path))

@@ -142,6 +142,7 @@ class _Run:
     compressed: bool  # parallel.grad_compression: one process's model with its own exchange, no data-parallel unit
     m: int  # micro-batches per schedule: a pipelined step runs its grad_accum micro-batches through one
     tokens: int  # of one micro-batch
+    seq_len: int
 
     @classmethod
     def of(cls, cfg, plan: RunShape, seq_len: int) -> _Run:
@@ -150,7 +151,7 @@ class _Run:
         return cls(cfg, plan, spec, spec.args(cfg.model), c=2 if low else 4,
                    shard=layout.dp if p.zero_stage >= 2 else 1,
                    compressed=layout.dp > 1 and GradCompression(p.grad_compression) != GradCompression.none,
-                   m=plan.grad_accum if layout.pipelined else 1, tokens=seq_len * plan.micro_batch)
+                   m=plan.grad_accum if layout.pipelined else 1, tokens=seq_len * plan.micro_batch, seq_len=seq_len)
 
 
 def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
@@ -181,7 +182,7 @@ def _activations(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     p, layout = r.cfg.parallel, r.plan.layout
     kind = saved_activation_kind(r.c, 1 if r.compressed else layout.dp)
     saved, kept_input = r.spec.block_activations(r.args, r.tokens, kind, layout.tp,
-                                                 layout.tp if p.sequence_parallel else 1)
+                                                 layout.tp if p.sequence_parallel else 1, r.seq_len)
     layers = [j for chunk in st.layers for j in chunk]
     return {mode.value: checkpointed_activations(mode, p.ac_every, layers, saved, kept_input,
                                                  layout.in_flight(i, r.m)) for mode in ActCkpt}

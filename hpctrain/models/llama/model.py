@@ -1,4 +1,5 @@
-"""Llama-style decoder-only transformer in plain PyTorch.
+"""The Llama-style decoder-only transformer in plain PyTorch, shared by the families that are variants of it (Llama,
+Mistral, Qwen2, Qwen3: hpctrain.models): their differences are options of ModelArgs, off by default.
 
 The module knows nothing about parallelism. Tensor/pipeline parallel code relies only on its layout:
 separate ``wq/wk/wv/wo`` and ``w1/w3/w2`` Linears (a fused qkv would be split wrongly by a column
@@ -7,27 +8,39 @@ shard), head counts inferred from tensor shapes (so a shard sees its local heads
 embedding / final norm / output head (``None`` on middle stages).
 
 RoPE follows the transformers convention (rotate the two halves of ``head_dim``), so weights copy
-one-to-one to and from ``transformers.LlamaForCausalLM`` with no q/k permutation.
+one-to-one to and from transformers' classes with no q/k permutation.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.core.config import TransformerDims
+from hpctrain.core.config import ConfigError, RopeScaling, RopeType, TransformerDims
 from hpctrain.models.cross_entropy import linear_cross_entropy
 
 
 @dataclass
 class ModelArgs(TransformerDims):
-    """Llama's arguments: the shared decoder dimensions (one definition, with the `model` group's schema)."""
+    """The decoder's arguments: the shared decoder dimensions (one definition, with the `model` group's schema), with
+    head_dim resolved and rope_scaling a RopeScaling, and the traits a family fixes (ModelSpec.traits)."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+
+    def __post_init__(self):
+        if not isinstance(self.rope_scaling, RopeScaling):  # a config node or a dict
+            given = {f.name: self.rope_scaling[f.name] for f in fields(RopeScaling) if f.name in self.rope_scaling}
+            self.rope_scaling = RopeScaling(**given)
+        kind = self.rope_scaling.type
+        self.rope_scaling.type = RopeType(getattr(kind, "value", kind))
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: choose "
+                                  "dimensions that divide, or set model.head_dim")
+            self.head_dim = self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -45,10 +58,37 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).type_as(x) * self.weight
 
 
-def rope_cache(head_dim: int, seq_len: int, theta: float, device=None, start: int = 0) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
-    """cos, sin of shape [seq_len, head_dim] for positions start.., computed exactly as transformers' default RoPE."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling, seq_len: int = 0,
+                     device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2], computed exactly as transformers' RoPE of the same type; `dynamic`
+    depends on the length of the sequence (`seq_len`) beyond original_max_seq_len."""
+    kind, factor = scaling.type, scaling.factor
+    if kind == RopeType.dynamic and seq_len > scaling.original_max_seq_len:
+        # NTK: a larger theta for a longer sequence (as transformers', in float32: its seq_len is a tensor)
+        grown = factor * torch.tensor(seq_len) / scaling.original_max_seq_len - (factor - 1)
+        theta = theta * grown ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / theta ** exponents
+    if kind == RopeType.linear:
+        inv_freq = inv_freq / factor
+    elif kind == RopeType.llama3:
+        # Wavelengths longer than the original context are stretched by factor, short ones kept, a smooth band between.
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        context = scaling.original_max_seq_len
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cache(head_dim: int, seq_len: int, theta: float, device=None, start: int = 0,
+               scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq_len, head_dim] for positions start.., computed exactly as transformers' RoPE (dynamic
+    scaling: for a sequence of start + seq_len positions)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling or RopeScaling(), start + seq_len, device)
     freqs = torch.outer(torch.arange(start, start + seq_len, dtype=torch.float32, device=device), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)  # both halves of head_dim share a frequency
     return emb.cos(), emb.sin()
@@ -60,14 +100,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
 
 
+def sliding_window_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
+    """[T, T] bool, True where query i may attend key j: j <= i and i - j < window (transformers' sliding window)."""
+    i = torch.arange(seq_len, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3: each head's query and key normalised (over head_dim) before RoPE.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.window = args.sliding_window
+        scaling = args.rope_scaling
+        # Dynamic NTK RoPE: a sequence longer than the original context gets tables of its own length.
+        self.dynamic = (args.rope_theta, scaling) if scaling.type == RopeType.dynamic else None
+
+    def _rope(self, T: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dynamic is not None and self.dynamic[1].original_max_seq_len < T:
+            cos, sin = rope_cache(self.head_dim, T, self.dynamic[0], cos.device, scaling=self.dynamic[1])
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos[:T], sin[:T]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -75,15 +135,20 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Slice here, from the full sequence: with sequence parallelism the block input is sharded.
-        cos, sin = cos[:T].to(q.dtype), sin[:T].to(q.dtype)  # q is bf16 under autocast
+        cos, sin = self._rope(T, cos, sin)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # q is bf16 under autocast
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Within the window, causal attention is the same thing: the mask (and its slower kernel) only beyond it.
+        mask = sliding_window_mask(T, self.window, x.device) if self.window and self.window < T else None
         # The transposes are views: SDPA kernels take strided input, and their output is laid out
         # as [B, T, H, D], so the reshape below does not copy. enable_gqa avoids materialising
         # repeated k/v and is as fast as repeat_interleave with the CPU flash kernel.
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=q.size(2) != k.size(2),
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=mask is None, enable_gqa=q.size(2) != k.size(2),
         )
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -115,11 +180,9 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        if args.dim % args.n_heads or args.n_heads % args.kv_heads or args.head_dim % 2:
-            raise ValueError(
-                f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head_dim; got dim={args.dim}, "
-                f"n_heads={args.n_heads}, n_kv_heads={args.kv_heads}"
-            )
+        if args.n_heads % args.kv_heads or args.head_dim % 2:
+            raise ValueError(f"need n_heads % n_kv_heads == 0 and an even head_dim; got n_heads={args.n_heads}, "
+                             f"n_kv_heads={args.kv_heads}, head_dim={args.head_dim}")
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
@@ -142,9 +205,16 @@ class Llama(nn.Module):
             return
         for start in range(0, self.args.max_seq_len, rows):
             n = min(rows, self.args.max_seq_len - start)
-            cos, sin = rope_cache(self.args.head_dim, n, self.args.rope_theta, self.rope_cos.device, start)
+            cos, sin = rope_cache(self.args.head_dim, n, self.args.rope_theta, self.rope_cos.device, start,
+                                  self.rope_scaling())
             self.rope_cos[start:start + n].copy_(cos.unsqueeze(1))
             self.rope_sin[start:start + n].copy_(sin.unsqueeze(1))
+
+    def rope_scaling(self) -> RopeScaling:
+        """The scaling of the tables: dynamic NTK's are plain RoPE up to the original context (Attention computes
+        longer sequences' own)."""
+        scaling = self.args.rope_scaling
+        return RopeScaling() if scaling.type == RopeType.dynamic else scaling
 
     def init_buffers(self) -> None:
         """Fill the non-persistent buffers (after `to_empty()`), without touching the parameters."""
@@ -157,7 +227,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 style init: N(0, init_std), residual projections scaled by 1/sqrt(2 n_layers), norms 1.
+        """GPT-2 style init: N(0, init_std), residual projections scaled by 1/sqrt(2 n_layers), norms 1, biases 0.
 
         A small embedding std also matters for speed: an N(0, 1) embedding drives CPU fp32 into denormals.
         """
@@ -168,6 +238,8 @@ class Llama(nn.Module):
         for name, m in self.named_modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, residual_std if name.endswith(("wo", "w2")) else std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
@@ -192,12 +264,14 @@ class Llama(nn.Module):
 
 def init_rule(args: ModelArgs):
     """The same initialisation as `Llama.init_weights`, by parameter name (for sharded initialisation): norms 1,
-    matrices N(0, init_std), residual projections (wo, w2) scaled by 1/sqrt(2 n_layers)."""
+    biases 0, matrices N(0, init_std), residual projections (wo, w2) scaled by 1/sqrt(2 n_layers)."""
     residual_std = args.init_std / math.sqrt(2 * args.n_layers)
 
     def rule(name: str) -> tuple[str, float]:
         if name.endswith("norm.weight"):
             return "ones", 0.0
+        if name.endswith(".bias"):
+            return "zeros", 0.0
         return "normal", residual_std if name.endswith(("wo.weight", "w2.weight")) else args.init_std
 
     return rule
@@ -205,6 +279,11 @@ def init_rule(args: ModelArgs):
 
 def _matmul_params_per_layer(a: ModelArgs) -> int:
     return a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads) + 3 * a.dim * a.ffn_hidden
+
+
+def _vector_params_per_layer(a: ModelArgs) -> int:
+    """Norm weights and biases: two block norms, the q/k/v biases, the per-head q/k norms."""
+    return (2 * a.dim + (a.n_heads + 2 * a.kv_heads) * a.head_dim * a.qkv_bias + 2 * a.head_dim * a.qk_norm)
 
 
 def num_params(model_or_args: nn.Module | ModelArgs, exclude_embedding: bool = False) -> int:
@@ -220,7 +299,8 @@ def num_params(model_or_args: nn.Module | ModelArgs, exclude_embedding: bool = F
         return n - emb.weight.numel() if exclude_embedding and emb is not None else n
     a = model_or_args
     emb = a.vocab_size * a.dim
-    n = a.n_layers * (_matmul_params_per_layer(a) + 2 * a.dim) + a.dim + emb + (0 if a.tie_embeddings else emb)
+    n = a.n_layers * (_matmul_params_per_layer(a) + _vector_params_per_layer(a)) + a.dim + emb + (
+        0 if a.tie_embeddings else emb)
     return n - emb if exclude_embedding else n
 
 

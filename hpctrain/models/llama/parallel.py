@@ -48,13 +48,17 @@ def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
 
 def check_layout(args, layout, sequence_parallel: bool) -> None:
     """What the layout's degrees must divide; ConfigError with one line naming the fix."""
-    if args.dim % args.n_heads:
-        raise ConfigError(f"model.dim={args.dim} is not divisible by model.n_heads={args.n_heads}")
     kv = args.kv_heads
     if args.n_heads % kv:
         raise ConfigError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={kv}")
-    if (args.dim // args.n_heads) % 2:
-        raise ConfigError(f"head_dim = model.dim/n_heads = {args.dim // args.n_heads} must be even for RoPE")
+    if args.head_dim % 2:
+        raise ConfigError(f"head_dim={args.head_dim} (model.head_dim, or model.dim/n_heads) must be even for RoPE")
+    scaling = args.rope_scaling
+    if scaling.type.value in ("llama3", "dynamic") and not scaling.original_max_seq_len:
+        raise ConfigError(f"model.rope_scaling.type={scaling.type.value} needs model.rope_scaling.original_max_seq_len "
+                          "(the context the model was pretrained at)")
+    if scaling.type.value == "llama3" and scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ConfigError("model.rope_scaling.high_freq_factor must exceed low_freq_factor (llama3 RoPE scaling)")
     if layout.pipelined:
         stages, pp, v = layout.pp_stages, layout.pp, layout.pp_virtual_stages
         if args.n_layers % stages:
@@ -67,18 +71,28 @@ def check_layout(args, layout, sequence_parallel: bool) -> None:
 
 
 # Bytes a block saves for backward, per token, measured with saved-tensor hooks (docs/planner.md): (norm-side, linear
-# inputs) × dim replicated over tp (the first split by sequence parallelism), then (dim, kv_dim, ffn) coefficients of
-# what tp shards.
+# inputs) × dim replicated over tp (the first split by sequence parallelism), then (q-sized, kv-sized, ffn)
+# coefficients of what tp shards; a q-sized tensor is n_heads × head_dim (dim unless head_dim is set apart).
 ACT_BYTES = {"fp32": (16, 8, (8, 8, 16)),  # fp32 / tf32
              "autocast": (16, 10, (4, 4, 8)),  # bf16/fp16 autocast over fp32 parameters: fp32 residual stream
              "lowp": (12, 4, (4, 4, 8))}  # bf16/fp16 parameters (FSDP/replicate MixedPrecisionPolicy)
+# Qwen3's q/k norms, per element of q and k: the norm's fp32 input and its normalised output.
+QK_NORM_BYTES = {"fp32": 8, "autocast": 6, "lowp": 6}
 
 
-def block_activations(args, tokens: int, kind: str, tp: int, sp: int) -> tuple[float, float]:
-    """(what one block saves for backward over `tokens` tokens, what it keeps when checkpointed: its input), with
-    tp-sharded parts / tp and the norm side and the input / sp (sequence parallel). `kind`: ACT_BYTES' key."""
+def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: int) -> tuple[float, float]:
+    """(what one block saves for backward over `tokens` tokens (micro-batches of `seq_len`), what it keeps when
+    checkpointed: its input), with tp-sharded parts / tp and the norm side and the input / sp (sequence parallel).
+    `kind`: ACT_BYTES' key."""
     norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
+    q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    heads = args.n_heads + args.kv_heads if args.qk_norm else 0  # q/k-normed heads
     per_token = (norm * args.dim / sp + lin * args.dim
-                 + (kh * args.dim + kkv * args.kv_heads * args.head_dim + kf * args.ffn_hidden) / tp
-                 + 8 + 4 * args.n_heads / tp)  # RMSNorm statistics, attention log-sum-exp
-    return tokens * per_token, tokens * (2 if kind == "lowp" else 4) * args.dim / sp
+                 + (kh * q + kkv * kv + kf * args.ffn_hidden) / tp
+                 + 8 + 4 * args.n_heads / tp  # RMSNorm statistics, attention log-sum-exp
+                 + (QK_NORM_BYTES[kind] * args.head_dim + 4) * heads / tp)  # q/k norms: input, output, statistics
+    saved = tokens * per_token
+    if args.sliding_window and args.sliding_window < seq_len:
+        # The window's [T, T] mask: SDPA keeps it as an additive mask of the compute dtype, one per micro-batch.
+        saved += seq_len * seq_len * (4 if kind == "fp32" else 2)
+    return saved, tokens * (2 if kind == "lowp" else 4) * args.dim / sp
