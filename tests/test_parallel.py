@@ -69,6 +69,18 @@ def test_activation_checkpointing_with_tp_sp_fsdp(make_cfg, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_qwen3_in_3d_equals_one_process(make_cfg, tmp_path):
+    """The family with parallel state of its own (q/k norms, replicated DTensors over the heads each tp rank holds,
+    then sharded by FSDP), head_dim apart from dim/n_heads: ZeRO-3 × tp2 with sequence parallelism trains the
+    losses and gradient norms of one process."""
+    family = ("model.family=qwen3", "model.head_dim=32")
+    ref = reference(make_cfg, tmp_path, *family)
+    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / "qwen3", *family, "parallel=dp2_tp2"))
+    print(f"qwen3 dp2_tp2: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
+    assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["dp2_zero3", "tp2_sp"])
 def test_bf16_tracks_one_process_bf16(make_cfg, tmp_path, layout):
     # FSDP runs the blocks on gathered bf16 parameters (a bf16 residual stream); one process autocasts fp32 ones.
@@ -289,7 +301,9 @@ def _init_state(cfg, layout, out: str) -> None:
     ["parallel=pp2", "model.n_layers=4", "model.tie_embeddings=true"],  # the head on stage 1 drawn as the table
     ["parallel=tp2", "model.tie_embeddings=true"],
     ["parallel=fsdp", "parallel.dp=4", "parallel.activation_checkpointing=full"],  # uneven shards, wrapped names
-], ids=["dp2_tp2", "pp2", "pp2_tied", "tp2_tied", "dp4_ac"])
+    ["parallel=dp2_tp2", "model.family=qwen3", "model.head_dim=32"],  # q/k norms: ones, over tp's heads
+    ["parallel=tp2", "model.family=qwen2"],  # q/k/v biases: zeros, column-sharded
+], ids=["dp2_tp2", "pp2", "pp2_tied", "tp2_tied", "dp4_ac", "dp2_tp2_qwen3", "tp2_qwen2"])
 def test_sharded_init_equals_one_process(make_cfg, tmp_path, overrides):
     """Every rank draws only its shards, and the whole is bit-identical to one process's initialisation."""
     import torch

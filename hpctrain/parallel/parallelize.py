@@ -267,18 +267,20 @@ def gathered_copies(zero_stage: int, replicas: int, compute_bytes: int, params: 
 
 
 def last_unit_reduced(zero_stage: int, dp: int, compute_bytes: int, params: float, root: float,
-                      largest_block: float) -> Term:
+                      largest_block: float, tied: bool = False) -> Term:
     """The end of backward under data parallelism: the last unit reduced (the root's embedding, else a block;
     replicate's whole model) holds its gathered parameters, its unsharded gradients and their fp32 reduce copy;
-    the other units are resharded by then (ZeRO-2 too: it reshards after backward). A sharded root is counted with
-    one more gathered copy: whether the previous unit's buffers are freed before the root's gradients are made is a
-    race of the asynchronous collectives, and a rank that loses it holds one more (measured: +16 MiB on a bf16 64k x
-    128 tied embedding, +64 MiB in fp32, on one rank of two in some runs)."""
+    the other units are resharded by then (ZeRO-2 too: it reshards after backward). A sharded root whose embedding is
+    tied to the output head peaks earlier, at the embedding's gradient: the head's gradient, the embedding's and
+    their sum beside the gathered parameters, 4 copies in the compute dtype (measured at the tied embedding's
+    `add` in backward: 16 bytes per parameter of the root in fp32, 8 in bf16; docs/planner.md)."""
     if dp == 1:
         return Term()
     unit = params if zero_stage == 0 else root or largest_block
-    raced = root * compute_bytes if zero_stage and root else 0
-    return Term(reduced=unit * (2 * compute_bytes + 4) + raced)
+    per_param = 2 * compute_bytes + 4
+    if zero_stage and root and tied:
+        per_param = max(per_param, 4 * compute_bytes)
+    return Term(reduced=unit * per_param)
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg: ParallelConfig, spec: ModelSpec,

@@ -171,8 +171,9 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
         undo = SpikeAction(r.cfg.monitor.loss_spike.action) == SpikeAction.skip_batch
         terms.append(compression.memory_terms(P, 4 * r.args.vocab_size * r.args.dim, undo))
     else:
+        tied = r.args.tie_embeddings and not layout.pipelined  # (a pipeline's end stages each hold their own copy)
         terms.append({"reducing": last_unit_reduced(p.zero_stage, layout.dp, r.c, P, st.root / tp,
-                                                    st.largest_block / tp)})
+                                                    st.largest_block / tp, tied)})
     return merge(*terms)
 
 
