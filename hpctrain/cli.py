@@ -52,7 +52,7 @@ def _task(cfg: DictConfig) -> dict | None:
     run_dir = hc.runtime.output_dir
     where = f"sweep point #{hc.job.num} ({_sweep_values(hc.overrides.task)}): " if hc.mode == RunMode.MULTIRUN else ""
     try:  # model.init_from=hf:DIR: the model's shape from its config.json, before the run is submitted or checked
-        shape_from_checkpoint(cfg, hc.overrides.task)
+        shape_from_checkpoint(cfg, hc.overrides.task, run_dir)
     except BAD_INPUT as e:
         rundir.remove_if_fresh(run_dir, _started)
         fail(where + str(e))

@@ -273,6 +273,10 @@ def test_an_override_against_config_json_is_one_line_and_float32_equal_is_equal(
     with pytest.raises(Exception, match="seq_len 64"):  # the shards' 64-token samples need 64 positions
         prepare(cfg)
     prepare(_compose(*run, "model.norm_eps=1e-5"))  # the weights' check agrees: the same number in float32
+    with pytest.raises(ConfigError) as e:  # a shape chosen by name is never silently replaced
+        _compose(*run, "model=nano")
+    msg = str(e.value)
+    assert "\n" not in msg and f"model=nano contradicts {path}/config.json (" in msg and "drop model=" in msg, msg
     (path / "config.json").write_text(json.dumps({**conf, "model_type": "gemma2"}))
     with pytest.raises(ConfigError, match="model_type=\"gemma2\", which no hpctrain model family reads .it reads llama, "
                                           "mistral, qwen2, qwen3."):
@@ -623,3 +627,50 @@ def test_a_family_option_on_another_family_is_one_line(make_cfg):
                                           r"mistral's\): drop it or choose that family"):
         model_args(make_cfg("model.family=qwen2", "model.sliding_window=16").model)
     assert model_args(make_cfg("model.family=mistral", "model.sliding_window=16").model).sliding_window == 16
+
+
+@pytest.mark.parametrize("bad", ["device", "too-large"])
+def test_a_carried_file_that_is_a_device_or_too_large_is_one_line(tmp_path, monkeypatch, bad):
+    """The files an export carries over from model.init_from's directory are read as regular files of sane size: a
+    tokenizer.json that is a device (a link to /dev/zero would be read forever) or larger than CARRIED_BYTES is refused
+    in one line naming it, not copied."""
+    from hpctrain.weights import export_hf
+
+    origin, dest = tmp_path / "origin", tmp_path / "dest"
+    origin.mkdir(), dest.mkdir()
+    (origin / "config.json").write_text(json.dumps({"bos_token_id": 1}))
+    if bad == "device":
+        (origin / "tokenizer.json").symlink_to("/dev/zero")
+    else:
+        (origin / "tokenizer.json").write_bytes(b"x" * 2048)
+        monkeypatch.setattr(export_hf, "CARRIED_BYTES", 1024)
+    with pytest.raises(export_hf.ExportError) as e:
+        export_hf._carry_over(str(origin), str(dest))
+    msg = str(e.value)
+    assert "\n" not in msg and "cannot carry" in msg and "tokenizer.json" in msg, msg
+    assert not (dest / "tokenizer.json").exists()
+
+
+def test_a_run_started_from_a_directory_since_removed_resumes(tmp_path, demo_data):
+    """A run started with model.init_from=hf:DIR resumes from its own checkpoint (the same command, more steps)
+    after DIR is gone: the shape is the one it recorded, and init_from is not read again."""
+    from helpers import run_forked
+
+    from hpctrain import cli
+    from hpctrain.core.files import read_json, read_metrics
+
+    path = _published(tmp_path, case="qwen3")
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"data.path={demo_data}", "data.prepare_demo=false", f"model.init_from=hf:{path}",
+            "train.eval_every=0", "train.global_batch=4", "train.micro_batch=2", "train.ckpt_every=1",
+            "logging.trackers=[]", "cluster.num_threads=1"]
+    assert run_forked(cli.main, [*args, "train.max_steps=1"], cwd=tmp_path).code == 0
+    shutil.rmtree(path)
+    p = run_forked(cli.main, [*args, "train.max_steps=2"], cwd=tmp_path)
+    assert p.code == 0, p.err
+    assert read_json(run / "result.json")["status"] == "completed"
+    assert [r["step"] for r in read_metrics(str(run)) if "loss" in r and "step" in r][-1] == 2
+    assert "family: qwen3" in (run / ".hydra" / "config.yaml").read_text()
+    assert run_forked(cli.main, [*args, "train.max_steps=3"], cwd=tmp_path).code == 0  # and again
+    p = run_forked(cli.main, [f"run_dir={tmp_path / 'fresh'}", *args[1:], "train.max_steps=1"], cwd=tmp_path)
+    assert p.code == 2 and "has no config.json" in p.err, p.err  # a new run still needs the directory

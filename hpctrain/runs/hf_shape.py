@@ -28,13 +28,59 @@ def typed_model_keys(overrides) -> set[str]:
     return keys
 
 
-def shape_from_checkpoint(cfg, overrides) -> None:
+def chosen_group(overrides) -> str | None:
+    """The `model=NAME` group among command-line overrides, if one is chosen."""
+    for override in overrides or ():
+        key, _, value = str(override).partition("=")
+        if key.lstrip("+~") == "model" and value:
+            return value
+    return None
+
+
+def _resolved(model, key: str):
+    """model.KEY as the model reads it: n_kv_heads null is n_heads, head_dim null is dim / n_heads."""
+    value = OmegaConf.select(model, key)
+    if value is None and key == "n_kv_heads":
+        return model.n_heads
+    if value is None and key == "head_dim":
+        return model.dim // model.n_heads
+    return getattr(value, "value", value)
+
+
+def _recorded_model(run_dir: str, source: str):
+    """The `model` group a run in `run_dir` recorded when it started from `source` and has a checkpoint to resume
+    from (None otherwise)."""
+    from hpctrain.core.files import read_yaml
+    from hpctrain.storage.checkpoint import complete_checkpoints
+
+    record = os.path.join(run_dir, ".hydra", "config.yaml")
+    if not os.path.isfile(record) or not complete_checkpoints(run_dir):
+        return None
+    try:
+        model = read_yaml(record).model
+    except Exception:  # noqa: BLE001 - an unreadable record: the run's own checks name it later
+        return None
+    # (None: a resume that found the directory gone before recorded no init_from, below)
+    return model if model.get("init_from") in (None, str(source)) else None
+
+
+def shape_from_checkpoint(cfg, overrides, run_dir: str | None = None) -> None:
     """Fill `cfg.model` (in place) from model.init_from's config.json when it names a transformers directory;
-    ConfigError naming the file and the fix otherwise. A no-op for any other run."""
+    ConfigError naming the file and the fix otherwise. A no-op for any other run. A run in `run_dir` that started
+    from that directory and resumes (its weights are its checkpoint's) takes the shape it recorded when the directory
+    is gone."""
     source, init = cfg.model.init_from, init_source(cfg.model)
     if not init or not init[0]:
         return
     path = init[1]
+    resuming = run_dir and cfg.train.resume != "never" and not os.path.exists(path)
+    recorded = _recorded_model(run_dir, source) if resuming else None
+    if recorded is not None:
+        for key in cfg.model:
+            if key in recorded:
+                OmegaConf.update(cfg.model, key, recorded[key], merge=True)
+        cfg.model.init_from = None  # a resumed run's weights are its checkpoint's: nothing is read from DIR
+        return
     try:
         spec = spec_for_hf(path)
         adapter = spec.hf()
@@ -52,6 +98,17 @@ def shape_from_checkpoint(cfg, overrides) -> None:
                 f"({adapter.HF_FIELDS.get(top, top)}{key[len(top):]}={theirs[key]}): drop the override (with "
                 "model.init_from=hf:DIR the shape comes from the checkpoint)")
     ours = {f.name for f in dataclasses.fields(TransformerDims)}  # (not the family's traits: family says them)
+    group = chosen_group(overrides)
+    if group:  # a shape chosen by name must be the checkpoint's: never silently replaced
+        for key, value in theirs.items():
+            top = key.split(".")[0]
+            if top in ours and top not in adapter.FREE and key not in typed:
+                mine = _resolved(cfg.model, key)
+                if not float32_equal(mine, value):
+                    raise ConfigError(
+                        f"model={group} contradicts {os.path.join(path, 'config.json')} "
+                        f"({adapter.HF_FIELDS.get(top, top)}{key[len(top):]}={value} vs model.{key}={mine}): drop "
+                        "model=… (with model.init_from=hf:DIR the shape comes from the checkpoint)")
     for key, value in theirs.items():
         if key not in typed and key.split(".")[0] in ours:
             OmegaConf.update(cfg.model, key, value)
