@@ -191,9 +191,21 @@ class OptimConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One shard set of a training mixture (`data.sources`)."""
+
+    name: str = MISSING
+    path: str = MISSING
+    weight: float = 1.0  # its share of the samples: weights are normalised, read as exact decimals (0.7 = 7/10)
+
+
+@dataclass
 class DataConfig:
     name: str = "custom"
-    path: str = MISSING  # directory with manifest.json and the tar shards
+    path: str = MISSING  # directory with manifest.json and the tar shards (with `sources`: validation and tokenizer)
+    # A training mixture: [{name, path, weight}, ...], each source within one sample of its share in every prefix of
+    # the stream (hpctrain.data.mixture); empty: train on `path`.
+    sources: list[SourceConfig] = field(default_factory=list)
     num_workers: int = 0
     shuffle: bool = True
     # Data lanes fix the sample order (elastic over any dp dividing it); None: min(8, shards) rounded

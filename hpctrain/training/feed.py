@@ -15,6 +15,7 @@ import torch
 from hpctrain.core.config import DataConfig, TrainConfig
 from hpctrain.core.errors import TrainingError
 from hpctrain.data.loader import DataError, ShardStream, choose_lanes, read_manifest
+from hpctrain.data.mixture import MixtureStream, Source
 from hpctrain.runs.resolve import RunShape
 
 log = logging.getLogger("hpctrain")
@@ -89,20 +90,31 @@ def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=
         raise TrainingError(f"data.lanes={dcfg.lanes} but this run was trained with {lanes} lanes: drop the "
                             f"override or set data.lanes={lanes} (lanes fix the sample order)")
     for key, was, now in (("train.seed", run.get("data_seed"), seed),
-                          ("data.shuffle", run.get("data_shuffle"), bool(dcfg.shuffle))):
+                          ("data.shuffle", run.get("data_shuffle"), bool(dcfg.shuffle)),
+                          ("data.sources", run.get("data_mixture"), mixture(dcfg))):
         if was is not None and was != now:
             raise TrainingError(f"{key}={now} but this run was trained with {key}={was}, which fixes the order of its "
                                 f"samples: drop the override or set {key}={was} (or start over: train.resume=never)")
 
 
+def mixture(dcfg: DataConfig) -> list | None:
+    """data.sources as the run state records them ([[name, weight], ...]; None for one shard set)."""
+    return [[s.name, float(s.weight)] for s in dcfg.sources] or None
+
+
+def sources(dcfg: DataConfig) -> list[Source]:
+    return [Source(s.name, os.path.expanduser(s.path), float(s.weight)) for s in dcfg.sources]
+
+
 def bind_run(dcfg: DataConfig, seed: int, data_dir: str, state, dp: int) -> int:
     """Check the shards and the sample order against what the run was trained on (`check_bound`), record them in
-    the run state; return the data lanes."""
+    the run state; return the data lanes (a mixture's: as many as its smallest source allows)."""
     manifest = read_manifest(data_dir)
     check_bound(state.state_dict(), dcfg, seed, data_dir, manifest)
     state.tokenizer_sha256 = manifest.tokenizer.sha256
-    state.data_lanes = state.data_lanes or choose_lanes(dcfg.lanes, dp, manifest)
-    state.data_seed, state.data_shuffle = seed, bool(dcfg.shuffle)
+    manifests = [read_manifest(s.path) for s in sources(dcfg)] or [manifest]
+    state.data_lanes = state.data_lanes or min(choose_lanes(dcfg.lanes, dp, m) for m in manifests)
+    state.data_seed, state.data_shuffle, state.data_mixture = seed, bool(dcfg.shuffle), mixture(dcfg)
     return state.data_lanes
 
 
@@ -115,7 +127,12 @@ class TrainFeed:
         lanes = bind_run(dcfg, seed, data_dir, state, shape.dp)
         pin = device.type == "cuda" if dcfg.pin_memory is None else dcfg.pin_memory
 
-        def stream(start_sample: int) -> ShardStream:
+        def stream(start_sample: int) -> ShardStream | MixtureStream:
+            if dcfg.sources:
+                return MixtureStream(
+                    sources(dcfg), "train", shape.micro_batch, seed, start_sample=start_sample, shuffle=dcfg.shuffle,
+                    lanes=lanes, dp_rank=dp_mesh.get_local_rank(), dp_size=shape.dp, global_batch=shape.global_batch,
+                    pin_memory=pin, on_corrupt=dcfg.on_corrupt)
             return ShardStream(
                 data_dir, "train", shape.micro_batch, seed, start_sample=start_sample,
                 shuffle=dcfg.shuffle, num_workers=dcfg.num_workers, lanes=lanes,

@@ -15,6 +15,7 @@ from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
 from hpctrain.core.files import RESULT_FILE, read_json
 from hpctrain.core.host import available_memory
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
+from hpctrain.data.mixture import MixtureStream, Source, check_sources
 from hpctrain.models import init_source
 from hpctrain.monitoring.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.monitoring.monitor import check_monitor
@@ -27,7 +28,7 @@ from hpctrain.runs.compose import typed
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
-from hpctrain.training.feed import ValSplit, check_bound
+from hpctrain.training.feed import ValSplit, check_bound, sources
 from hpctrain.training.save_resume import check_trainer_state
 from hpctrain.training.trainer import Trainer
 
@@ -106,6 +107,12 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
     ShardStream(path, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
                 lanes=choose_lanes(cfg.data.lanes, shape.dp, manifest), dp_size=shape.dp,
                 global_batch=shape.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
+    if cfg.data.sources:  # a mixture: data.path's tokenizer and blocks, weights, every source's lanes
+        mixed = sources(cfg.data)
+        check_sources([Source("data.path", path, 1.0), *mixed], [manifest, *(read_manifest(s.path) for s in mixed)])
+        lanes = min(choose_lanes(cfg.data.lanes, shape.dp, read_manifest(s.path)) for s in mixed)
+        MixtureStream(mixed, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle, lanes=lanes,
+                      dp_size=shape.dp, global_batch=shape.global_batch, on_corrupt=cfg.data.on_corrupt)
     if cfg.train.eval_every:
         need = shape.micro_batch * shape.dp
         if manifest.num_samples("val") < need:

@@ -56,6 +56,7 @@ class RunState:
     data_seed: int | None = None  # train.seed and data.shuffle: the sample order too
     data_shuffle: bool | None = None
     tokenizer_sha256: str | None = None  # the token ids the weights were trained on
+    data_mixture: list | None = None  # [[source name, weight], ...] of data.sources: the sample order too
     started_at: float = field(default_factory=time.time, repr=False)  # not saved
 
     def elapsed_s(self) -> float:
@@ -104,6 +105,11 @@ def _check_run(doc: dict) -> None:
         count(doc, "data_seed", 0, 2**63 - 1)
     if doc.get("data_shuffle") not in (None, True, False):
         raise TypeError(f"data_shuffle={doc['data_shuffle']!r} is not a boolean")
+    mixture = doc.get("data_mixture")
+    if mixture is not None and not (isinstance(mixture, list) and all(
+            isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and type(m[1]) in (int, float)
+            and math.isfinite(m[1]) for m in mixture)):
+        raise TypeError(f"data_mixture={mixture!r} is not a list of [name, weight]")
     sha = doc.get("tokenizer_sha256")
     if sha is not None and not (isinstance(sha, str) and _SHA256.match(sha)):
         raise TypeError(f"tokenizer_sha256={sha!r} is not a sha256")

@@ -1,0 +1,167 @@
+"""A weighted mixture of shard sets as one elastic, deterministic and exactly resumable stream.
+
+Global sample g of the mixture comes from source `src(g)`, chosen by deficit scheduling: the source whose count
+lags its weight the most (w·(g+1) − count, ties to the first listed). Every prefix of the stream then holds each
+source within one sample of weight × length — not approximately, as random draws would. Weights are read as exact
+fractions (0.7 is 7/10), so the choice repeats with a period Q (the least common denominator): any position's
+counts come from one period's table, and a resumed stream starts anywhere at once.
+
+Every source is read through its own lanes (the same `lanes` for all; each source needs that many non-empty
+shards): sample g is lane l = g % lanes of its source, and within that lane the next one the mixture has not yet
+taken. Data-parallel rank r owns the lanes l ≡ r (mod dp), i.e. exactly the global samples g ≡ r (mod dp), as for
+one source (hpctrain.data.loader), so the global sequence depends on (sources, weights, seed, shuffle, lanes) and
+never on dp, ranks or workers. A source that runs out starts its next epoch, reshuffled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from hpctrain.core.shard_format import DataError, read_manifest
+from hpctrain.data.loader import ON_CORRUPT, _check_layout, _Plan
+
+MAX_PERIOD = 100_000  # weights whose least common denominator is larger are refused (round them)
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    path: str
+    weight: float
+
+
+def fractions(weights: Sequence[float]) -> list[Fraction]:
+    """The weights as exact fractions summing to 1 (0.7 is 7/10: its decimal, not its binary float)."""
+    exact = [Fraction(str(w)) for w in weights]
+    if not exact or any(w <= 0 for w in exact):
+        raise DataError(f"mixture weights {list(weights)}: every weight must be > 0")
+    total = sum(exact)
+    return [w / total for w in exact]
+
+
+def period(weights: Sequence[float]) -> np.ndarray:
+    """The source of each position of one period of the schedule ([Q] of source indices)."""
+    exact = fractions(weights)
+    q = math.lcm(*(w.denominator for w in exact))
+    if q > MAX_PERIOD:
+        raise DataError(f"mixture weights {list(weights)} repeat only every {q} samples: round them to fewer "
+                        f"decimals (a period of at most {MAX_PERIOD})")
+    share = [int(w * q) for w in exact]  # counts per period, integers summing to q
+    counts = [0] * len(share)
+    out = np.empty(q, dtype=np.int16)
+    for g in range(q):  # deficit (scaled by q): share·(g+1) − q·count
+        s = max(range(len(share)), key=lambda i: (share[i] * (g + 1) - q * counts[i], -i))
+        counts[s] += 1
+        out[g] = s
+    return out
+
+
+def lane_counts(cycle: np.ndarray, sources: int, lanes: int, g: int) -> np.ndarray:
+    """[sources, lanes]: how many of the global samples before `g` each (source, lane) delivered."""
+    q = len(cycle)
+    whole = math.lcm(q, lanes)
+
+    def table(n: int) -> np.ndarray:
+        pos = np.arange(n)
+        return np.bincount(cycle[pos % q].astype(np.int64) * lanes + pos % lanes,
+                           minlength=sources * lanes).reshape(sources, lanes)
+
+    return (g // whole) * table(whole) + table(g % whole)
+
+
+class MixtureStream:
+    """Iterable of LongTensor micro-batches [batch_size, block_len]: this dp rank's part of the mixture's global
+    batches, from GLOBAL sample `start_sample` on (same contract as `ShardStream`, looping). Reads in this process
+    (`num_workers` is not used for a mixture)."""
+
+    def __init__(self, sources: Sequence[Source], split: str, batch_size: int, seed: int, start_sample: int = 0,
+                 shuffle: bool = True, lanes: int = 1, dp_rank: int = 0, dp_size: int = 1,
+                 global_batch: int | None = None, pin_memory: bool = False, on_corrupt: str = "error"):
+        if on_corrupt not in ON_CORRUPT:
+            raise DataError(f"on_corrupt={on_corrupt!r}: use one of {', '.join(ON_CORRUPT)}")
+        _check_layout(lanes, dp_rank, dp_size, batch_size, global_batch, start_sample)
+        self.sources = list(sources)
+        self.cycle = period([s.weight for s in self.sources])
+        manifests = [read_manifest(s.path) for s in self.sources]
+        check_sources(self.sources, manifests)
+        self.manifest = manifests[0]
+        self._plans = [_Plan(s.path, m, split, seed, shuffle, True, lanes) for s, m in zip(self.sources, manifests)]
+        for source, plan in zip(self.sources, self._plans):
+            if lanes > plan.nonempty:
+                raise DataError(f"data.lanes={lanes} exceeds the {plan.nonempty} non-empty {split} shards of source "
+                                f"{source.name!r} ({source.path}): every source is read through all lanes; set "
+                                f"data.lanes <= {plan.nonempty} or rebuild that source with more, smaller shards")
+        self.split, self.batch_size, self.start_sample = split, batch_size, start_sample
+        self.lanes, self.dp_rank, self.dp_size = lanes, dp_rank, dp_size
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        self.on_corrupt = on_corrupt
+        self.corrupt_shards, self.corrupt_names, self.shards_read = 0, [], 0
+
+    @property
+    def block_len(self) -> int:
+        return self.manifest.block_len
+
+    def counts(self, g: int) -> np.ndarray:
+        """[sources]: samples each source delivered before global sample `g`."""
+        return lane_counts(self.cycle, len(self.sources), self.lanes, g).sum(axis=1)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        S, L, dp, bs = len(self.sources), self.lanes, self.dp_size, self.batch_size
+        lanes = list(range(self.dp_rank, L, dp))
+        start = lane_counts(self.cycle, S, L, self.start_sample)
+        visits = {(s, lane): self._plans[s].lane_visits(lane, int(start[s, lane])) for s in range(S) for lane in lanes}
+        buffers: dict[tuple[int, int], deque] = {key: deque() for key in visits}
+
+        def take(key: tuple[int, int], n: int) -> np.ndarray:
+            parts, buf = [], buffers[key]
+            while n:
+                while not buf:
+                    chunk, replaced = self._plans[key[0]].read(next(visits[key]), self.on_corrupt)
+                    self.shards_read += 1
+                    if replaced is not None:
+                        self.corrupt_shards += 1
+                        self.corrupt_names.append(replaced[0])
+                    if len(chunk):
+                        buf.append(chunk)
+                k = min(n, len(buf[0]))
+                parts.append(buf[0][:k])
+                if k == len(buf[0]):
+                    buf.popleft()
+                else:
+                    buf[0] = buf[0][k:]
+                n -= k
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+        g = self.start_sample + self.dp_rank + np.arange(bs) * dp  # this rank's next micro-batch, global indices
+        while True:
+            out = torch.empty((bs, self.block_len), dtype=torch.int64, pin_memory=self.pin_memory)
+            view = out.numpy()
+            key_of = self.cycle[g % len(self.cycle)].astype(np.int64) * L + g % L
+            for key in np.unique(key_of):
+                mask = key_of == key
+                view[mask] = take((int(key) // L, int(key) % L), int(mask.sum()))
+            g = g + bs * dp
+            yield out
+
+
+def check_sources(sources: Sequence[Source], manifests) -> None:
+    """Sources that can be mixed: distinct names, one tokenizer, one block length (one-line DataError)."""
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise DataError(f"data.sources names {names} repeat: give each source its own name")
+    first, ref = sources[0], manifests[0]
+    for source, m in zip(sources[1:], manifests[1:]):
+        if m.tokenizer.sha256 != ref.tokenizer.sha256:
+            raise DataError(f"source {source.name!r} ({source.path}) was tokenised with another tokenizer than "
+                            f"{first.name!r} (sha256 {m.tokenizer.sha256[:12]} vs {ref.tokenizer.sha256[:12]}): "
+                            "build every source's shards with the same tokenizer (prep shards --tokenizer DIR)")
+        if m.block_len != ref.block_len:
+            raise DataError(f"source {source.name!r} holds {m.block_len}-token blocks, {first.name!r} "
+                            f"{ref.block_len}: build every source with the same --seq-len")
