@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.core.shard_format import DataError
+from hpctrain.core.shard_format import DataError, read_manifest
 from hpctrain.data.loader import ShardStream
 from hpctrain.data.mixture import MixtureStream, Source, lane_counts, period
 
@@ -75,6 +75,34 @@ def test_one_global_sequence_at_any_dp_drawn_from_each_sources_own_stream(source
     assert torch.equal(_global(mix(2, start=64), 2, n - 64), one[64:])
 
 
+def test_a_schedule_switch_continues_every_source_from_its_own_position(sources):
+    """From global sample 80 on, weights 0 / 0.5 / 0.5 (an annealing phase without `web`): each source's next
+    sample after the switch is the next of its own stream, the new phase is exact in its own prefixes, and the
+    sequence is the same at dp 1 and 4 and from a start past the switch."""
+    from hpctrain.data.mixture import Schedule
+
+    lanes, n, switch = 4, 160, 80
+    phases = [(switch, [0.0, 0.5, 0.5])]
+
+    def mix(dp, start=0):
+        return lambda r: MixtureStream(sources, "train", 2, 7, start_sample=start, lanes=lanes, dp_rank=r,
+                                       dp_size=dp, schedule=phases)
+
+    one = _global(mix(1), 1, n)
+    assert torch.equal(_global(mix(4), 4, n), one) and torch.equal(_global(mix(2, start=96), 2, n - 96), one[96:])
+    plan = Schedule([(0, [s.weight for s in sources]), *phases])
+    src = plan.source(np.arange(n))
+    assert np.bincount(src[:switch], minlength=3).tolist() == [40, 24, 16]
+    assert np.bincount(src[switch:], minlength=3).tolist() == [0, 40, 40]
+    own = [_global(lambda r, s=s: ShardStream(s.path, "train", 1, 7, lanes=lanes), 1, 200) for s in sources]
+    taken = np.zeros((3, lanes), dtype=int)
+    for g in range(n):
+        s, lane = src[g], g % lanes
+        assert torch.equal(one[g], own[s][taken[s, lane] * lanes + lane]), g
+        taken[s, lane] += 1
+    assert (plan.counts(3, lanes, n) == taken).all()
+
+
 def test_mixtures_that_cannot_be_mixed_are_one_line(sources, tmp_path):
     from data_prep.synthetic import build_synthetic
 
@@ -89,7 +117,7 @@ def test_mixtures_that_cannot_be_mixed_are_one_line(sources, tmp_path):
                        ([sources[0], Source("web", sources[1].path, 0.5)], "repeat: give each source its own name"),
                        ([*sources[:2], Source("few", few, 0.5)], "every source is read through all lanes"),
                        ([sources[0], Source("x", sources[1].path, 0.3333333)], "round them to fewer decimals"),
-                       ([sources[0], Source("x", sources[1].path, 0)], "every weight must be > 0")):
+                       ([sources[0], Source("x", sources[1].path, -1)], "every weight must be >= 0 and one > 0")):
         with pytest.raises(DataError) as e:
             MixtureStream(bad, "train", 2, 7, lanes=4)
         assert words in str(e.value) and "\n" not in str(e.value), (words, str(e.value))
@@ -118,6 +146,10 @@ def test_a_mixed_run_resumed_on_another_dp_equals_the_uninterrupted_one(make_cfg
     assert train(resumed, str(tmp_path / "cut"))["status"] == "completed"
     want, got = losses(tmp_path / "one"), losses(tmp_path / "cut")
     assert sorted(got) == list(range(1, 7)) and all(abs(got[k] - want[k]) <= 1e-5 for k in want), (got, want)
+    records = [m for m in read_metrics(str(tmp_path / "one")) if "loss" in m and "step" in m]
+    assert records[-1]["data_samples/web"] + records[-1]["data_samples/code"] + records[-1]["data_samples/math"] == 48
+    per_epoch = read_manifest(sources[0].path).num_samples("train")
+    assert records[-1]["data_samples/web"] == 24 and records[-1]["data_epochs/web"] == round(24 / per_epoch, 4)
     changed = [Source(s.name, s.path, w) for s, w in zip(sources, (0.2, 0.3, 0.5))]
     with pytest.raises(TrainingError, match="data.sources=.* but this run was trained with data.sources="):
         train(_cfg(make_cfg, changed, "train.max_steps=8"), str(tmp_path / "cut"))
@@ -126,3 +158,53 @@ def test_a_mixed_run_resumed_on_another_dp_equals_the_uninterrupted_one(make_cfg
     build_synthetic(str(tmp_path / "val"), 500, 64, samples=48, shards=8)  # (a tokenizer of 500 tokens)
     with pytest.raises(DataError, match="another tokenizer than 'data.path'"):  # before anything is spawned
         prepare(_cfg(make_cfg, sources, f"data.path={tmp_path / 'val'}"))
+
+
+@pytest.mark.multiproc
+def test_a_schedule_resumed_on_another_dp_and_changed_only_in_its_future(make_cfg, sources, tmp_path):
+    """data.schedule switching at step 4: stopped at step 3 and resumed as fsdp dp=2, the losses of the
+    uninterrupted run; a phase not yet begun may change on resume, one already begun may not (one line)."""
+    from hpctrain.core.files import read_metrics
+    from hpctrain.training.run import TrainingError, train
+
+    anneal = "data.schedule=[{step:4,weights:{code:0.5,math:0.5}}]"
+
+    def losses(run_dir):
+        return {m["step"]: m["loss"] for m in read_metrics(str(run_dir)) if "loss" in m and "step" in m}
+
+    assert train(_cfg(make_cfg, sources, anneal, "train.max_steps=6"), str(tmp_path / "one"))["status"] == "completed"
+    assert train(_cfg(make_cfg, sources, anneal, "train.max_steps=3"), str(tmp_path / "cut"))["status"] == "completed"
+    resumed = _cfg(make_cfg, sources, anneal, "train.max_steps=6", "parallel=fsdp", "parallel.dp=2")
+    assert train(resumed, str(tmp_path / "cut"))["status"] == "completed"
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "cut")
+    assert sorted(got) == list(range(1, 7)) and all(abs(got[k] - want[k]) <= 1e-5 for k in want), (got, want)
+    last = [m for m in read_metrics(str(tmp_path / "one")) if "loss" in m and "step" in m][-1]
+    assert last["data_samples/web"] == 12  # 0.5 of the first 3 steps' 24 samples, none after the switch
+    later = "data.schedule=[{step:4,weights:{code:0.5,math:0.5}},{step:8,weights:{math:1}}]"
+    assert train(_cfg(make_cfg, sources, later, "train.max_steps=7"), str(tmp_path / "cut"))["status"] == "completed"
+    with pytest.raises(TrainingError, match="data.schedule=.* but this run was trained with data.schedule="):
+        train(_cfg(make_cfg, sources, "data.schedule=[{step:5,weights:{math:1}}]", "train.max_steps=9"),
+              str(tmp_path / "cut"))
+
+
+def test_a_source_that_would_repeat_too_often_is_refused_or_warned(make_cfg, sources):
+    import logging
+
+    from hpctrain.training.run import prepare
+
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+
+    cfg = _cfg(make_cfg, sources, "train.max_steps=20", "data.max_epochs=1.5")  # web: 80 of 160 samples, 49 an epoch
+    with pytest.raises(DataError, match=r"source 'web' .* would give 1.63 epochs over train.max_steps=20 "
+                                        r"\(data.max_epochs=1.5\)"):
+        prepare(cfg)
+    logging.getLogger("hpctrain").addHandler(handler)
+    try:
+        prepare(_cfg(make_cfg, sources, "train.max_steps=20", "data.max_epochs=1.5", "data.on_max_epochs=warn"))
+    finally:
+        logging.getLogger("hpctrain").removeHandler(handler)
+    assert any("would give 1.63 epochs" in w for w in warned), warned
+    with pytest.raises(DataError, match=r"data.schedule at step 4 names \['nope'\], not among data.sources"):
+        prepare(_cfg(make_cfg, sources, "data.schedule=[{step:4,weights:{nope:1}}]"))

@@ -200,12 +200,30 @@ class SourceConfig:
 
 
 @dataclass
+class PhaseConfig:
+    """From optimizer step `step` on, the mixture's weights (a source not named: 0); each source continues from its
+    own position."""
+
+    step: int = MISSING
+    weights: dict[str, float] = field(default_factory=dict)
+
+
+class OnMaxEpochs(str, Enum):
+    error = "error"
+    warn = "warn"
+
+
+@dataclass
 class DataConfig:
     name: str = "custom"
     path: str = MISSING  # directory with manifest.json and the tar shards (with `sources`: validation and tokenizer)
     # A training mixture: [{name, path, weight}, ...], each source within one sample of its share in every prefix of
     # the stream (hpctrain.data.mixture); empty: train on `path`.
     sources: list[SourceConfig] = field(default_factory=list)
+    schedule: list[PhaseConfig] = field(default_factory=list)  # the mixture's later phases (e.g. an annealing one)
+    # The most epochs a mixture's source may give over train.max_steps (null: any): beyond, error or warn.
+    max_epochs: float | None = None
+    on_max_epochs: OnMaxEpochs = OnMaxEpochs.error
     num_workers: int = 0
     shuffle: bool = True
     # Data lanes fix the sample order (elastic over any dp dividing it); None: min(8, shards) rounded
@@ -438,7 +456,8 @@ _RANGES = {
                      "monitor.loss_spike.max_rollbacks", "monitor.sample_every",
                      "parallel.compression_start_step"), _AT_LEAST_0),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "model.rope_scaling.factor",
-                     "model.rope_scaling.low_freq_factor", "model.rope_scaling.high_freq_factor", "precision.loss_scale_init",
+                     "data.max_epochs", "model.rope_scaling.low_freq_factor", "model.rope_scaling.high_freq_factor",
+                     "precision.loss_scale_init",
                      "optim.eps", "optim.max_trust", "optim.rho", "cluster.pg_timeout_s", "cluster.peak_tflops",
                      "cluster.gpu_mem_gb",
                      "monitor.hang_s", "monitor.heartbeat_s", "monitor.straggler_frac",

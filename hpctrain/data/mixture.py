@@ -1,7 +1,8 @@
 """A weighted mixture of shard sets as one elastic, deterministic and exactly resumable stream.
 
 Global sample g of the mixture comes from source `src(g)`, chosen by deficit scheduling: the source whose count
-lags its weight the most (w·(g+1) − count, ties to the first listed). Every prefix of the stream then holds each
+lags its weight the most (w·(g+1) − count, ties to the first listed); a schedule switches weights at given
+positions, each phase exact in its own prefixes. Every prefix of the stream then holds each
 source within one sample of weight × length — not approximately, as random draws would. Weights are read as exact
 fractions (0.7 is 7/10), so the choice repeats with a period Q (the least common denominator): any position's
 counts come from one period's table, and a resumed stream starts anywhere at once.
@@ -40,8 +41,8 @@ class Source:
 def fractions(weights: Sequence[float]) -> list[Fraction]:
     """The weights as exact fractions summing to 1 (0.7 is 7/10: its decimal, not its binary float)."""
     exact = [Fraction(str(w)) for w in weights]
-    if not exact or any(w <= 0 for w in exact):
-        raise DataError(f"mixture weights {list(weights)}: every weight must be > 0")
+    if not exact or any(w < 0 for w in exact) or not any(exact):
+        raise DataError(f"mixture weights {list(weights)}: every weight must be >= 0 and one > 0")
     total = sum(exact)
     return [w / total for w in exact]
 
@@ -63,17 +64,50 @@ def period(weights: Sequence[float]) -> np.ndarray:
     return out
 
 
-def lane_counts(cycle: np.ndarray, sources: int, lanes: int, g: int) -> np.ndarray:
-    """[sources, lanes]: how many of the global samples before `g` each (source, lane) delivered."""
+def lane_counts(cycle: np.ndarray, sources: int, lanes: int, n: int, offset: int = 0) -> np.ndarray:
+    """[sources, lanes]: how many of `n` global samples from `offset` on, drawn by `cycle` from `offset`, each
+    (source, lane) delivers (the pattern repeats every lcm(period, lanes) samples)."""
     q = len(cycle)
     whole = math.lcm(q, lanes)
 
-    def table(n: int) -> np.ndarray:
-        pos = np.arange(n)
-        return np.bincount(cycle[pos % q].astype(np.int64) * lanes + pos % lanes,
+    def table(k: int) -> np.ndarray:
+        pos = np.arange(k)
+        return np.bincount(cycle[pos % q].astype(np.int64) * lanes + (offset + pos) % lanes,
                            minlength=sources * lanes).reshape(sources, lanes)
 
-    return (g // whole) * table(whole) + table(g % whole)
+    return (n // whole) * table(whole) + table(n % whole)
+
+
+class Schedule:
+    """The mixture's phases: from global sample `starts[k]` on, the deficit schedule of weights `k` (restarted there,
+    so each phase is exact in its own prefixes); every source continues from its own position across a switch."""
+
+    def __init__(self, phases: Sequence[tuple[int, Sequence[float]]]):
+        self.starts = [int(start) for start, _ in phases]
+        if self.starts[0] != 0 or any(b <= a for a, b in zip(self.starts, self.starts[1:])):
+            raise DataError(f"mixture phases start at samples {self.starts}: the first at 0, each later than the last")
+        self.cycles = [period(weights) for _, weights in phases]
+        self.weights = [list(weights) for _, weights in phases]
+
+    def source(self, g: np.ndarray) -> np.ndarray:
+        """The source of each global sample in `g`."""
+        k = np.searchsorted(self.starts, g, side="right") - 1
+        out = np.empty(len(g), dtype=np.int64)
+        for phase in np.unique(k):
+            mask = k == phase
+            cycle = self.cycles[phase]
+            out[mask] = cycle[(g[mask] - self.starts[phase]) % len(cycle)]
+        return out
+
+    def counts(self, sources: int, lanes: int, g: int) -> np.ndarray:
+        """[sources, lanes]: what each (source, lane) delivered before global sample `g`."""
+        total = np.zeros((sources, lanes), dtype=np.int64)
+        ends = [*self.starts[1:], None]
+        for start, end, cycle in zip(self.starts, ends, self.cycles):
+            if start >= g:
+                break
+            total += lane_counts(cycle, sources, lanes, (g if end is None else min(g, end)) - start, start)
+        return total
 
 
 class MixtureStream:
@@ -83,12 +117,14 @@ class MixtureStream:
 
     def __init__(self, sources: Sequence[Source], split: str, batch_size: int, seed: int, start_sample: int = 0,
                  shuffle: bool = True, lanes: int = 1, dp_rank: int = 0, dp_size: int = 1,
-                 global_batch: int | None = None, pin_memory: bool = False, on_corrupt: str = "error"):
+                 global_batch: int | None = None, pin_memory: bool = False, on_corrupt: str = "error",
+                 schedule: Sequence[tuple[int, Sequence[float]]] = ()):
+        """`schedule`: later phases, (global sample where it begins, a weight per source) each."""
         if on_corrupt not in ON_CORRUPT:
             raise DataError(f"on_corrupt={on_corrupt!r}: use one of {', '.join(ON_CORRUPT)}")
         _check_layout(lanes, dp_rank, dp_size, batch_size, global_batch, start_sample)
         self.sources = list(sources)
-        self.cycle = period([s.weight for s in self.sources])
+        self.schedule = Schedule([(0, [s.weight for s in self.sources]), *schedule])
         manifests = [read_manifest(s.path) for s in self.sources]
         check_sources(self.sources, manifests)
         self.manifest = manifests[0]
@@ -110,12 +146,16 @@ class MixtureStream:
 
     def counts(self, g: int) -> np.ndarray:
         """[sources]: samples each source delivered before global sample `g`."""
-        return lane_counts(self.cycle, len(self.sources), self.lanes, g).sum(axis=1)
+        return self.schedule.counts(len(self.sources), self.lanes, g).sum(axis=1)
+
+    def epochs(self, g: int) -> np.ndarray:
+        """[sources]: the epochs of its train split each source has given before global sample `g`."""
+        return self.counts(g) / np.array([plan.epoch_samples for plan in self._plans], dtype=float)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         S, L, dp, bs = len(self.sources), self.lanes, self.dp_size, self.batch_size
         lanes = list(range(self.dp_rank, L, dp))
-        start = lane_counts(self.cycle, S, L, self.start_sample)
+        start = self.schedule.counts(S, L, self.start_sample)
         visits = {(s, lane): self._plans[s].lane_visits(lane, int(start[s, lane])) for s in range(S) for lane in lanes}
         buffers: dict[tuple[int, int], deque] = {key: deque() for key in visits}
 
@@ -143,7 +183,7 @@ class MixtureStream:
         while True:
             out = torch.empty((bs, self.block_len), dtype=torch.int64, pin_memory=self.pin_memory)
             view = out.numpy()
-            key_of = self.cycle[g % len(self.cycle)].astype(np.int64) * L + g % L
+            key_of = self.schedule.source(g) * L + g % L
             for key in np.unique(key_of):
                 mask = key_of == key
                 view[mask] = take((int(key) // L, int(key) % L), int(mask.sum()))

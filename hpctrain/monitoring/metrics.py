@@ -170,22 +170,23 @@ class Metrics:
     """
 
     def __init__(self, sinks: list, throughput: Throughput, log_every: int, last_step: int, start_step: int,
-                 bar=None, corrupt_total=lambda: 0):
+                 bar=None, data_figures=lambda samples: {}):
         self.sinks, self.throughput, self.bar = sinks, throughput, bar
         self.log_every, self.last_step, self.first_step = log_every, last_step, start_step + 1
-        self.corrupt_total = corrupt_total
+        self.data_figures = data_figures  # (global samples) -> the data's figures (collective: every rank calls it)
         self._window = _Window()
         self._noted: dict = {}
 
     @classmethod
-    def for_run(cls, tcfg: TrainConfig, sinks: list[Sink], start_step: int, throughput: Throughput, corrupt_total) -> Metrics:
+    def for_run(cls, tcfg: TrainConfig, sinks: list[Sink], start_step: int, throughput: Throughput,
+                data_figures) -> Metrics:
         """`sinks`: the main rank's (`run_sinks`), none on the others; a progress bar where train.progress asks."""
         bar = None
         if sinks and (tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()):
             from tqdm import tqdm
 
             bar = tqdm(total=tcfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-        return cls(sinks, throughput, tcfg.log_every, tcfg.max_steps, start_step, bar, corrupt_total)
+        return cls(sinks, throughput, tcfg.log_every, tcfg.max_steps, start_step, bar, data_figures)
 
     def due(self, step: int) -> bool:
         """Every log_every-th step, and always the first (the loss curve's start) and the last."""
@@ -199,7 +200,7 @@ class Metrics:
                 self.bar.set_postfix(loss=f"{result.loss:.4f}")
         if self.due(state.step):
             record = self._window.record(state, result, lr, self.throughput)
-            record["data_corrupt_shards"] = self.corrupt_total()
+            record.update(self.data_figures(state.samples))
             record.update(self._noted)
             self._noted = {}
             self.log(record)

@@ -89,9 +89,12 @@ def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=
     if lanes is not None and dcfg.lanes is not None and dcfg.lanes != lanes:
         raise TrainingError(f"data.lanes={dcfg.lanes} but this run was trained with {lanes} lanes: drop the "
                             f"override or set data.lanes={lanes} (lanes fix the sample order)")
+    step = run.get("step") or 0
     for key, was, now in (("train.seed", run.get("data_seed"), seed),
                           ("data.shuffle", run.get("data_shuffle"), bool(dcfg.shuffle)),
-                          ("data.sources", run.get("data_mixture"), mixture(dcfg))):
+                          ("data.sources", run.get("data_mixture"), mixture(dcfg)),
+                          # the phases begun by the step it resumes at (later ones may change)
+                          ("data.schedule", _begun(run.get("data_schedule"), step), _begun(phases(dcfg), step))):
         if was is not None and was != now:
             raise TrainingError(f"{key}={now} but this run was trained with {key}={was}, which fixes the order of its "
                                 f"samples: drop the override or set {key}={was} (or start over: train.resume=never)")
@@ -100,6 +103,53 @@ def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=
 def mixture(dcfg: DataConfig) -> list | None:
     """data.sources as the run state records them ([[name, weight], ...]; None for one shard set)."""
     return [[s.name, float(s.weight)] for s in dcfg.sources] or None
+
+
+def phases(dcfg: DataConfig) -> list | None:
+    """data.schedule as the run state records them: [[step, [a weight per source, in data.sources' order]], ...]
+    (None without one); DataError (one line) for a phase naming no source of the mixture or out of order."""
+    if not dcfg.schedule:
+        return None
+    names = [s.name for s in dcfg.sources]
+    if not names:
+        raise DataError("data.schedule changes the weights of data.sources, and there are none: list the sources")
+    out = []
+    for phase in dcfg.schedule:
+        unknown = sorted(set(phase.weights) - set(names))
+        if unknown:
+            raise DataError(f"data.schedule at step {phase.step} names {unknown}, not among data.sources {names}: "
+                            "fix the name")
+        if phase.step < 2 or (out and phase.step <= out[-1][0]):
+            raise DataError(f"data.schedule steps {[p.step for p in dcfg.schedule]}: each >= 2 (data.sources' weights "
+                            "are step 1's) and later than the one before")
+        out.append([int(phase.step), [float(phase.weights.get(name, 0.0)) for name in names]])
+    return out
+
+
+def _begun(schedule: list | None, step: int) -> list | None:
+    return [p for p in schedule or () if p[0] <= step] or None
+
+
+def check_epochs(stream: MixtureStream, dcfg: DataConfig, max_steps: int, global_batch: int) -> None:
+    """data.max_epochs: no source of the mixture gives more epochs over train.max_steps (DataError, or a warning with
+    data.on_max_epochs=warn); each source's epochs are logged at every logged step (data_epochs/<source>)."""
+    if dcfg.max_epochs is None:
+        return
+    epochs = stream.epochs(max_steps * global_batch)
+    for source, e in zip(stream.sources, epochs):
+        if e > dcfg.max_epochs:
+            msg = (f"source {source.name!r} ({source.path}) would give {e:.2f} epochs over train.max_steps={max_steps} "
+                   f"(data.max_epochs={dcfg.max_epochs}): give it more data or a smaller weight, raise data.max_epochs, "
+                   "or set data.on_max_epochs=warn")
+            if str(getattr(dcfg.on_max_epochs, "value", dcfg.on_max_epochs)) == "error":
+                raise DataError(msg)
+            log.warning(msg)
+
+
+def schedule_samples(dcfg: DataConfig, global_batch: int) -> list[tuple[int, list[float]]]:
+    """The phases as MixtureStream takes them: (global sample where each begins, its weights); step k (from 1)
+    trains on samples [(k - 1)·global_batch, k·global_batch)."""
+    return [((step - 1) * global_batch, weights) for step, weights in phases(dcfg) or ()]
 
 
 def sources(dcfg: DataConfig) -> list[Source]:
@@ -115,6 +165,7 @@ def bind_run(dcfg: DataConfig, seed: int, data_dir: str, state, dp: int) -> int:
     manifests = [read_manifest(s.path) for s in sources(dcfg)] or [manifest]
     state.data_lanes = state.data_lanes or min(choose_lanes(dcfg.lanes, dp, m) for m in manifests)
     state.data_seed, state.data_shuffle, state.data_mixture = seed, bool(dcfg.shuffle), mixture(dcfg)
+    state.data_schedule = phases(dcfg)
     return state.data_lanes
 
 
@@ -132,7 +183,8 @@ class TrainFeed:
                 return MixtureStream(
                     sources(dcfg), "train", shape.micro_batch, seed, start_sample=start_sample, shuffle=dcfg.shuffle,
                     lanes=lanes, dp_rank=dp_mesh.get_local_rank(), dp_size=shape.dp, global_batch=shape.global_batch,
-                    pin_memory=pin, on_corrupt=dcfg.on_corrupt)
+                    pin_memory=pin, on_corrupt=dcfg.on_corrupt,
+                    schedule=schedule_samples(dcfg, shape.global_batch))
             return ShardStream(
                 data_dir, "train", shape.micro_batch, seed, start_sample=start_sample,
                 shuffle=dcfg.shuffle, num_workers=dcfg.num_workers, lanes=lanes,
@@ -170,6 +222,16 @@ class TrainFeed:
         """Seconds spent waiting for data since the last call."""
         wait, self._wait = self._wait, 0.0
         return wait
+
+    def figures(self, samples: int) -> dict:
+        """What a logged step records of the data at global sample `samples`: shards skipped as corrupt on all
+        ranks (collective over dp) and, for a mixture, each source's samples and epochs so far."""
+        out = {"data_corrupt_shards": self.corrupt_total()}
+        if isinstance(self.stream, MixtureStream):
+            for source, n, epochs in zip(self.stream.sources, self.stream.counts(samples), self.stream.epochs(samples)):
+                out[f"data_samples/{source.name}"] = int(n)
+                out[f"data_epochs/{source.name}"] = round(float(epochs), 4)
+        return out
 
     @property
     def corrupt_shards(self) -> int:

@@ -28,7 +28,7 @@ from hpctrain.runs.compose import typed
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
-from hpctrain.training.feed import ValSplit, check_bound, sources
+from hpctrain.training.feed import ValSplit, check_bound, check_epochs, schedule_samples, sources
 from hpctrain.training.save_resume import check_trainer_state
 from hpctrain.training.trainer import Trainer
 
@@ -111,8 +111,10 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
         mixed = sources(cfg.data)
         check_sources([Source("data.path", path, 1.0), *mixed], [manifest, *(read_manifest(s.path) for s in mixed)])
         lanes = min(choose_lanes(cfg.data.lanes, shape.dp, read_manifest(s.path)) for s in mixed)
-        MixtureStream(mixed, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle, lanes=lanes,
-                      dp_size=shape.dp, global_batch=shape.global_batch, on_corrupt=cfg.data.on_corrupt)
+        stream = MixtureStream(mixed, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
+                               lanes=lanes, dp_size=shape.dp, global_batch=shape.global_batch,
+                               on_corrupt=cfg.data.on_corrupt, schedule=schedule_samples(cfg.data, shape.global_batch))
+        check_epochs(stream, cfg.data, cfg.train.max_steps, shape.global_batch)
     if cfg.train.eval_every:
         need = shape.micro_batch * shape.dp
         if manifest.num_samples("val") < need:

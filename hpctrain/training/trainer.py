@@ -115,7 +115,7 @@ class Trainer:
                       job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s)
         sinks, self.alerts = run_sinks(cfg.logging, m, self.run_dir, self.state.step, t.max_steps, ctx,
                                        resolved_config(cfg, self.run_dir)) if env.is_main else ([], None)
-        self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.corrupt_total)
+        self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.figures)
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
         val = ValSplit.of(prepared.data_dir, shape, cfg.data, t)
         self.evaluator = Evaluator(t.eval_every, t.max_steps, lambda: val.share(dp_rank), self.step, self.metrics,
