@@ -22,7 +22,7 @@ def sources(tmp_path_factory) -> list[Source]:
     out = []
     for i, (name, weight) in enumerate(WEIGHTS.items()):
         path = str(tmp_path_factory.mktemp(name))
-        build_synthetic(path, 512, 64, samples=48 + 24 * i, shards=8, seed=i)
+        build_synthetic(path, 512, 64, samples=48 + 24 * i, val_samples=8, shards=8, seed=i)
         out.append(Source(name, path, weight))
     return out
 
@@ -208,3 +208,34 @@ def test_a_source_that_would_repeat_too_often_is_refused_or_warned(make_cfg, sou
     assert any("would give 1.63 epochs" in w for w in warned), warned
     with pytest.raises(DataError, match=r"data.schedule at step 4 names \['nope'\], not among data.sources"):
         prepare(_cfg(make_cfg, sources, "data.schedule=[{step:4,weights:{nope:1}}]"))
+
+
+def test_each_source_is_evaluated_on_its_own_validation_split(make_cfg, sources, tmp_path):
+    """val_loss/<source> for every source at each evaluation; the source whose shards are data.path's scores what
+    val_loss does (the same split, the same samples), the others their own."""
+    from hpctrain.core.files import read_metrics
+    from hpctrain.training.run import train
+
+    cfg = _cfg(make_cfg, sources, "train.max_steps=3", "train.eval_every=3", "train.eval_batches=1")
+    assert train(cfg, str(tmp_path / "run"))["status"] == "completed"
+    (val,) = [m for m in read_metrics(str(tmp_path / "run")) if "val_loss" in m]
+    assert val["val_loss/web"] == val["val_loss"], val
+    assert len({val["val_loss/web"], val["val_loss/code"], val["val_loss/math"]}) == 3, val
+
+
+def test_plan_prints_the_mixture(sources, tmp_path):
+    """`hpctrain plan` with data.sources: each source's samples, tokens and epochs over train.max_steps, and the
+    schedule's phases."""
+    from helpers import run_forked
+
+    from hpctrain import cli
+
+    listed = ",".join(f"{{name:{s.name},path:{s.path},weight:{s.weight}}}" for s in sources)
+    p = run_forked(cli.main, ["plan", f"data.path={sources[0].path}", f"data.sources=[{listed}]",
+                              "data.schedule=[{step:11,weights:{math:1}}]", "train.max_steps=20",
+                              "train.global_batch=8", "train.micro_batch=2", "train.seq_len=64"], cwd=tmp_path)
+    assert p.code == 0, p.err
+    assert "data mixture over train.max_steps=20 (160 samples of 64 tokens):" in p.out, p.out
+    per_epoch = read_manifest(sources[0].path).num_samples("train")
+    assert f"web          weight 0.5: 40 samples, 0.0000B tokens, {40 / per_epoch:.2f} epochs of its {per_epoch}" in p.out
+    assert "math         weight 0.2: 96 samples" in p.out and "from step 11: web 0, code 0, math 1" in p.out, p.out

@@ -29,6 +29,7 @@ from hpctrain.core.shard_format import DataError, read_manifest
 from hpctrain.data.loader import ON_CORRUPT, _check_layout, _Plan
 
 MAX_PERIOD = 100_000  # weights whose least common denominator is larger are refused (round them)
+WINDOW_SAMPLES = 256  # a rank's samples assembled at once (~0.5 MB of 257-token blocks)
 
 
 @dataclass(frozen=True)
@@ -179,16 +180,21 @@ class MixtureStream:
                 n -= k
             return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-        g = self.start_sample + self.dp_rank + np.arange(bs) * dp  # this rank's next micro-batch, global indices
+        # Micro-batches are filled WINDOW at a time: one take per (source, lane) per window, not per micro-batch.
+        window = max(1, WINDOW_SAMPLES // bs)
+        g = self.start_sample + self.dp_rank + np.arange(window * bs) * dp  # this rank's next samples, global indices
         while True:
-            out = torch.empty((bs, self.block_len), dtype=torch.int64, pin_memory=self.pin_memory)
+            out = torch.empty((window * bs, self.block_len), dtype=torch.int64, pin_memory=self.pin_memory)
             view = out.numpy()
             key_of = self.schedule.source(g) * L + g % L
-            for key in np.unique(key_of):
-                mask = key_of == key
-                view[mask] = take((int(key) // L, int(key) % L), int(mask.sum()))
-            g = g + bs * dp
-            yield out
+            order = np.argsort(key_of, kind="stable")  # each key's samples in g order
+            keys = key_of[order]
+            bounds = np.flatnonzero(np.diff(keys)) + 1
+            for rows in np.split(order, bounds):
+                key = int(key_of[rows[0]])
+                view[rows] = take((key // L, key % L), len(rows))
+            g = g + window * bs * dp
+            yield from out.split(bs)
 
 
 def check_sources(sources: Sequence[Source], manifests) -> None:

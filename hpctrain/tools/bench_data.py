@@ -55,6 +55,23 @@ def stream_rate(data_dir: str, samples: int, repeats: int, batch: int = 8, **kw)
     return statistics.median(rates)
 
 
+def mixture_rate(data_dir: str, n_sources: int, samples: int, repeats: int, lanes: int, batch: int = 8) -> float:
+    """Training tokens/s out of a MixtureStream of `n_sources` equal sources (the same shard set under n names)."""
+    from hpctrain.data.mixture import MixtureStream, Source
+
+    sources = [Source(f"s{i}", data_dir, 1.0) for i in range(n_sources)]
+    rates = []
+    for _ in range(repeats):
+        stream = MixtureStream(sources, "train", batch, seed=0, lanes=lanes)
+        n = samples // batch
+        it = iter(stream)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            next(it)
+        rates.append(n * batch * stream.manifest.seq_len / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
 def train_rate(steps: int, warmup: int, threads: int) -> dict:
     from hpctrain.runs.compose import compose
     from hpctrain.training.run import train
@@ -115,6 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
         report("ShardStream lanes=1 workers=0, webdataset only", stream_rate(data_dir, a.samples, a.repeats))
     finally:
         data_mod.read_shard = real
+
+    print(f"MixtureStream (data.sources), lanes={lanes}, workers=0: 1 source against 8 (each the same shard set):")
+    report(f"MixtureStream 1 source lanes={lanes}", mixture_rate(data_dir, 1, a.samples, a.repeats, lanes))
+    report(f"MixtureStream 8 sources lanes={lanes}", mixture_rate(data_dir, 8, a.samples, a.repeats, lanes))
+    one, eight = results[f"MixtureStream 1 source lanes={lanes}"], results[f"MixtureStream 8 sources lanes={lanes}"]
+    print(f"  8 sources / 1 source: {eight / one:.2f}; 1 source / ShardStream lanes={lanes} workers=0: "
+          f"{one / results[f'ShardStream lanes={lanes} workers=0']:.2f}")
 
     doc: dict = {"loader_tokens_per_s": results, "target_tokens_per_s": TARGET}
     if a.train_steps > 0:

@@ -15,7 +15,7 @@ import torch
 from hpctrain.core.config import DataConfig, TrainConfig
 from hpctrain.core.errors import TrainingError
 from hpctrain.data.loader import DataError, ShardStream, choose_lanes, read_manifest
-from hpctrain.data.mixture import MixtureStream, Source
+from hpctrain.data.mixture import MixtureStream, Schedule, Source
 from hpctrain.runs.resolve import RunShape
 
 log = logging.getLogger("hpctrain")
@@ -42,6 +42,20 @@ class ValSplit:
     @classmethod
     def of(cls, data_dir: str, shape: RunShape, data: DataConfig, train: TrainConfig) -> ValSplit:
         return cls(data_dir, shape, train.seed, data.on_corrupt, train.eval_batches)
+
+    @classmethod
+    def per_source(cls, shape: RunShape, data: DataConfig, train: TrainConfig) -> dict[str, ValSplit]:
+        """A mixture's sources whose validation split holds an evaluation (a micro-batch per dp rank at least), by
+        name: each is evaluated apart (val_loss/<source>)."""
+        out = {}
+        for source in sources(data):
+            split = cls(source.path, shape, train.seed, data.on_corrupt, train.eval_batches)
+            if eval_microbatches(read_manifest(source.path).num_samples("val"), train.eval_batches, shape):
+                out[source.name] = split
+            else:
+                log.warning("source %r has no validation split large enough for an evaluation (train.micro_batch x "
+                            "dp samples): no val_loss/%s", source.name, source.name)
+        return out
 
     def stream(self) -> ShardStream:
         return ShardStream(self.data_dir, "val", self.shape.micro_batch, self.seed, loop=False, shuffle=False,
@@ -144,6 +158,24 @@ def check_epochs(stream: MixtureStream, dcfg: DataConfig, max_steps: int, global
             if str(getattr(dcfg.on_max_epochs, "value", dcfg.on_max_epochs)) == "error":
                 raise DataError(msg)
             log.warning(msg)
+
+
+def mixture_summary(dcfg: DataConfig, max_steps: int, global_batch: int, seq_len: int) -> str:
+    """The mixture as `plan` prints it: each source's weight, samples and tokens over train.max_steps and the epochs
+    of its train split they make (where its manifest can be read here), and the schedule's phases."""
+    total, mixed = max_steps * global_batch, sources(dcfg)
+    schedule = Schedule([(0, [s.weight for s in mixed]), *schedule_samples(dcfg, global_batch)])
+    lines = [f"\ndata mixture over train.max_steps={max_steps} ({total} samples of {seq_len} tokens):"]
+    for source, n in zip(mixed, schedule.counts(len(mixed), 1, total).sum(axis=1)):
+        try:
+            per_epoch = read_manifest(source.path).num_samples("train")
+            epochs = f", {n / per_epoch:.2f} epochs of its {per_epoch} samples"
+        except (DataError, OSError):
+            epochs = " (its shards are not readable here: epochs unknown)"
+        lines.append(f"  {source.name:12} weight {source.weight:g}: {n} samples, {n * seq_len / 1e9:.4f}B tokens{epochs}")
+    for step, weights in phases(dcfg) or ():
+        lines.append(f"  from step {step}: " + ", ".join(f"{s.name} {w:g}" for s, w in zip(mixed, weights)))
+    return "\n".join(lines)
 
 
 def schedule_samples(dcfg: DataConfig, global_batch: int) -> list[tuple[int, list[float]]]:

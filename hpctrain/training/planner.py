@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.core.config import ActCkpt, ConfigError, GradCompression, OptimName, PrecisionName, SpikeAction
 from hpctrain.core.memory import Term, merge, peak
+from hpctrain.core.shard_format import DataError
 from hpctrain.models import ModelSpec, spec_of
 from hpctrain.models.cross_entropy import loss_buffers
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
@@ -351,4 +352,12 @@ def main(cfg) -> int:
         notes.append(f"train.seq_len unset: planned for model.max_seq_len={seq_len}")
     text, _ = report(cfg, plan, seq_len, notes)
     print(text)
+    if cfg.data.sources:
+        from hpctrain.training.feed import mixture_summary
+
+        try:
+            print(mixture_summary(cfg.data, cfg.train.max_steps, plan.global_batch, seq_len))
+        except DataError as e:
+            print(f"hpctrain: error: {e}", file=sys.stderr)
+            sys.exit(2)
     return 0

@@ -118,8 +118,10 @@ class Trainer:
         self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.figures)
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
         val = ValSplit.of(prepared.data_dir, shape, cfg.data, t)
+        by_source = ValSplit.per_source(shape, cfg.data, t) if t.eval_every else {}
         self.evaluator = Evaluator(t.eval_every, t.max_steps, lambda: val.share(dp_rank), self.step, self.metrics,
-                                   val.text_bytes if env.is_main else None)
+                                   val.text_bytes if env.is_main else None,
+                                   {name: (lambda v=v: v.share(dp_rank)) for name, v in by_source.items()})
         self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(self.run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
