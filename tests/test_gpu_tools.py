@@ -11,7 +11,7 @@ needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks th
 
 def test_bench_gpu_runs_hpctrain_variants_and_the_transformers_loop(tmp_path, capsys):
     # fp32: bf16 matmuls on a CPU without AVX512-BF16 are ~15x slower (tests/test_plan.py PEAK_BF16).
-    doc = bench_gpu.main(["--model", "tiny", "--precision", "fp32", "--seq-len", "64", "--micro-batch", "4",
+    doc = bench_gpu.main(["--model", "nano", "--precision", "fp32", "--seq-len", "64", "--micro-batch", "4",
                           "--grad-accum", "2", "--steps", "3", "--warmup", "1", "--variants", "eager,logits-loss",
                           "--out", str(tmp_path), "--json", str(tmp_path / "bench.json")])
     out = capsys.readouterr().out
@@ -22,7 +22,7 @@ def test_bench_gpu_runs_hpctrain_variants_and_the_transformers_loop(tmp_path, ca
     assert doc["global_batch"] == 8 and (tmp_path / "bench.json").exists()
     assert any("flash" in k for k in doc["attention_kernels"]), doc["attention_kernels"]  # CPU's flash kernel
     assert "vs transformers" in out and "1.00×" in out  # the baseline's own row
-    bench_gpu.main(["--model", "tiny", "--precision", "fp32", "--seq-len", "64", "--micro-batch", "4",
+    bench_gpu.main(["--model", "nano", "--precision", "fp32", "--seq-len", "64", "--micro-batch", "4",
                     "--grad-accum", "1", "--steps", "2", "--warmup", "0", "--variants", "eager", "--no-transformers",
                     "--out", str(tmp_path)])
     assert (tmp_path / "run-eager" / "previous").is_dir()  # the earlier run moved aside, not deleted
