@@ -221,6 +221,10 @@ def test_each_source_is_evaluated_on_its_own_validation_split(make_cfg, sources,
     (val,) = [m for m in read_metrics(str(tmp_path / "run")) if "val_loss" in m]
     assert val["val_loss/web"] == val["val_loss"], val
     assert len({val["val_loss/web"], val["val_loss/code"], val["val_loss/math"]}) == 3, val
+    from hpctrain.launch.sweep import format_table, report
+
+    table = format_table(report(str(tmp_path / "run")))  # the sweep report shows them too
+    assert "val by source" in table and f"web {val['val_loss/web']:.4f} code {val['val_loss/code']:.4f}" in table, table
 
 
 def test_plan_prints_the_mixture(sources, tmp_path):

@@ -173,6 +173,9 @@ def _run_row(run_dir: str) -> dict:
         # result.json is written at the end; a run without one has its last logged values.
         "final_loss": _first(_num(res.get("final_loss")), train[-1]["loss"] if train else None),
         "final_val_loss": _first(_num(res.get("final_val_loss")), val[-1]["val_loss"] if val else None),
+        # a mixture's sources, each on its own validation split (the last evaluation's val_loss/<source>)
+        "val_by_source": {k[len("val_loss/"):]: _num(v) for k, v in (val[-1] if val else {}).items()
+                          if k.startswith("val_loss/") and _num(v) is not None},
         "tokens_per_s": sum(tps) / len(tps) if tps else None,
         "wall_time_s": wall,
         "steps": res.get("steps") if isinstance(res.get("steps"), int)
@@ -237,8 +240,8 @@ def report(sweep_dir: str) -> list[dict]:
     for n in jobs:
         row = rows.get(n) or {"dir": None, "all_overrides": [], "config": None, "result": None,
                               "has_metrics": False, "slurm_job_id": None, "final_loss": None,
-                              "final_val_loss": None, "tokens_per_s": None, "wall_time_s": None,
-                              "steps": None, "curve": [], "stragglers": []}
+                              "final_val_loss": None, "val_by_source": {}, "tokens_per_s": None,
+                              "wall_time_s": None, "steps": None, "curve": [], "stragglers": []}
         row["slurm_job_id"] = row["slurm_job_id"] or submitit.get(n)
         planned = grid[n] if grid and n < len(grid) else []
         out.append(_finish(row, n, keys, planned))
@@ -303,8 +306,12 @@ def format_table(rows: list[dict]) -> str:
         "-" if r["steps"] is None else str(r["steps"]),
         ", ".join(r["stragglers"]) or "-",
     ] for r in rows]
+    if any(r.get("val_by_source") for r in rows):  # a mixture: each source's own val loss beside val_loss
+        head.insert(5, "val by source")
+        for line, r in zip(body, rows):
+            line.insert(5, " ".join(f"{k} {v:.4f}" for k, v in (r.get("val_by_source") or {}).items()) or "-")
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    numeric = {0, 3, 4, 5, 6, 7}
+    numeric = {0, 3, 4, 5, 6, 7} if len(head) == 9 else {0, 3, 4, 6, 7, 8}
     lines = ["  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
              .rstrip() for line in [head] + body]
     counts = {}
