@@ -117,6 +117,13 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
     finally:  # a failed rank, or the parent interrupted: stop the rest
         for sig, prev in previous.items():
             signal.signal(sig, prev)
+        if failed is not None:
+            # The others often end the same way a moment later (a stop the ranks agreed on): let them, up to
+            # grace_s, so that the main rank writes the run's result — terminated, it wrote none under load.
+            deadline = time.monotonic() + grace_s
+            while running and (left := deadline - time.monotonic()) > 0:
+                for sentinel in wait(list(running), timeout=left):
+                    running.pop(sentinel)[1].join()
         _stop([p for _, p in running.values()], grace_s)
     if failed is not None:
         rank, code = failed
