@@ -118,12 +118,7 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
         for sig, prev in previous.items():
             signal.signal(sig, prev)
         if failed is not None:
-            # The others often end the same way a moment later (a stop the ranks agreed on): let them, up to
-            # grace_s, so that the main rank writes the run's result — terminated, it wrote none under load.
-            deadline = time.monotonic() + grace_s
-            while running and (left := deadline - time.monotonic()) > 0:
-                for sentinel in wait(list(running), timeout=left):
-                    running.pop(sentinel)[1].join()
+            _let_end(running, grace_s)
         _stop([p for _, p in running.values()], grace_s)
     if failed is not None:
         rank, code = failed
@@ -134,6 +129,16 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
         why = said.get(rank) or next(iter(said.values()), None)
         raise LaunchError(f"rank {rank} of {world} failed ({_describe(code)})" + (f": {why}" if why else "")
                           + "; the other ranks were stopped")
+
+
+def _let_end(running: dict, grace_s: float) -> None:
+    """After one rank failed: the others often end the same way a moment later (a stop the ranks agreed on), so
+    they get up to grace_s to do it themselves, the main rank writing the run's result — terminated at once, it
+    wrote none under load."""
+    deadline = time.monotonic() + grace_s
+    while running and (left := deadline - time.monotonic()) > 0:
+        for sentinel in wait(list(running), timeout=left):
+            running.pop(sentinel)[1].join()
 
 
 def _stop(procs: list, grace_s: float) -> None:
