@@ -88,7 +88,6 @@ class Schedule:
         if self.starts[0] != 0 or any(b <= a for a, b in zip(self.starts, self.starts[1:])):
             raise DataError(f"mixture phases start at samples {self.starts}: the first at 0, each later than the last")
         self.cycles = [period(weights) for _, weights in phases]
-        self.weights = [list(weights) for _, weights in phases]
 
     def source(self, g: np.ndarray) -> np.ndarray:
         """The source of each global sample in `g`."""
@@ -149,9 +148,10 @@ class MixtureStream:
         """[sources]: samples each source delivered before global sample `g`."""
         return self.schedule.counts(len(self.sources), self.lanes, g).sum(axis=1)
 
-    def epochs(self, g: int) -> np.ndarray:
-        """[sources]: the epochs of its train split each source has given before global sample `g`."""
-        return self.counts(g) / np.array([plan.epoch_samples for plan in self._plans], dtype=float)
+    @property
+    def epoch_samples(self) -> np.ndarray:
+        """[sources]: the samples of each source's split (one epoch)."""
+        return np.array([plan.epoch_samples for plan in self._plans], dtype=float)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         S, L, dp, bs = len(self.sources), self.lanes, self.dp_size, self.batch_size

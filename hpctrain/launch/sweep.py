@@ -311,7 +311,7 @@ def format_table(rows: list[dict]) -> str:
         for line, r in zip(body, rows):
             line.insert(5, " ".join(f"{k} {v:.4f}" for k, v in (r.get("val_by_source") or {}).items()) or "-")
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    numeric = {0, 3, 4, 5, 6, 7} if len(head) == 9 else {0, 3, 4, 6, 7, 8}
+    numeric = {i for i, name in enumerate(head) if name in ("job", "loss", "val_loss", "tokens/s", "wall", "steps")}
     lines = ["  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
              .rstrip() for line in [head] + body]
     counts = {}

@@ -37,16 +37,6 @@ def chosen_group(overrides) -> str | None:
     return None
 
 
-def _resolved(model, key: str):
-    """model.KEY as the model reads it: n_kv_heads null is n_heads, head_dim null is dim / n_heads."""
-    value = OmegaConf.select(model, key)
-    if value is None and key == "n_kv_heads":
-        return model.n_heads
-    if value is None and key == "head_dim":
-        return model.dim // model.n_heads
-    return getattr(value, "value", value)
-
-
 def _recorded_model(run_dir: str, source: str):
     """The `model` group a run in `run_dir` recorded when it started from `source` and has a checkpoint to resume
     from (None otherwise)."""
@@ -95,20 +85,17 @@ def shape_from_checkpoint(cfg, overrides, run_dir: str | None = None) -> None:
         if top not in adapter.FREE and key in theirs and not float32_equal(mine, theirs[key]):
             raise ConfigError(
                 f"model.{key}={mine} contradicts {os.path.join(path, 'config.json')} "
-                f"({adapter.HF_FIELDS.get(top, top)}{key[len(top):]}={theirs[key]}): drop the override (with "
+                f"({adapter.field_name(key)}={theirs[key]}): drop the override (with "
                 "model.init_from=hf:DIR the shape comes from the checkpoint)")
     ours = {f.name for f in dataclasses.fields(TransformerDims)}  # (not the family's traits: family says them)
     group = chosen_group(overrides)
     if group:  # a shape chosen by name must be the checkpoint's: never silently replaced
-        for key, value in theirs.items():
-            top = key.split(".")[0]
-            if top in ours and top not in adapter.FREE and key not in typed:
-                mine = _resolved(cfg.model, key)
-                if not float32_equal(mine, value):
-                    raise ConfigError(
-                        f"model={group} contradicts {os.path.join(path, 'config.json')} "
-                        f"({adapter.HF_FIELDS.get(top, top)}{key[len(top):]}={value} vs model.{key}={mine}): drop "
-                        "model=… (with model.init_from=hf:DIR the shape comes from the checkpoint)")
+        for key, value, mine in adapter.mismatches(args, spec.args(cfg.model)):
+            if key.split(".")[0] in ours and key not in typed:
+                raise ConfigError(
+                    f"model={group} contradicts {os.path.join(path, 'config.json')} "
+                    f"({adapter.field_name(key)}={value} vs model.{key}={mine}): drop "
+                    "model=… (with model.init_from=hf:DIR the shape comes from the checkpoint)")
     for key, value in theirs.items():
         if key not in typed and key.split(".")[0] in ours:
             OmegaConf.update(cfg.model, key, value)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpctrain.core.config import DataConfig, TrainConfig
+from hpctrain.core.config import DataConfig, OnMaxEpochs, TrainConfig
 from hpctrain.core.errors import TrainingError
 from hpctrain.data.loader import DataError, ShardStream, choose_lanes, read_manifest
 from hpctrain.data.mixture import MixtureStream, Schedule, Source
@@ -149,13 +149,13 @@ def check_epochs(stream: MixtureStream, dcfg: DataConfig, max_steps: int, global
     data.on_max_epochs=warn); each source's epochs are logged at every logged step (data_epochs/<source>)."""
     if dcfg.max_epochs is None:
         return
-    epochs = stream.epochs(max_steps * global_batch)
+    epochs = stream.counts(max_steps * global_batch) / stream.epoch_samples
     for source, e in zip(stream.sources, epochs):
         if e > dcfg.max_epochs:
             msg = (f"source {source.name!r} ({source.path}) would give {e:.2f} epochs over train.max_steps={max_steps} "
                    f"(data.max_epochs={dcfg.max_epochs}): give it more data or a smaller weight, raise data.max_epochs, "
                    "or set data.on_max_epochs=warn")
-            if str(getattr(dcfg.on_max_epochs, "value", dcfg.on_max_epochs)) == "error":
+            if OnMaxEpochs(dcfg.on_max_epochs) == OnMaxEpochs.error:
                 raise DataError(msg)
             log.warning(msg)
 
@@ -188,14 +188,20 @@ def sources(dcfg: DataConfig) -> list[Source]:
     return [Source(s.name, os.path.expanduser(s.path), float(s.weight)) for s in dcfg.sources]
 
 
+def data_lanes(dcfg: DataConfig, dp: int, manifest) -> int:
+    """The lanes a new run reads with: data.lanes, else chosen for `manifest`'s shards — for a mixture, as many as its
+    smallest source allows (every source is read through all of them)."""
+    manifests = [read_manifest(s.path) for s in sources(dcfg)] or [manifest]
+    return min(choose_lanes(dcfg.lanes, dp, m) for m in manifests)
+
+
 def bind_run(dcfg: DataConfig, seed: int, data_dir: str, state, dp: int) -> int:
     """Check the shards and the sample order against what the run was trained on (`check_bound`), record them in
     the run state; return the data lanes (a mixture's: as many as its smallest source allows)."""
     manifest = read_manifest(data_dir)
     check_bound(state.state_dict(), dcfg, seed, data_dir, manifest)
     state.tokenizer_sha256 = manifest.tokenizer.sha256
-    manifests = [read_manifest(s.path) for s in sources(dcfg)] or [manifest]
-    state.data_lanes = state.data_lanes or min(choose_lanes(dcfg.lanes, dp, m) for m in manifests)
+    state.data_lanes = state.data_lanes or data_lanes(dcfg, dp, manifest)
     state.data_seed, state.data_shuffle, state.data_mixture = seed, bool(dcfg.shuffle), mixture(dcfg)
     state.data_schedule = phases(dcfg)
     return state.data_lanes
@@ -260,7 +266,8 @@ class TrainFeed:
         ranks (collective over dp) and, for a mixture, each source's samples and epochs so far."""
         out = {"data_corrupt_shards": self.corrupt_total()}
         if isinstance(self.stream, MixtureStream):
-            for source, n, epochs in zip(self.stream.sources, self.stream.counts(samples), self.stream.epochs(samples)):
+            counts = self.stream.counts(samples)
+            for source, n, epochs in zip(self.stream.sources, counts, counts / self.stream.epoch_samples):
                 out[f"data_samples/{source.name}"] = int(n)
                 out[f"data_epochs/{source.name}"] = round(float(epochs), 4)
         return out

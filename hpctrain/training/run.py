@@ -28,7 +28,7 @@ from hpctrain.runs.compose import typed
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
-from hpctrain.training.feed import ValSplit, check_bound, check_epochs, schedule_samples, sources
+from hpctrain.training.feed import ValSplit, check_bound, check_epochs, data_lanes, schedule_samples, sources
 from hpctrain.training.save_resume import check_trainer_state
 from hpctrain.training.trainer import Trainer
 
@@ -110,9 +110,8 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
     if cfg.data.sources:  # a mixture: data.path's tokenizer and blocks, weights, every source's lanes
         mixed = sources(cfg.data)
         check_sources([Source("data.path", path, 1.0), *mixed], [manifest, *(read_manifest(s.path) for s in mixed)])
-        lanes = min(choose_lanes(cfg.data.lanes, shape.dp, read_manifest(s.path)) for s in mixed)
         stream = MixtureStream(mixed, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
-                               lanes=lanes, dp_size=shape.dp, global_batch=shape.global_batch,
+                               lanes=data_lanes(cfg.data, shape.dp, manifest), dp_size=shape.dp, global_batch=shape.global_batch,
                                on_corrupt=cfg.data.on_corrupt, schedule=schedule_samples(cfg.data, shape.global_batch))
         check_epochs(stream, cfg.data, cfg.train.max_steps, shape.global_batch)
     if cfg.train.eval_every:

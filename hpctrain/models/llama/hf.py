@@ -243,6 +243,11 @@ class HFAdapter:
             raise ValueError(str(e)) from None
         return self.from_hf_config(self.hf_classes()[0].from_pretrained(str(path), local_files_only=True))
 
+    def field_name(self, key: str) -> str:
+        """config.json's name of the dotted model key (rope_scaling.factor -> rope_scaling.factor, dim -> hidden_size)."""
+        top = key.split(".")[0]
+        return self.HF_FIELDS.get(top, top) + key[len(top):]
+
     def mismatches(self, theirs: ModelArgs, ours: ModelArgs) -> list[tuple[str, object, object]]:
         """(dotted model key, theirs, ours) for each field that differs beyond float32 rounding (FREE ones aside)."""
         mine = dict(flat(ours))
@@ -260,8 +265,7 @@ class HFAdapter:
         theirs = self.read_args(path)
         if not any(path.glob("*.safetensors")):
             raise ValueError(f"{path} has no *.safetensors weights (only safetensors are read, never pickles)")
-        bad = [f"{self.HF_FIELDS.get(key.split('.')[0], key)}{key[len(key.split('.')[0]):]}={a} vs model.{key}={b}"
-               for key, a, b in self.mismatches(theirs, args)]
+        bad = [f"{self.field_name(key)}={a} vs model.{key}={b}" for key, a, b in self.mismatches(theirs, args)]
         if bad:
             raise ValueError(f"{path}/config.json does not describe this model: {'; '.join(bad)}")
         with torch.device("meta"):
