@@ -48,21 +48,24 @@ def documents(vocab_size: int, n_tokens: int, seed: int, doc_tokens: int = 1000)
 
 
 def build_synthetic(out_dir: str, vocab_size: int, seq_len: int, samples: int, val_samples: int = 0,
-                    seed: int = 0, shards: int = 8, overwrite: bool = False) -> Manifest:
+                    seed: int = 0, shards: int = 8, overwrite: bool = False, doc_tokens: int = 1000) -> Manifest:
     """A shard set of `samples` training blocks (and `val_samples` validation ones) of seq_len + 1 tokens, the
-    training ones in about `shards` shards (data-parallel ranks need one each at least)."""
+    training ones in about `shards` shards (data-parallel ranks need one each at least), from documents of
+    `doc_tokens` words (shorter than a block: several packed in each)."""
     if samples < 1 or val_samples < 0:
         raise DataError(f"samples={samples}, val_samples={val_samples}: need at least one training sample")
     # Each document ends with EOS and a split's tail shorter than a block is dropped: draw a little more.
     def split(n: int, salt: int) -> list[str]:
-        return documents(vocab_size, int(n * (seq_len + 1) * 1.01) + seq_len + 1, seed * 2 + salt) if n else []
+        return documents(vocab_size, int(n * (seq_len + 1) * 1.01) + seq_len + 1, seed * 2 + salt,
+                         doc_tokens) if n else []
 
     docs = {"train": split(samples, 0), "val": split(val_samples, 1)}
     shard_mb = samples * (seq_len + 1) * np.dtype(token_dtype(vocab_size)).itemsize / max(shards, 1) / 1e6
     return write_shards(docs, word_tokenizer(vocab_size), out_dir, seq_len, shard_mb, overwrite=overwrite,
                         created_by={"tool": "data_prep.synthetic", "settings": {
                             "vocab_size": vocab_size, "seq_len": seq_len, "samples": samples,
-                            "val_samples": val_samples, "seed": seed, "shards": shards}})
+                            "val_samples": val_samples, "seed": seed, "shards": shards,
+                            "doc_tokens": doc_tokens}})
 
 
 def cached_synthetic(out_dir: str, vocab_size: int, seq_len: int, samples: int, shards: int = 8) -> str:
@@ -89,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-samples", type=int, default=0, help="validation samples")
     ap.add_argument("--shards", type=int, default=8, help="about this many training shards")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--doc-tokens", type=int, default=1000, help="words per document (each ends with EOS)")
     a = ap.parse_args(argv)
     try:
-        m = build_synthetic(a.out, a.vocab, a.seq_len, a.samples, a.val_samples, a.seed, a.shards)
+        m = build_synthetic(a.out, a.vocab, a.seq_len, a.samples, a.val_samples, a.seed, a.shards,
+                            doc_tokens=a.doc_tokens)
     except DataError as e:
         print(f"data_prep.synthetic: error: {e}", file=sys.stderr)
         return 2

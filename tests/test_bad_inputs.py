@@ -419,6 +419,8 @@ CASES = [
      ["train.export_hf_at_end=true", "train.checkpointing=false"]),
     ("fused-loss-with-tp", *_hp("train.fused_loss=true", "parallel=tp2"),
      ["train.fused_loss=true needs parallel.tp=1 and parallel.pp=1", "drop train.fused_loss"]),
+    ("restart-positions-without-mask", *_hp("train.restart_positions=true"),
+     ["train.restart_positions=true", "set train.document_mask=true too"]),
     ("profile-steps-backwards", *_hp("train.profile_steps=[3,1]"),
      ["train.profile_steps=[3, 1]", "1 <= first <= last <= train.max_steps=2"]),
     ("init-from-not-a-model", *_hp("model.init_from=hf:{w}/data"), ["model.init_from=hf:", "no config.json"]),

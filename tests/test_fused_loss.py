@@ -147,3 +147,33 @@ def test_refused_with_tensor_or_pipeline_parallelism(make_cfg, layout):
 
     with pytest.raises(ConfigError, match="train.fused_loss=true needs parallel.tp=1 and parallel.pp=1"):
         resolve(make_cfg("train.fused_loss=true", *layout), world=2)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_a_step_sums_each_groups_loss_from_its_own_forward(fused):
+    """A step given each sample's group (a mixture's source) returns each group's summed loss and target tokens —
+    what every sample of the group scores alone — and the same loss and gradients as without groups."""
+    from hpctrain.core.config import PrecisionConfig
+    from hpctrain.training.precision import setup_precision
+    from hpctrain.training.step import Groups, TrainStep
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=50, max_seq_len=16)
+    batches = [torch.randint(0, 50, (3, 9)) for _ in range(2)]
+    groups = Groups(torch.tensor([2, 0, 2, 1, 2, 0]), 4)  # group 3 has no sample in this step
+    results, grads = [], []
+    for given in (None, groups):
+        torch.manual_seed(1)
+        model = Llama(args)
+        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), setup_precision(PrecisionConfig(),
+                         torch.device("cpu")), 0.0, torch.device("cpu"), fused_loss=fused)
+        results.append(step(batches, groups=given))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    plain, grouped = results
+    assert plain.groups is None and abs(grouped.loss - plain.loss) < 1e-6 and torch.allclose(grads[0], grads[1])
+    with torch.no_grad():
+        alone = torch.stack([F.cross_entropy(model(s[None, :-1])[0], s[1:], reduction="sum")
+                             for b in batches for s in b])
+    want = torch.zeros(4).index_add_(0, groups.ids, alone).tolist() + [16.0, 8.0, 24.0, 0.0]
+    assert grouped.groups == pytest.approx(want, rel=1e-5), (grouped.groups, want)
+    assert sum(grouped.groups[:4]) / 48 == pytest.approx(grouped.loss, rel=1e-6)

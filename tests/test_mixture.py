@@ -147,6 +147,7 @@ def test_a_mixed_run_resumed_on_another_dp_equals_the_uninterrupted_one(make_cfg
     want, got = losses(tmp_path / "one"), losses(tmp_path / "cut")
     assert sorted(got) == list(range(1, 7)) and all(abs(got[k] - want[k]) <= 1e-5 for k in want), (got, want)
     records = [m for m in read_metrics(str(tmp_path / "one")) if "loss" in m and "step" in m]
+    _check_source_losses(records, [m for m in read_metrics(str(tmp_path / "cut")) if "loss" in m and "step" in m])
     assert records[-1]["data_samples/web"] + records[-1]["data_samples/code"] + records[-1]["data_samples/math"] == 48
     per_epoch = read_manifest(sources[0].path).num_samples("train")
     assert records[-1]["data_samples/web"] == 24 and records[-1]["data_epochs/web"] == round(24 / per_epoch, 4)
@@ -158,6 +159,36 @@ def test_a_mixed_run_resumed_on_another_dp_equals_the_uninterrupted_one(make_cfg
     build_synthetic(str(tmp_path / "val"), 500, 64, samples=48, shards=8)  # (a tokenizer of 500 tokens)
     with pytest.raises(DataError, match="another tokenizer than 'data.path'"):  # before anything is spawned
         prepare(_cfg(make_cfg, sources, f"data.path={tmp_path / 'val'}"))
+
+
+def _check_source_losses(want: list[dict], got: list[dict]) -> None:
+    """loss/<source> at each logged step (log_every=1): the sources' losses weighted by their tokens in the step make
+    the step's loss, and another layout's run logs the same ones."""
+    names = [k[len("loss/"):] for k in want[0] if k.startswith("loss/")]
+    assert sorted(names) == sorted(WEIGHTS), want[0]
+    before = dict.fromkeys(names, 0)
+    for record, other in zip(want, got, strict=True):
+        tokens = {n: record[f"data_tokens/{n}"] - before[n] for n in names}
+        assert sum(record[f"loss/{n}"] * tokens[n] for n in names) / sum(tokens.values()) == pytest.approx(
+            record["loss"], rel=1e-6)
+        assert all(abs(record[f"loss/{n}"] - other[f"loss/{n}"]) <= 1e-5 for n in names), (record, other)
+        before = {n: record[f"data_tokens/{n}"] for n in names}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["parallel=pp2", "parallel=tp2"])
+def test_each_sources_loss_in_a_pipeline_and_with_loss_parallel(make_cfg, sources, tmp_path, layout):
+    """loss/<source> of a pipeline (the last stage's per-sample losses, summed over stages) and of vocabulary-sharded
+    logits (loss parallel): those of one process."""
+    from hpctrain.core.files import read_metrics
+    from hpctrain.training.run import train
+
+    runs = {}
+    for name, extra in (("one", []), ("layout", [layout])):
+        cfg = _cfg(make_cfg, sources, "train.max_steps=3", "model.tie_embeddings=false", *extra)
+        assert train(cfg, str(tmp_path / name))["status"] == "completed"
+        runs[name] = [m for m in read_metrics(str(tmp_path / name)) if "loss" in m and "step" in m]
+    _check_source_losses(runs["one"], runs["layout"])
 
 
 @pytest.mark.multiproc
@@ -225,6 +256,8 @@ def test_each_source_is_evaluated_on_its_own_validation_split(make_cfg, sources,
 
     table = format_table(report(str(tmp_path / "run")))  # the sweep report shows them too
     assert "val by source" in table and f"web {val['val_loss/web']:.4f} code {val['val_loss/code']:.4f}" in table, table
+    last = [m for m in read_metrics(str(tmp_path / "run")) if "loss" in m][-1]
+    assert "loss by source" in table and f"web {last['loss/web']:.4f} code {last['loss/code']:.4f}" in table, table
 
 
 def test_plan_prints_the_mixture(sources, tmp_path):

@@ -307,6 +307,7 @@ def _shape(dim, layers, heads, kv, ffn, vocab, seq, tie=False, **kw) -> list[str
 # head_dim apart from dim/n_heads, a sliding window shorter than the sequence, large tied vocabularies, a deep narrow
 # model; fsdp, tp (with sequence parallelism), pp and one process, bf16 and fp32. Small enough for ~1 s a run.
 _FSDP, _TP2 = ["parallel=fsdp", "parallel.dp=2"], ["parallel=tp2"]
+_MASKED = ["train.document_mask=true", "train.restart_positions=true"]
 _LLAMA3 = {"rope_scaling.type": "llama3", "rope_scaling.factor": 8.0, "rope_scaling.original_max_seq_len": 64}
 SWEEP = {
     "llama-6h2kv-fsdp-bf16": (_shape(192, 6, 6, 2, 512, 2048, 128) + _FSDP, "bf16"),
@@ -326,6 +327,10 @@ SWEEP = {
                                + ["parallel.sequence_parallel=true"], "bf16"),
     "qwen3-tied-hd48-fsdp-fp32": (_shape(128, 4, 4, 2, 384, 8192, 128, tie=True, family="qwen3", head_dim=48)
                                   + _FSDP, "fp32"),
+    # train.document_mask on long samples, the masks ([B, 1, T, T] per micro-batch in flight) a large part of the peak
+    "llama-docmask-seq1024-single-fp32": (_shape(64, 2, 4, 2, 192, 512, 1024) + _MASKED, "fp32"),
+    "mistral-docmask-window-pp2-fp32": (_shape(64, 4, 4, 2, 192, 512, 1024, family="mistral", sliding_window=256)
+                                        + _MASKED + ["parallel=pp2"], "fp32"),
 }
 
 

@@ -257,6 +257,10 @@ class TrainConfig:
     # The loss computed with the output projection, chunk by chunk: the [tokens, vocab] logits are never held
     # whole (hpctrain.models.cross_entropy). Not with pipeline or tensor parallelism.
     fused_loss: bool = False
+    # Documents packed in one block attend only within themselves (the EOS the shards hold marks where each ends):
+    # hpctrain.models.packing. restart_positions: RoPE's positions restart at 0 at each document.
+    document_mask: bool = False
+    restart_positions: bool = False
     profile_steps: list[int] | None = None  # [first, last]: the torch profiler over these steps, on every rank
     memory_snapshot: bool = False  # CUDA: the allocator's history, dumped on out-of-memory and at the end
     progress: bool | None = None  # progress bar; None: only on a terminal

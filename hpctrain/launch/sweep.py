@@ -173,9 +173,10 @@ def _run_row(run_dir: str) -> dict:
         # result.json is written at the end; a run without one has its last logged values.
         "final_loss": _first(_num(res.get("final_loss")), train[-1]["loss"] if train else None),
         "final_val_loss": _first(_num(res.get("final_val_loss")), val[-1]["val_loss"] if val else None),
-        # a mixture's sources, each on its own validation split (the last evaluation's val_loss/<source>)
-        "val_by_source": {k[len("val_loss/"):]: _num(v) for k, v in (val[-1] if val else {}).items()
-                          if k.startswith("val_loss/") and _num(v) is not None},
+        # a mixture's sources: the last logged train loss of each (loss/<source>), and each on its own validation
+        # split (the last evaluation's val_loss/<source>)
+        "loss_by_source": _by_source(train[-1] if train else {}, "loss/"),
+        "val_by_source": _by_source(val[-1] if val else {}, "val_loss/"),
         "tokens_per_s": sum(tps) / len(tps) if tps else None,
         "wall_time_s": wall,
         "steps": res.get("steps") if isinstance(res.get("steps"), int)
@@ -192,6 +193,10 @@ def _stragglers(result: dict, records: list) -> list[str]:
         return sorted(str(k) for k in named)
     sampled = [r["stragglers"] for r in records if isinstance(r, dict) and isinstance(r.get("stragglers"), list)]
     return sorted(map(str, sampled[-1])) if sampled else []
+
+
+def _by_source(record: dict, prefix: str) -> dict[str, float]:
+    return {k[len(prefix):]: _num(v) for k, v in record.items() if k.startswith(prefix) and _num(v) is not None}
 
 
 def _first(value, fallback):
@@ -240,7 +245,7 @@ def report(sweep_dir: str) -> list[dict]:
     for n in jobs:
         row = rows.get(n) or {"dir": None, "all_overrides": [], "config": None, "result": None,
                               "has_metrics": False, "slurm_job_id": None, "final_loss": None,
-                              "final_val_loss": None, "val_by_source": {}, "tokens_per_s": None,
+                              "final_val_loss": None, "loss_by_source": {}, "val_by_source": {}, "tokens_per_s": None,
                               "wall_time_s": None, "steps": None, "curve": [], "stragglers": []}
         row["slurm_job_id"] = row["slurm_job_id"] or submitit.get(n)
         planned = grid[n] if grid and n < len(grid) else []
@@ -306,10 +311,12 @@ def format_table(rows: list[dict]) -> str:
         "-" if r["steps"] is None else str(r["steps"]),
         ", ".join(r["stragglers"]) or "-",
     ] for r in rows]
-    if any(r.get("val_by_source") for r in rows):  # a mixture: each source's own val loss beside val_loss
-        head.insert(5, "val by source")
-        for line, r in zip(body, rows):
-            line.insert(5, " ".join(f"{k} {v:.4f}" for k, v in (r.get("val_by_source") or {}).items()) or "-")
+    # a mixture: each source's own loss beside the loss, its own val loss beside val_loss
+    for at, key, name in ((5, "val_by_source", "val by source"), (4, "loss_by_source", "loss by source")):
+        if any(r.get(key) for r in rows):
+            head.insert(at, name)
+            for line, r in zip(body, rows):
+                line.insert(at, " ".join(f"{k} {v:.4f}" for k, v in (r.get(key) or {}).items()) or "-")
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
     numeric = {i for i, name in enumerate(head) if name in ("job", "loss", "val_loss", "tokens/s", "wall", "steps")}
     lines = ["  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))

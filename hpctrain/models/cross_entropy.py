@@ -49,7 +49,7 @@ def loss_buffers(vocab: int, dim: int, tokens: int, tp: int, compute_bytes: int,
 
 
 def _chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, with_grad: bool):
-    """One chunk: (summed loss in fp32, d(loss)/d(logits) in the compute dtype, or None). Written in place, so that
+    """One chunk: (each token's loss in fp32, d(loss)/d(logits) in the compute dtype, or None). Written in place, so that
     eager keeps one fp32 [chunk, vocab] tensor; torch.compile fuses the elementwise passes into the matmul's."""
     logits = (x @ w.T).float()
     keep = targets != IGNORE_INDEX
@@ -59,7 +59,7 @@ def _chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, with_grad: b
     logits.sub_(logits.amax(dim=-1, keepdim=True))
     picked = logits.gather(1, safe).squeeze(1)
     total = logits.exp_().sum(dim=-1)
-    loss = ((total.log() - picked) * keep).sum()
+    loss = (total.log() - picked) * keep
     if not with_grad:
         return loss, None
     # d(sum of losses)/d(logits) = softmax − one-hot, zero on ignored rows; made in place of the logits.
@@ -87,23 +87,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         compute = dtype or hidden.dtype
         h, w = hidden.to(compute), weight.to(compute)
         one_chunk = _chunk_fn(compiled)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if with_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
         for start in range(0, h.shape[0], chunk):
             x = h[start:start + chunk]
             loss, g = one_chunk(x, w, targets[start:start + chunk], with_grad)
-            total += loss
+            rows[start:start + chunk] = loss
             if with_grad:
                 grad_h[start:start + chunk] = (g @ w).to(hidden.dtype)
                 grad_w += (g.T @ x).float()
         if with_grad:
             ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
-        return total
+        ctx.mark_non_differentiable(rows)  # kept for figures (a sample's loss), never differentiated
+        return rows.sum(), rows
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_rows):
         grad_h, grad_w = ctx.saved_tensors
         # In fp32: the upstream gradient (1/tokens, times a loss scale) rounded to bf16 would scale this part of
         # the model differently from the rest.
@@ -112,9 +113,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None, compiled: bool = False) -> torch.Tensor:
+                         chunk: int | None = None, compiled: bool = False, per_token: bool = False):
     """Summed cross entropy of `hidden @ weight.T` ([..., dim] hidden states, [vocab, dim] weight) against
-    `targets` ([...] token ids; IGNORE_INDEX counts nothing), without materialising the logits.
+    `targets` ([...] token ids; IGNORE_INDEX counts nothing), without materialising the logits; with `per_token`,
+    also each token's loss ([...] fp32, detached).
 
     Equals `F.cross_entropy(F.linear(hidden, weight).flatten(0, -2), targets.flatten(), reduction="sum")`, in
     value and gradients, under autocast too (its dtype is read here and applied inside). `compiled`: each chunk's
@@ -123,5 +125,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):
-        return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(),
-                                         chunk or chunk_tokens(weight.shape[0]), dtype, with_grad, compiled)
+        total, rows = _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(),
+                                                chunk or chunk_tokens(weight.shape[0]), dtype, with_grad, compiled)
+    return (total, rows.view(targets.shape)) if per_token else total

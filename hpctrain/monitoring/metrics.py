@@ -170,41 +170,44 @@ class Metrics:
     """
 
     def __init__(self, sinks: list, throughput: Throughput, log_every: int, last_step: int, start_step: int,
-                 bar=None, data_figures=lambda samples: {}):
+                 bar=None, data_figures=lambda samples: {}, groups: list[str] = ()):
+        """`groups`: the names of the step's groups of samples (a mixture's sources), logged as loss/<name>."""
         self.sinks, self.throughput, self.bar = sinks, throughput, bar
         self.log_every, self.last_step, self.first_step = log_every, last_step, start_step + 1
         self.data_figures = data_figures  # (global samples) -> the data's figures (collective: every rank calls it)
-        self._window = _Window()
+        self.groups = list(groups)
+        self._window = _Window(len(self.groups))
         self._noted: dict = {}
 
     @classmethod
     def for_run(cls, tcfg: TrainConfig, sinks: list[Sink], start_step: int, throughput: Throughput,
-                data_figures) -> Metrics:
+                data_figures, groups: list[str] = ()) -> Metrics:
         """`sinks`: the main rank's (`run_sinks`), none on the others; a progress bar where train.progress asks."""
         bar = None
         if sinks and (tcfg.progress if tcfg.progress is not None else sys.stderr.isatty()):
             from tqdm import tqdm
 
             bar = tqdm(total=tcfg.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-        return cls(sinks, throughput, tcfg.log_every, tcfg.max_steps, start_step, bar, data_figures)
+        return cls(sinks, throughput, tcfg.log_every, tcfg.max_steps, start_step, bar, data_figures, groups)
 
     def due(self, step: int) -> bool:
         """Every log_every-th step, and always the first (the loss curve's start) and the last."""
         return step % self.log_every == 0 or step in (self.first_step, self.last_step)
 
     def after_step(self, state, result, lr: float, step_time_s: float, data_wait_s: float) -> None:
-        self._window.add(step_time_s, data_wait_s)
+        self._window.add(step_time_s, data_wait_s, result.groups)
         if self.bar is not None:
             self.bar.update(1)
             if result.loss is not None:
                 self.bar.set_postfix(loss=f"{result.loss:.4f}")
         if self.due(state.step):
             record = self._window.record(state, result, lr, self.throughput)
+            record.update(self._window.group_losses(self.groups))
             record.update(self.data_figures(state.samples))
             record.update(self._noted)
             self._noted = {}
             self.log(record)
-            self._window = _Window()
+            self._window = _Window(len(self.groups))
 
     def note(self, values: dict) -> None:
         """Figures measured now and then (a sampled step's): they go into the next logged record."""
@@ -218,7 +221,7 @@ class Metrics:
         """The run went back to `step` (a rollback): sinks that can drop what they hold after it do."""
         for sink in self.sinks:
             sink.rewind(step)
-        self._window = _Window()
+        self._window = _Window(len(self.groups))
 
     def redirect(self):
         """While a progress bar is shown, log lines go through tqdm (they would tear the bar otherwise)."""
@@ -235,15 +238,25 @@ class Metrics:
 
 
 class _Window:
-    """The steps since the last logged one: their time and the part of it spent waiting for data."""
+    """The steps since the last logged one: their time, the part of it spent waiting for data, and the loss summed
+    over each group's tokens (a mixture's sources; steps with a non-finite loss left out)."""
 
-    def __init__(self):
+    def __init__(self, groups: int = 0):
         self.steps, self.time, self.data = 0, 0.0, 0.0
+        self.loss, self.tokens = [0.0] * groups, [0.0] * groups
 
-    def add(self, step_time_s: float, data_wait_s: float) -> None:
+    def add(self, step_time_s: float, data_wait_s: float, groups: list[float] | None = None) -> None:
         self.steps += 1
         self.time += step_time_s
         self.data += data_wait_s
+        n = len(self.loss)
+        if groups and all(map(math.isfinite, groups[:n])):
+            self.loss = [a + b for a, b in zip(self.loss, groups[:n])]
+            self.tokens = [a + b for a, b in zip(self.tokens, groups[n:])]
+
+    def group_losses(self, names: list[str]) -> dict:
+        """loss/<name>: the mean token loss of each group over the window (a group without tokens in it: none)."""
+        return {f"loss/{name}": loss / tokens for name, loss, tokens in zip(names, self.loss, self.tokens) if tokens}
 
     def record(self, state, result, lr: float, tp: Throughput) -> dict:
         elapsed = max(self.time, 1e-9)

@@ -157,6 +157,9 @@ def resolve(cfg, world: int = 1) -> RunShape:
         raise ConfigError(f"train.fused_loss=true needs parallel.tp=1 and parallel.pp=1 (got tp={layout.tp}, "
                           f"pp={layout.pp}: tensor parallelism computes the loss on vocab-sharded logits, a pipeline "
                           "inside its schedule): drop train.fused_loss")
+    if t.restart_positions and not t.document_mask:
+        raise ConfigError("train.restart_positions=true restarts positions at each packed document, and "
+                          "train.document_mask=false keeps none apart: set train.document_mask=true too")
     if p.grad_compression != GradCompression.none and cfg.precision.name == PrecisionName.fp16:
         raise ConfigError(f"parallel.grad_compression={p.grad_compression.value} with precision=fp16: the loss "
                           "scale changes the units of its error-feedback residual from step to step; use "

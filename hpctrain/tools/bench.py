@@ -25,7 +25,11 @@ from hpctrain.runs.compose import compose, register
 from hpctrain.runs.resolve import resolve
 
 BATCH = 8
-VARIANTS = {"hf": "transformers (HF)", "hpctrain": "hpctrain", "compile": "hpctrain + compile"}
+VARIANTS = {"hf": "transformers (HF)", "hpctrain": "hpctrain", "docmask": "hpctrain + docmask",
+            "compile": "hpctrain + compile"}
+# What each hpctrain variant adds to the run (train.document_mask: the step-time cost of document masking, on the same
+# batches; its ratio to the plain hpctrain row is printed below the table).
+VARIANT_OVERRIDES = {"hpctrain": [], "docmask": ["train.document_mask=true"], "compile": ["parallel.compile=true"]}
 
 
 def compose_cfg(overrides: list[str]):
@@ -44,12 +48,12 @@ def measure(tokens: list[float], times: list[float], warmup: int, final_loss: fl
             "step_times_s": times, "final_loss": final_loss}
 
 
-def run_hpctrain(precision: str, compile_: bool, steps: int, warmup: int, threads: int) -> dict:
+def run_hpctrain(precision: str, variant: str, steps: int, warmup: int, threads: int) -> dict:
     from hpctrain.training.run import train
 
-    if compile_:
+    if variant == "compile":
         torch._dynamo.reset()  # every compiled run starts cold; its compile falls in the warmup steps
-    cfg = compose_cfg([f"precision={precision}", f"parallel.compile={str(compile_).lower()}",
+    cfg = compose_cfg([f"precision={precision}", *VARIANT_OVERRIDES[variant],
                        f"train.max_steps={steps}", f"cluster.num_threads={threads}"])
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-") as run_dir:
         train(cfg, run_dir)
@@ -116,7 +120,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if not 0 <= a.warmup < a.steps:
         p.error(f"--warmup {a.warmup} must be >= 0 and below --steps {a.steps}")
     a.precisions = [s.strip() for s in a.precisions.split(",") if s.strip()]
-    a.variants = ["hf", "hpctrain"] + ([] if a.no_compile else ["compile"])
+    a.variants = ["hf", "hpctrain", "docmask"] + ([] if a.no_compile else ["compile"])
     return a
 
 
@@ -126,7 +130,7 @@ def _measure(a: argparse.Namespace, args, data_dir: str, seed: int) -> dict[str,
     # whichever side goes first); a short untimed round of each side and precision absorbs them.
     for pr in a.precisions:
         run_hf(pr, 2, 0, args, data_dir, seed)
-        run_hpctrain(pr, False, 2, 0, a.threads)
+        run_hpctrain(pr, "hpctrain", 2, 0, a.threads)
     runs: dict[str, dict[str, list[dict]]] = {pr: {v: [] for v in a.variants} for pr in a.precisions}
     for rep in range(a.repeats):
         for pr in a.precisions:
@@ -135,7 +139,7 @@ def _measure(a: argparse.Namespace, args, data_dir: str, seed: int) -> dict[str,
                 if v == "hf":
                     r = run_hf(pr, a.steps, a.warmup, args, data_dir, seed)
                 else:
-                    r = run_hpctrain(pr, v == "compile", a.steps, a.warmup, a.threads)
+                    r = run_hpctrain(pr, v, a.steps, a.warmup, a.threads)
                 torch.set_num_threads(a.threads)  # whatever a run changed, the next starts alike
                 r["wall_s"] = time.perf_counter() - t0
                 runs[pr][v].append(r)
@@ -160,6 +164,10 @@ def _summarise(runs: dict[str, dict[str, list[dict]]], precisions: list[str], va
                             "median_step_tokens_per_s": med, "median_step_ratio_vs_hf": med / hf_med})
             print(f"{pr:9} | {VARIANTS[v]:18} | {tps:9.1f} | {tps / hf:5.2f}× | {med:17.1f} | "
                   f"{med / hf_med:.2f}×")
+        if "docmask" in row:
+            masked = row["docmask"]["median_step_tokens_per_s"] / row["hpctrain"]["median_step_tokens_per_s"]
+            summary.append({"precision": pr, "variant": "docmask_vs_hpctrain", "median_step_ratio": masked})
+            print(f"{pr:9}   document masking: {masked:.2f}× hpctrain's median-step tokens/s (same batches)")
     print("tokens/s: post-warmup tokens / their summed step time (medians over repeats); median-step: tokens "
           "per step / median step time, less sensitive to load bursts on a shared machine")
     return summary

@@ -28,13 +28,16 @@ import torch
 import torch.nn.functional as F
 
 BASE = ["parallel.compile=true", "train.fused_loss=true", "optim.implementation=fused"]
-# Each variant takes one optimisation away from BASE (or adds activation checkpointing): its effect, measured.
+# Each variant takes one optimisation away from BASE (or adds activation checkpointing, document masking): its effect,
+# measured.
 VARIANTS = {
     "hpctrain": [],
     "eager": ["parallel.compile=false"],
     "logits-loss": ["train.fused_loss=false"],
     "foreach-adamw": ["optim.implementation=foreach"],
     "ac-full": ["parallel.activation_checkpointing=full"],
+    # what document masking costs: SDPA with a [B, 1, T, T] mask instead of its causal kernel
+    "document-mask": ["train.document_mask=true"],
 }
 ATTENTION_WORDS = ("flash", "fmha", "cudnn", "attention", "attn", "efficient")
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hpctrain.core.config import DataConfig, OnMaxEpochs, TrainConfig
@@ -17,6 +18,7 @@ from hpctrain.core.errors import TrainingError
 from hpctrain.data.loader import DataError, ShardStream, choose_lanes, read_manifest
 from hpctrain.data.mixture import MixtureStream, Schedule, Source
 from hpctrain.runs.resolve import RunShape
+from hpctrain.training.step import Groups
 
 log = logging.getLogger("hpctrain")
 
@@ -230,7 +232,7 @@ class TrainFeed:
                 pin_memory=pin, on_corrupt=dcfg.on_corrupt, prefetch=dcfg.prefetch)
 
         self._make_stream, self.stream = stream, stream(state.samples)
-        self.dp_mesh, self.grad_accum = dp_mesh, shape.grad_accum
+        self.dp_mesh, self.grad_accum, self.shape = dp_mesh, shape.grad_accum, shape
         self._it, self._wait, self._corrupt_before = iter(self.stream), 0.0, 0
 
     def seek(self, samples: int) -> None:
@@ -256,6 +258,20 @@ class TrainFeed:
                 self._wait += time.perf_counter() - t0
             yield batch
 
+    @property
+    def source_names(self) -> list[str]:
+        """A mixture's sources, in data.sources' order (none for one shard set)."""
+        return [s.name for s in self.stream.sources] if isinstance(self.stream, MixtureStream) else []
+
+    def step_groups(self, samples: int) -> Groups | None:
+        """The source of each of this rank's samples in the step starting at global sample `samples`, in the order
+        `next_step` delivers them (global samples ≡ dp rank mod dp); None for one shard set."""
+        if not isinstance(self.stream, MixtureStream):
+            return None
+        local = self.shape.global_batch // self.shape.dp
+        g = samples + self.dp_mesh.get_local_rank() + np.arange(local) * self.shape.dp
+        return Groups(torch.from_numpy(self.stream.schedule.source(g)), len(self.stream.sources))
+
     def take_wait(self) -> float:
         """Seconds spent waiting for data since the last call."""
         wait, self._wait = self._wait, 0.0
@@ -263,12 +279,13 @@ class TrainFeed:
 
     def figures(self, samples: int) -> dict:
         """What a logged step records of the data at global sample `samples`: shards skipped as corrupt on all
-        ranks (collective over dp) and, for a mixture, each source's samples and epochs so far."""
+        ranks (collective over dp) and, for a mixture, each source's samples, target tokens and epochs so far."""
         out = {"data_corrupt_shards": self.corrupt_total()}
         if isinstance(self.stream, MixtureStream):
             counts = self.stream.counts(samples)
             for source, n, epochs in zip(self.stream.sources, counts, counts / self.stream.epoch_samples):
                 out[f"data_samples/{source.name}"] = int(n)
+                out[f"data_tokens/{source.name}"] = int(n) * (self.stream.block_len - 1)
                 out[f"data_epochs/{source.name}"] = round(float(epochs), 4)
         return out
 

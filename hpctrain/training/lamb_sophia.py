@@ -181,10 +181,10 @@ def sampled_labels(logits: torch.Tensor, tokens: torch.Tensor, salt: int) -> tor
     return labels
 
 
-def sampled_token_loss_sum(model: nn.Module, batch: torch.Tensor, salt: int) -> torch.Tensor:
+def sampled_token_loss_sum(model: nn.Module, batch: torch.Tensor, salt: int, documents=None) -> torch.Tensor:
     """Summed cross entropy against labels sampled from the model itself (`sampled_labels`): the loss whose
-    gradient gives Sophia's Gauss-Newton-Bartlett curvature estimate."""
-    logits = model(batch[:, :-1])
+    gradient gives Sophia's Gauss-Newton-Bartlett curvature estimate (`documents`: the step's DocumentMask)."""
+    logits = model(batch[:, :-1], **(documents.kwargs(batch[:, :-1]) if documents is not None else {}))
     labels = sampled_labels(logits, batch, salt)
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
@@ -201,7 +201,7 @@ class CurvaturePass:
 
     def run(self, step, micro_batches: list[torch.Tensor], n_tokens: int) -> None:
         salt = self.optimizer.steps_taken()
-        step._forward_backward(micro_batches, n_tokens, lambda b: sampled_token_loss_sum(step.model, b, salt))
+        step._forward_backward(micro_batches, n_tokens, lambda b: sampled_token_loss_sum(step.model, b, salt, step.documents))
         settle_pending_sums(step.params)
         if all_finite([p.grad for p in step.params if p.grad is not None]):  # every rank takes the same way
             self.optimizer.update_curvature(n_tokens)

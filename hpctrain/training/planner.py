@@ -12,6 +12,7 @@ the planner gathers them per pipeline stage and takes the worst moment (`total`)
   activations             the model's spec.block_activations (measured per token) × parallelize.checkpointed_
                           activations × Layout.in_flight (the pipeline schedule's micro-batches in flight)
   loss buffers            models/cross_entropy.loss_buffers       ~ tokens × vocab / tp × 12 (fused: one chunk)
+  document masks          models/packing.mask_bytes               micro_batch × seq_len² · c per micro-batch in flight
   last unit reduced       parallel/parallelize.last_unit_reduced  (parallel/compression.memory_terms instead when
                                                                   gradients are compressed, with its residual)
   host copy               training/save_resume.host_copy_bytes   train.ckpt_async, host memory beside the device's
@@ -33,6 +34,7 @@ from hpctrain.core.memory import Term, merge, peak
 from hpctrain.core.shard_format import DataError
 from hpctrain.models import ModelSpec, spec_of
 from hpctrain.models.cross_entropy import loss_buffers
+from hpctrain.models.packing import mask_bytes
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel import compression
 from hpctrain.parallel.layout import world_of
@@ -127,7 +129,7 @@ def _describe(i: int, st: StageParams, pp: int) -> str:
 
 
 # The plan's memory lines: the names the features' terms carry.
-LINES = ("params", "buffers", "grads", "optim", "opt_temp", "copies", "logits", "reducing")
+LINES = ("params", "buffers", "grads", "optim", "opt_temp", "copies", "logits", "masks", "reducing")
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,9 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     terms = [sharded_weights(P, r.shard, p.cpu_offload, accumulating, full_grads), {"buffers": Term.held(st.buffers)},
              optimizer.memory_terms(r.cfg.optim, P, st.factored / tp, layout.dp > 1 or tp > 1, r.shard, p.cpu_offload),
              {"copies": gathered_copies(p.zero_stage, replicas, r.c, P, st.largest_block / tp)}]
+    if r.cfg.train.document_mask:  # one mask per micro-batch in flight on each of the stage's chunks
+        terms.append({"masks": mask_bytes(r.plan.micro_batch, r.seq_len, r.c,
+                                          layout.in_flight(i, r.m) * len(st.layers))})
     if i == layout.pp - 1:
         terms.append({"logits": loss_buffers(r.args.vocab_size, r.args.dim, r.tokens, tp, r.c, layout.pipelined,
                                              r.cfg.train.fused_loss)})
@@ -184,7 +189,8 @@ def _activations(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     p, layout = r.cfg.parallel, r.plan.layout
     kind = saved_activation_kind(r.c, 1 if r.compressed else layout.dp)
     saved, kept_input = r.spec.block_activations(r.args, r.tokens, kind, layout.tp,
-                                                 layout.tp if p.sequence_parallel else 1, r.seq_len)
+                                                 layout.tp if p.sequence_parallel else 1, r.seq_len,
+                                                 r.cfg.train.document_mask)
     layers = [j for chunk in st.layers for j in chunk]
     return {mode.value: checkpointed_activations(mode, p.ac_every, layers, saved, kept_input,
                                                  layout.in_flight(i, r.m)) for mode in ActCkpt}
@@ -227,6 +233,8 @@ PARTS = {
     "acts": ("the activations", "lower train.micro_batch (train.grad_accum keeps the global batch) or set "
              "parallel.activation_checkpointing=full"),
     "logits": ("the loss's buffers (tokens × vocabulary)", "set train.fused_loss=true or lower train.micro_batch"),
+    "masks": ("the document masks (micro_batch × seq_len², train.document_mask)", "lower train.micro_batch "
+              "(train.grad_accum keeps the global batch)"),
     "buffers": ("the RoPE tables (model.max_seq_len × head_dim)", "lower model.max_seq_len to the longest sequence "
                 "this model will see"),
 }
@@ -237,7 +245,8 @@ def largest_part(cfg, plan: RunShape, seq_len: int) -> tuple[str, float, str]:
     mode = ActCkpt(cfg.parallel.activation_checkpointing).value
     row = max(estimate(cfg, plan, seq_len)["rows"], key=lambda r: total(r, mode))
     parts = {"weights": sum(row[k] for k in ("params", "grads", "optim", "opt_temp", "copies", "reducing")),
-             "acts": row["acts"][mode] + row["recompute"][mode], "logits": row["logits"], "buffers": row["buffers"]}
+             "acts": row["acts"][mode] + row["recompute"][mode], "logits": row["logits"], "buffers": row["buffers"],
+             "masks": row["masks"]}
     name = max(parts, key=parts.get)
     return PARTS[name][0], parts[name], PARTS[name][1]
 
@@ -278,6 +287,8 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
              (f"optimizer temporary ({optimizer.implementation(cfg.optim, plan.dp > 1 or plan.tp > 1).value})", "opt_temp"),
              (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),
              ("loss buffers", "logits"), ("last unit being reduced", "reducing")]
+    if cfg.train.document_mask:
+        lines.insert(-1, ("document masks", "masks"))
     for label, key in lines:
         out.append(f"  {label:28}" + "".join(f"{gib(r[key]):>10}" for r in rows))
     for m in dict.fromkeys(["none", "full", mode]):

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hpctrain.models.packing import DocumentMask
 from hpctrain.parallel.compression import grad_exchange
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout
 from hpctrain.parallel.norms import all_finite, local, square_sums
@@ -38,16 +39,69 @@ class StepResult:
     grad_norm: float
     status: StepStatus
     loss_scale: float | None = None
+    groups: list[float] | None = None  # with `Groups`: each group's summed loss, then each one's target tokens (global)
 
 
-def token_loss_sum(model: nn.Module, batch: torch.Tensor, fused: bool = False) -> torch.Tensor:
+@dataclass(frozen=True)
+class Groups:
+    """The group (a mixture's source) of each of this rank's samples in a step, in micro-batch order, of `n`: the
+    step then also sums the loss and the target tokens of each group, from its own forward (loss/<source>)."""
+
+    ids: torch.Tensor  # [this rank's samples of the step] int64
+    n: int
+
+
+class SampleLosses:
+    """Each sample's summed token loss and its target count, kept (detached) as the step's forward computes them."""
+
+    def __init__(self):
+        self.losses: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []
+
+    def add(self, per_token: torch.Tensor) -> None:
+        """[B, T] token losses (loss parallel's are replicated DTensors: read locally)."""
+        per_token = local(per_token.detach()).float()
+        self.losses.append(per_token.sum(1))
+        self.tokens.append(torch.full_like(self.losses[-1], per_token.shape[1]))
+
+    def keep_last(self, n: int) -> None:
+        """Only the last `n` micro-batches' (a pipeline schedule's first run also calls its loss to infer shapes)."""
+        self.losses, self.tokens = self.losses[len(self.losses) - n:], self.tokens[len(self.tokens) - n:]
+
+    def by_group(self, groups: Groups, device: torch.device) -> torch.Tensor:
+        """[2·n]: each group's summed loss, then its target tokens; zeros where no loss was computed (a pipeline's
+        stages before the last)."""
+        out = torch.zeros(2 * groups.n, device=device)
+        if self.losses:
+            ids = groups.ids.to(device)
+            out[:groups.n].index_add_(0, ids, torch.cat(self.losses))
+            out[groups.n:].index_add_(0, ids, torch.cat(self.tokens))
+        return out
+
+
+def token_loss_sum(model: nn.Module, batch: torch.Tensor, fused: bool = False, samples: SampleLosses | None = None,
+                   documents: DocumentMask | None = None) -> torch.Tensor:
     """Summed next-token cross entropy of a [B, T+1] block of tokens. `fused`: the model computes it with its
-    output projection, chunk by chunk (train.fused_loss: the logits are never held whole)."""
+    output projection, chunk by chunk (train.fused_loss: the logits are never held whole). `samples`: each sample's
+    loss is also kept there. `documents`: each packed document attends only within itself (train.document_mask)."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
+    given = documents.kwargs(inputs) if documents is not None else {}
     if fused:
-        return model(inputs, targets)
-    logits = model(inputs)
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        if samples is None:
+            return model(inputs, targets, **given)
+        total, per_token = model(inputs, targets, per_token=True, **given)
+        samples.add(per_token)
+        return total
+    return cross_entropy_sum(model(inputs, **given), targets, samples)
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, samples: SampleLosses | None = None) -> torch.Tensor:
+    """Summed cross entropy of [B, T, vocab] logits (targets of -100 count nothing); `samples`: each sample's kept."""
+    if samples is None:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    samples.add(per_token.view(targets.shape))
+    return per_token.sum()
 
 
 def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
@@ -135,6 +189,8 @@ class TrainStep:
         self.loss_check = None
         self.exchange = grad_exchange(model)  # parallel.grad_compression
         self.passes: list[StepPass] = []  # the optimizer's passes before each step (`optimizer.step_passes`)
+        self.samples: SampleLosses | None = None  # each sample's loss, in a step given Groups
+        self.documents: DocumentMask | None = None  # train.document_mask
 
     def check_losses(self, check, undo: bool = False) -> None:
         """`check(loss)`: whether a finite step must not be applied (a loss spike); `undo`: such a dropped step's
@@ -143,9 +199,11 @@ class TrainStep:
         if self.exchange is not None:
             self.exchange.undoable = undo and check is not None
 
-    def __call__(self, micro_batches: Iterable[torch.Tensor], n_tokens: int | None = None) -> StepResult:
+    def __call__(self, micro_batches: Iterable[torch.Tensor], n_tokens: int | None = None,
+                 groups: Groups | None = None) -> StepResult:
         """One step over `micro_batches` (an iterator is consumed lazily: one micro-batch in memory at a time);
-        `n_tokens`: target tokens of the global batch, all dp ranks (computed from a list when not given)."""
+        `n_tokens`: target tokens of the global batch, all dp ranks (computed from a list when not given); `groups`:
+        the loss of each group of samples is summed too (`StepResult.groups`)."""
         scaler = self.precision.scaler
         # Normalise by the global batch's token count, not per micro-batch: 8×1 accumulation then
         # yields exactly the gradients of 1×8.
@@ -153,15 +211,19 @@ class TrainStep:
             micro_batches = list(micro_batches)
             n_tokens = sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches) * self.dp
         self.optimizer.zero_grad(set_to_none=True)
+        self.samples = None
         due = [p for p in self.passes if p.due()]
         if due:  # an optimizer's own forward/backward (Sophia's curvature) over the same batch
             micro_batches = list(micro_batches)
             for extra in due:
                 extra.run(self, micro_batches, n_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
-        total = self._forward_backward(micro_batches, n_tokens)
-        if self.dp > 1:  # tensor-parallel ranks hold the same (replicated) loss already
-            dist.all_reduce(total, group=self.batch_mesh.get_group())
+        self.samples = SampleLosses() if groups is not None else None
+        figures = self._forward_backward(micro_batches, n_tokens).view(1)
+        if groups is not None:  # reduced with the loss: no collective of its own
+            figures = torch.cat([figures, self.samples.by_group(groups, figures.device)])
+        self._reduce(figures)
+        total = figures[0]
         if scaler:
             scaler.unscale_(self.optimizer)
         norm = grad_norm(self.norm_params, self.mesh)
@@ -184,13 +246,21 @@ class TrainStep:
         else:
             self.optimizer.step()
             status = StepStatus.ok
-        return StepResult(loss_value, norm_value, status, scaler.get_scale() if scaler else None)
+        return StepResult(loss_value, norm_value, status, scaler.get_scale() if scaler else None,
+                          figures[1:].tolist() if groups is not None else None)
+
+    def _reduce(self, figures: torch.Tensor) -> None:
+        """Sum this rank's share of the loss (and of the groups') over the ranks the batch is split over; tensor-
+        parallel ranks hold the same (replicated) loss already."""
+        if self.dp > 1:
+            dist.all_reduce(figures, group=self.batch_mesh.get_group())
 
     def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int, loss_sum=None) -> torch.Tensor:
         """Accumulate the gradients of all micro-batches; return this rank's share of the loss. `loss_sum(batch)`:
         another summed loss than the next-token cross entropy."""
         scaler = self.precision.scaler
-        loss_sum = loss_sum or (lambda b: token_loss_sum(self.model, b, self.fused_loss))
+        loss_sum = loss_sum or (lambda b: token_loss_sum(self.model, b, self.fused_loss, self.samples,
+                                                              self.documents))
         total = torch.zeros((), device=self.device)
         for batch, last in _with_last(micro_batches):
             if self.grad_sync is not None:
@@ -206,7 +276,7 @@ class TrainStep:
     def evaluate(self, batches) -> float:
         """Mean token loss over every data-parallel rank's `batches` (each rank its own share)."""
         total, n = token_loss_total(self.model, batches, self.precision, self.device, self.loss_parallel,
-                                    self.fused_loss)
+                                    self.fused_loss, self.documents)
         return self._mean_over_replicas(total, n)
 
     def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
@@ -247,17 +317,19 @@ class PipelineTrainStep(TrainStep):
         self._denom, self._scale = 1.0, 1.0
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Targets of -100 (padding in evaluation) count nothing: cross_entropy's ignore_index.
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / self._denom * self._scale
+        # Called for each micro-batch in order (the schedule's `losses` are in that order too).
+        return cross_entropy_sum(logits, targets, self.samples) / self._denom * self._scale
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
         """One schedule run over n_microbatches micro-batches stacked along dim 0."""
         args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
         target = targets.to(self.device, non_blocking=True) if self.has_last else None
+        # Every stage is given the documents (keyword inputs reach all of them, split per micro-batch as the inputs).
+        given = self.documents.kwargs(inputs.to(self.device)) if self.documents is not None else {}
         losses: list[torch.Tensor] = []
         run = self.schedule.eval if forward_only else self.schedule.step
         with self.loss_ctx(), self.precision.autocast():
-            run(*args, target=target, losses=losses, return_outputs=False)
+            run(*args, target=target, losses=losses, return_outputs=False, **given)
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += local(loss.detach()).float()
@@ -271,15 +343,20 @@ class PipelineTrainStep(TrainStep):
         self._scale = scaler.scale(torch.ones((), device=self.device)).item() if scaler else 1.0
         batch = torch.cat(list(micro_batches))  # token ids: the step's whole local batch is small
         total = self._run(batch[:, :-1], batch[:, 1:], forward_only=False) / self._scale
+        if self.samples is not None and self.samples.losses:
+            self.samples.keep_last(self.n_microbatches)
         self.model.sync_tied_grads()
-        dist.all_reduce(total, group=self.mesh["pp"].get_group())  # only the last stage holds the loss
         return total
+
+    def _reduce(self, figures: torch.Tensor) -> None:
+        dist.all_reduce(figures, group=self.mesh["pp"].get_group())  # only the last stage holds the loss
+        super()._reduce(figures)
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
         """Validation batches go through the schedule n_microbatches at a time, as training's micro-batches do;
         a short last group (or batch) is padded with samples whose targets count nothing."""
-        self._denom, self._scale = 1.0, 1.0
+        self._denom, self._scale, self.samples = 1.0, 1.0, None
         self.model.eval()
         total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
         group: list[torch.Tensor] = []
@@ -313,7 +390,7 @@ def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tens
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device,
                      mesh, layout: Layout, *, grad_clip: float, grad_accum: int = 1,
                      reduce_every_microbatch: bool = False, fused_loss: bool = False,
-                     passes: Sequence[StepPass] = ()) -> TrainStep:
+                     passes: Sequence[StepPass] = (), documents: DocumentMask | None = None) -> TrainStep:
     """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipelined step runs
     its `grad_accum` micro-batches as one schedule, which reduces once after the last of them. `fused_loss`
     (train.fused_loss) is refused with pipelines and tensor parallelism before this (`resolve`)."""
@@ -323,7 +400,7 @@ def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precisi
     else:
         step = TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
                          layout.batch_mesh(mesh), reduce_every_microbatch, fused_loss)
-    step.passes = list(passes)
+    step.passes, step.documents = list(passes), documents
     return step
 
 
@@ -333,7 +410,8 @@ def loss_parallel_ctx(enabled: bool):
 
 @torch.no_grad()
 def token_loss_total(model: nn.Module, batches, precision: Precision, device: torch.device,
-                     loss_parallel: bool = False, fused: bool = False) -> tuple[torch.Tensor, int]:
+                     loss_parallel: bool = False, fused: bool = False,
+                     documents: DocumentMask | None = None) -> tuple[torch.Tensor, int]:
     """(summed token loss in float64, target tokens) over the given batches, in eval mode."""
     was_training = model.training
     model.eval()
@@ -341,7 +419,7 @@ def token_loss_total(model: nn.Module, batches, precision: Precision, device: to
     for batch in batches:
         batch = batch.to(device, non_blocking=True)
         with loss_parallel_ctx(loss_parallel)(), precision.autocast():
-            total += local(token_loss_sum(model, batch, fused)).double()
+            total += local(token_loss_sum(model, batch, fused, documents=documents)).double()
         n += batch.shape[0] * (batch.shape[1] - 1)
     model.train(was_training)
     return total, n

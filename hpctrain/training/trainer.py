@@ -19,8 +19,9 @@ import torch
 from hpctrain.core.config import Config, ParallelConfig, PrecisionName, SpikeAction
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import RESULT_FILE, no_space, write_json
-from hpctrain.data.loader import DataError
+from hpctrain.data.loader import DataError, read_manifest
 from hpctrain.models import spec_of
+from hpctrain.models.packing import DocumentMask
 from hpctrain.monitoring.comm_sample import CommSampler
 from hpctrain.monitoring.hang import HangWatch
 from hpctrain.monitoring.memory import MemoryProbe, Peaks
@@ -56,7 +57,7 @@ class Trainer:
         _set_threads(cfg.cluster.num_threads)
         self.spec = spec_of(cfg.model)
         self._build_model()  # the mesh, the model on it, precision, optimizer and schedule
-        self._build_step()  # the layout's step and the loss-spike guard it reports to
+        self._build_step(prepared)  # the layout's step and the loss-spike guard it reports to
         self._build_checkpointer(start)  # the run state, what a checkpoint holds, the weights to start from
         self.feed = TrainFeed(cfg.data, cfg.train.seed, prepared.data_dir, self.shape, self.state, env.device,
                               self.shape.layout.batch_mesh(self.mesh))
@@ -83,12 +84,14 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
-    def _build_step(self) -> None:
-        cfg = self.cfg
+    def _build_step(self, prepared) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        documents = DocumentMask(read_manifest(prepared.data_dir).eos_id, t.restart_positions) \
+            if t.document_mask else None
         self.step = build_train_step(self.model, self.optimizer, self.precision, self.env.device, self.mesh,
                                      self.shape.layout, grad_clip=cfg.optim.grad_clip, grad_accum=self.shape.grad_accum,
                                      reduce_every_microbatch=sharded_gradients(cfg.parallel),
-                                     fused_loss=cfg.train.fused_loss, passes=step_passes(self.optimizer))
+                                     fused_loss=t.fused_loss, passes=step_passes(self.optimizer), documents=documents)
         spike = cfg.monitor.loss_spike
         self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
         self.step.check_losses(self.spikes.drop_update if self.spikes.enabled else None,
@@ -115,7 +118,7 @@ class Trainer:
                       job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s)
         sinks, self.alerts = run_sinks(cfg.logging, m, self.run_dir, self.state.step, t.max_steps, ctx,
                                        resolved_config(cfg, self.run_dir)) if env.is_main else ([], None)
-        self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.figures)
+        self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.figures, self.feed.source_names)
         dp_rank = shape.layout.batch_mesh(self.mesh).get_local_rank()
         val = ValSplit.of(prepared.data_dir, shape, cfg.data, t)
         by_source = ValSplit.per_source(shape, cfg.data, t) if t.eval_every else {}
@@ -185,7 +188,7 @@ class Trainer:
         self.profiler.before_step(self.state.step + 1)
         self.sampler.before_step(self.state.step + 1)
         t0 = time.perf_counter()
-        result = self.step(self.feed.next_step(), self.tokens_per_step)
+        result = self.step(self.feed.next_step(), self.tokens_per_step, self.feed.step_groups(self.state.samples))
         self.scheduler.step()
         self.state.advance(self.shape.global_batch, self.tokens_per_step)
         step_time = time.perf_counter() - t0

@@ -20,6 +20,7 @@ from torch import nn
 
 from hpctrain.core.config import ConfigError, RopeScaling, RopeType, TransformerDims
 from hpctrain.models.cross_entropy import linear_cross_entropy
+from hpctrain.models.packing import Packing, attention_mask
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Attention(nn.Module):
             return cos.unsqueeze(1), sin.unsqueeze(1)
         return cos[:T], sin[:T]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1: a tensor-parallel shard holds only its local heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -139,10 +140,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # Slice here, from the full sequence: with sequence parallelism the block input is sharded.
         cos, sin = self._rope(T, cos, sin)
+        if packed is not None and packed.positions is not None:  # positions restart at each packed document
+            cos, sin = cos[packed.positions], sin[packed.positions]  # [B, T, 1, D]
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # q is bf16 under autocast
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Within the window, causal attention is the same thing: the mask (and its slower kernel) only beyond it.
-        mask = sliding_window_mask(T, self.window, x.device) if self.window and self.window < T else None
+        if packed is not None:  # the documents' mask (the window folded in)
+            mask = packed.mask
+        elif self.window and self.window < T:
+            mask = sliding_window_mask(T, self.window, x.device)
+        else:  # within the window, causal attention is the same thing: no mask (and its slower kernel)
+            mask = None
         # The transposes are views: SDPA kernels take strided input, and their output is laid out
         # as [B, T, H, D], so the reshape below does not copy. enable_gqa avoids materialising
         # repeated k/v and is as fast as repeat_interleave with the CPU flash kernel.
@@ -172,8 +179,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, packed)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -243,22 +250,30 @@ class Llama(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False,
+                docs: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """tokens [B, T] -> logits [B, T, vocab]; a pipeline stage without embedding takes and/or returns
         hidden states [B, T, dim] instead. With `targets` [B, T] (a whole model): the summed next-token cross
-        entropy instead of the logits, never materialising them (`linear_cross_entropy`)."""
+        entropy instead of the logits, never materialising them (`linear_cross_entropy`), and with `per_token`
+        each token's loss too ([B, T], detached). `docs` [B, T]: the packed document of each token, which attends
+        only within it (`hpctrain.models.packing`); `positions` [B, T]: RoPE's positions (default 0..T-1)."""
         if self.tok_embeddings is not None:
             if tokens.size(1) > self.args.max_seq_len:
                 raise ValueError(f"sequence length {tokens.size(1)} > max_seq_len {self.args.max_seq_len}")
             h = self.tok_embeddings(tokens)
         else:
             h = tokens
+        packed = None
+        if docs is not None:  # one mask for every layer, in the dtype attention computes in
+            kind = h.device.type
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+            packed = Packing(attention_mask(docs, dtype, self.args.sliding_window), positions)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, self.rope_cos, self.rope_sin, packed)
         if self.norm is not None:
             h = self.norm(h)
         if targets is not None:
-            return linear_cross_entropy(h, self.output.weight, targets, compiled=self.compile_loss)
+            return linear_cross_entropy(h, self.output.weight, targets, compiled=self.compile_loss, per_token=per_token)
         return self.output(h) if self.output is not None else h
 
 

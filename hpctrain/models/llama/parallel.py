@@ -39,8 +39,8 @@ def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
         block.update({
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return root, block
@@ -80,10 +80,11 @@ ACT_BYTES = {"fp32": (16, 8, (8, 8, 16)),  # fp32 / tf32
 QK_NORM_BYTES = {"fp32": 8, "autocast": 6, "lowp": 6}
 
 
-def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: int) -> tuple[float, float]:
+def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: int,
+                      packed: bool = False) -> tuple[float, float]:
     """(what one block saves for backward over `tokens` tokens (micro-batches of `seq_len`), what it keeps when
     checkpointed: its input), with tp-sharded parts / tp and the norm side and the input / sp (sequence parallel).
-    `kind`: ACT_BYTES' key."""
+    `kind`: ACT_BYTES' key; `packed`: document masking's mask (counted apart, once per forward) holds the window."""
     norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
     q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     heads = args.n_heads + args.kv_heads if args.qk_norm else 0  # q/k-normed heads
@@ -92,7 +93,7 @@ def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: i
                  + 8 + 4 * args.n_heads / tp  # RMSNorm statistics, attention log-sum-exp
                  + (QK_NORM_BYTES[kind] * args.head_dim + 4) * heads / tp)  # q/k norms: input, output, statistics
     saved = tokens * per_token
-    if args.sliding_window and args.sliding_window < seq_len:
+    if args.sliding_window and args.sliding_window < seq_len and not packed:
         # The window's [T, T] mask: SDPA keeps it as an additive mask of the compute dtype, one per micro-batch.
         saved += seq_len * seq_len * (4 if kind == "fp32" else 2)
     return saved, tokens * (2 if kind == "lowp" else 4) * args.dim / sp
