@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e ".[dev,track]"
+	$(PY) -m pip install -q -e ".[dev,track,eval]"
 	touch $@
 
 install: $(STAMP)

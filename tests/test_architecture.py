@@ -103,6 +103,7 @@ LAYERS = (
     ("storage, runtime, monitoring", ("hpctrain.storage", "hpctrain.runtime", "hpctrain.monitoring")),
     ("runs", ("hpctrain.runs",)),  # composing, resolving and checking a run's config; its directory
     ("weights", ("hpctrain.weights",)),  # weights out to other formats
+    ("evaluation", ("hpctrain.evaluation",)),  # lm-evaluation-harness's tasks over a score function
     ("training", ("hpctrain.training",)),  # the trainer's components, the loop, the memory planner
     ("launch", ("hpctrain.launch",)),  # Slurm submission, sweeps, preflight
     ("tools", ("hpctrain.tools",)),  # generate, summary, benchmarks, gpu-check

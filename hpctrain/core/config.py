@@ -382,6 +382,21 @@ class ClusterConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream evaluation with lm-evaluation-harness (hpctrain.evaluation): its tasks scored by the run's model."""
+
+    tasks: list[str] = field(default_factory=list)  # lm-eval task (or group) names; none: no downstream evaluation
+    every: int = 0  # steps between evaluations (and at the last step); 0: at the last step only
+    limit: float | None = None  # examples per task (a count, or a fraction below 1): lm-eval's --limit
+    num_fewshot: int | None = None  # lm-eval's --num_fewshot (None: each task's own)
+    include_path: str | None = None  # a directory of task YAML files (local tasks): lm-eval's --include_path
+    batch_size: int = 8  # requests scored at once per data-parallel rank
+    # tokens of context + continuation a request keeps (from the right); None: the run's train.seq_len
+    max_length: int | None = None
+    log_samples: bool = False  # every request and its answer in <run_dir>/eval_samples/step-N/<task>.jsonl
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -392,6 +407,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 
 

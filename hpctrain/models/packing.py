@@ -36,6 +36,10 @@ class DocumentMask:
     eos_id: int
     restart_positions: bool = False
 
+    def one_per_row(self) -> DocumentMask:
+        """The same inputs for rows that are one document each (scoring requests): no token ends one."""
+        return DocumentMask(-1, self.restart_positions)
+
     def kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's keyword inputs for `inputs` [B, T]: `docs`, and `positions` when they restart."""
         docs = document_ids(inputs, self.eos_id)

@@ -106,7 +106,7 @@ class JsonlSink(Sink):
 
 
 class TensorBoardSink(Sink):
-    """<run_dir>/tb: every finite number as a scalar, `train/...` and `val/...`."""
+    """<run_dir>/tb: every finite number as a scalar, `train/...`, `val/...` and `eval/...` (downstream tasks)."""
 
     def __init__(self, run_dir: str, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -124,11 +124,16 @@ class TensorBoardSink(Sink):
     def write(self, record: dict) -> None:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.tb.add_scalar(key.replace("val_", "val/") if key.startswith("val_") else f"train/{key}",
-                                   value, record["step"])
+                self.tb.add_scalar(_tb_name(key), value, record["step"])
 
     def close(self) -> None:
         self.tb.close()
+
+
+def _tb_name(key: str) -> str:
+    if key.startswith("val_"):
+        return key.replace("val_", "val/", 1)
+    return key if key.startswith("eval/") else f"train/{key}"
 
 
 class ConsoleSink(Sink):

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hpctrain.models.cross_entropy import IGNORE_INDEX
 from hpctrain.models.packing import DocumentMask
 from hpctrain.parallel.compression import grad_exchange
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout
@@ -102,6 +103,18 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, samples: Samp
     per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     samples.add(per_token.view(targets.shape))
     return per_token.sum()
+
+
+def token_scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[B, 2] float64: each sample's summed log-probability of its scored targets (those not -100), and 1 where every
+    one of them is the most likely token (lm-eval's loglikelihood answer); vocab-sharded logits (loss parallel) too."""
+    keep = targets != IGNORE_INDEX
+    logp = F.log_softmax(logits.float(), dim=-1)
+    picked = -F.nll_loss(logp.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+    best = logp.amax(-1)
+    picked, best = (t.full_tensor() if isinstance(t, DTensor) else t for t in (picked, best))
+    greedy = ((picked >= best) | ~keep).all(1)
+    return torch.stack([picked.masked_fill(~keep, 0).sum(1).double(), greedy.double()], 1)
 
 
 def _with_last(items: Iterable) -> Iterator[tuple[object, bool]]:
@@ -279,6 +292,21 @@ class TrainStep:
                                     self.fused_loss, self.documents)
         return self._mean_over_replicas(total, n)
 
+    def score_rows(self, wanted: int) -> int:
+        """The rows a `score` batch holds (`wanted`: any number)."""
+        return wanted
+
+    @torch.no_grad()
+    def score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`token_scores` of one batch ([B, T] inputs, targets with -100 where nothing is scored), in eval mode and
+        the run's precision; the same on every tensor-parallel rank. Every rank holding a part of the model calls it."""
+        was_training = self.model.training
+        self.model.eval()
+        with self.loss_ctx(), self.precision.autocast():
+            scores = token_scores(self.model(inputs.to(self.device)), targets.to(self.device))
+        self.model.train(was_training)
+        return scores.cpu()
+
     def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
         both = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=total.device)])
         if self.dp > 1:
@@ -299,7 +327,8 @@ class PipelineTrainStep(TrainStep):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
                  grad_clip: float, device: torch.device, mesh, loss_parallel: bool, schedule: str,
-                 n_microbatches: int, batch_mesh=None):
+                 n_microbatches: int, batch_mesh=None, micro_shape: tuple[int, int] = (1, 1)):
+        """`micro_shape`: (samples, tokens) of a micro-batch, the shape the stages are built for."""
         from torch.distributed.pipelining import PipelineStage, schedules
 
         super().__init__(model, optimizer, precision, grad_clip, device, mesh, loss_parallel, batch_mesh)
@@ -315,17 +344,25 @@ class PipelineTrainStep(TrainStep):
         self.schedule = getattr(schedules, name)(stages if multi else stages[0], n_microbatches,
                                                  loss_fn=self._loss, scale_grads=False)
         self._denom, self._scale = 1.0, 1.0
+        self._scores: list[torch.Tensor] | None = None
+        self.micro_shape = micro_shape
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Called for each micro-batch in order (the schedule's `losses` are in that order too).
+        if self._scores is not None:  # scoring (`score`): kept, nothing to backpropagate
+            self._scores.append(token_scores(logits, targets))
+            return torch.zeros((), device=self.device)
         return cross_entropy_sum(logits, targets, self.samples) / self._denom * self._scale
 
-    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool) -> torch.Tensor:
-        """One schedule run over n_microbatches micro-batches stacked along dim 0."""
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, forward_only: bool,
+             documents: DocumentMask | None = None) -> torch.Tensor:
+        """One schedule run over n_microbatches micro-batches stacked along dim 0 (`documents`: instead of the
+        step's)."""
         args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
         target = targets.to(self.device, non_blocking=True) if self.has_last else None
         # Every stage is given the documents (keyword inputs reach all of them, split per micro-batch as the inputs).
-        given = self.documents.kwargs(inputs.to(self.device)) if self.documents is not None else {}
+        documents = documents or self.documents
+        given = documents.kwargs(inputs.to(self.device)) if documents is not None else {}
         losses: list[torch.Tensor] = []
         run = self.schedule.eval if forward_only else self.schedule.step
         with self.loss_ctx(), self.precision.autocast():
@@ -373,6 +410,36 @@ class PipelineTrainStep(TrainStep):
         return self._mean_over_replicas(total, n)
 
 
+    def score_rows(self, wanted: int) -> int:
+        return self.n_microbatches * self.micro_shape[0]  # the schedule's shape
+
+    @torch.no_grad()
+    def score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """As TrainStep.score, through the schedule: the batch padded to its n_microbatches micro-batches of the
+        training shape ([rows, T] with rows <= n_microbatches × micro_batch and T the training length: the stages'
+        buffers are sized for it); the last stage's scores are summed over pp, so every stage returns them."""
+        rows, length = self.n_microbatches * self.micro_shape[0], self.micro_shape[1]
+        if inputs.shape[0] > rows or inputs.shape[1] > length:
+            raise ValueError(f"a pipeline scores batches of at most {rows} rows of {length} tokens, got "
+                             f"{list(inputs.shape)}")
+        padded_in = torch.zeros((rows, length), dtype=inputs.dtype)
+        padded_t = torch.full((rows, length), IGNORE_INDEX, dtype=targets.dtype)
+        padded_in[:inputs.shape[0], :inputs.shape[1]] = inputs
+        padded_t[:targets.shape[0], :targets.shape[1]] = targets
+        self.model.eval()
+        self._scores = []
+        try:
+            # a masked model's stages take documents: each row is one (the same keyword inputs as training)
+            self._run(padded_in, padded_t, True, self.documents and self.documents.one_per_row())
+            scores = torch.cat(self._scores[len(self._scores) - self.n_microbatches:]) if self._scores else \
+                torch.zeros((rows, 2), dtype=torch.float64, device=self.device)
+        finally:
+            self._scores = None
+            self.model.train()
+        dist.all_reduce(scores, group=self.mesh["pp"].get_group())  # only the last stage scored
+        return scores[:inputs.shape[0]].cpu()
+
+
 def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of `n` micro-batches shaped like the group's first: missing samples repeat
     its first sample with every target -100, so they add no loss."""
@@ -390,13 +457,14 @@ def _padded(group: list[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tens
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device,
                      mesh, layout: Layout, *, grad_clip: float, grad_accum: int = 1,
                      reduce_every_microbatch: bool = False, fused_loss: bool = False,
-                     passes: Sequence[StepPass] = (), documents: DocumentMask | None = None) -> TrainStep:
+                     passes: Sequence[StepPass] = (), documents: DocumentMask | None = None,
+                     micro_shape: tuple[int, int] = (1, 1)) -> TrainStep:
     """The layout's step, chosen here once: the loop only calls it (and its `evaluate`). A pipelined step runs
     its `grad_accum` micro-batches as one schedule, which reduces once after the last of them. `fused_loss`
     (train.fused_loss) is refused with pipelines and tensor parallelism before this (`resolve`)."""
     if layout.pipelined:
         step = PipelineTrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
-                                 layout.pp_schedule, grad_accum, layout.batch_mesh(mesh))
+                                 layout.pp_schedule, grad_accum, layout.batch_mesh(mesh), micro_shape)
     else:
         step = TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
                          layout.batch_mesh(mesh), reduce_every_microbatch, fused_loss)

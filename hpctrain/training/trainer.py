@@ -33,6 +33,7 @@ from hpctrain.runs.resolve import scaled_lr
 from hpctrain.runtime import job
 from hpctrain.runtime.job import RunStatus, Stop
 from hpctrain.storage import checkpoint
+from hpctrain.training.downstream import DownstreamEval
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, ValSplit
 from hpctrain.training.model_init import build_model, load_initial_weights
@@ -91,7 +92,8 @@ class Trainer:
         self.step = build_train_step(self.model, self.optimizer, self.precision, self.env.device, self.mesh,
                                      self.shape.layout, grad_clip=cfg.optim.grad_clip, grad_accum=self.shape.grad_accum,
                                      reduce_every_microbatch=sharded_gradients(cfg.parallel),
-                                     fused_loss=t.fused_loss, passes=step_passes(self.optimizer), documents=documents)
+                                     fused_loss=t.fused_loss, passes=step_passes(self.optimizer), documents=documents,
+                                     micro_shape=(self.shape.micro_batch, prepared.seq_len))
         spike = cfg.monitor.loss_spike
         self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
         self.step.check_losses(self.spikes.drop_update if self.spikes.enabled else None,
@@ -125,6 +127,9 @@ class Trainer:
         self.evaluator = Evaluator(t.eval_every, t.max_steps, lambda: val.share(dp_rank), self.step, self.metrics,
                                    val.text_bytes if env.is_main else None,
                                    {name: (lambda v=v: v.share(dp_rank)) for name, v in by_source.items()})
+        self.downstream = DownstreamEval(cfg.eval, t.max_steps, self.step, shape.layout.batch_mesh(self.mesh),
+                                         prepared.data_dir, prepared.seq_len, self.metrics,
+                                         os.path.join(self.run_dir, "eval_samples") if env.is_main else None)
         self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(self.run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
@@ -286,14 +291,15 @@ class Trainer:
         log.info("exported %s as a transformers model to %s", ckpt, export(self.cfg.model, self.cfg.data.path, ckpt, out))
 
     def _evaluate(self, saved: bool) -> None:
-        if not self.evaluator.due(self.state.step):
-            return
-        try:
-            self.evaluator.run(self.state)
-        except DataError:  # (every rank evaluates the same batches: all of them are here)
-            if not saved:
-                self.checkpointer.save(self.state.step)
-            raise
+        if self.evaluator.due(self.state.step):
+            try:
+                self.evaluator.run(self.state)
+            except DataError:  # (every rank evaluates the same batches: all of them are here)
+                if not saved:
+                    self.checkpointer.save(self.state.step)
+                raise
+        if self.downstream.due(self.state.step):
+            self.downstream.run(self.state)
 
     def _finish(self, status: RunStatus, error: str | None) -> dict:
         self.signals.restore(drain=status not in (RunStatus.failed, RunStatus.interrupted))

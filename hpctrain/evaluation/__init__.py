@@ -1,0 +1,1 @@
+"""Downstream evaluation: lm-evaluation-harness's tasks scored by hpctrain's model (harness.py)."""

@@ -1,0 +1,185 @@
+"""lm-evaluation-harness as the task and metric library, hpctrain's model as its `LM`.
+
+`HpctrainLM` answers lm-eval's requests with a score function — in a run, the run's model in its own layout
+(hpctrain.training.downstream) — and tokenizes, truncates and splits requests exactly as lm-eval's `--model hf`
+does with the same tokenizer (both are lm-eval's `TemplateLM`; the rolling windows are its own utilities), so a
+score here equals lm-eval's on the exported checkpoint. lm-eval runs as one process on every rank: its
+requests are the same everywhere and the score function splits them over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+
+from hpctrain.core.config import EvalConfig
+from hpctrain.core.errors import ConfigError
+
+log = logging.getLogger("hpctrain")
+
+# (tokens of context + continuation, at most max_length + 1 of them; how many of the last are the continuation)
+Row = tuple[list[int], int]
+ScoreFn = Callable[[Sequence[Row]], list[tuple[float, bool]]]
+
+
+class HpctrainLM(TemplateLM):
+    """lm-eval's `LM` over a score function, tokenizing and truncating as lm-eval's hf model does."""
+
+    backend = "causal"
+
+    def __init__(self, tokenizer, score: ScoreFn, max_length: int):
+        super().__init__()
+        self.tokenizer, self._score, self._max_length = tokenizer, score, max_length
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:  # as lm-eval's hf model: BOS, else EOS, before an empty context
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        bos = self.tokenizer.decode(self.prefix_token_id)
+        if add_special_tokens is None and bos and string.startswith(bos):
+            special = {"add_special_tokens": False}
+        return self.tokenizer.encode(string, **special)
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        rows, n = [], self._max_length
+        for _, context, continuation in requests:
+            if not continuation or len(continuation) > n:
+                raise ConfigError(f"a request's continuation of {len(continuation)} tokens does not fit "
+                                  f"eval.max_length={n}: raise eval.max_length (up to model.max_seq_len)")
+            rows.append(((context + continuation)[-(n + 1):], len(continuation)))
+        return self._score(rows)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, counts = [], []
+        for (text,) in (r.args for r in requests):
+            mine = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._max_length,
+                context_len=1)]
+            windows += [(None, context, continuation) for context, continuation in mine]
+            counts.append(len(mine))
+        scores, out, at = self._loglikelihood_tokens(windows), [], 0
+        for n in counts:
+            out.append(sum(ll for ll, _ in scores[at:at + n]))
+            at += n
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        raise ConfigError("a generative task (lm-eval's generate_until): hpctrain scores log-likelihood tasks only "
+                          "so far (check_tasks refuses them before a run starts)")
+
+
+_managers: dict = {}
+
+
+def task_manager(include_path: str | None, tasks: Sequence[str]):
+    """lm-eval's TaskManager: only eval.include_path's tasks when they are all there (indexing lm-eval's ~15k
+    tasks takes seconds), else those and lm-eval's own; made once per process."""
+    from lm_eval.tasks import TaskManager
+
+    key = (include_path, tuple(tasks))
+    if key not in _managers:
+        manager = None
+        if include_path:
+            local = TaskManager(include_path=include_path, include_defaults=False)
+            manager = local if set(local.match_tasks(list(tasks))) == set(tasks) else None
+        _managers[key] = manager or TaskManager(include_path=include_path)
+    return _managers[key]
+
+
+def check_tasks(ecfg: EvalConfig) -> None:
+    """eval.tasks that lm-eval knows and can load (their data found: on an offline cluster, local files or a filled
+    datasets cache), none generative; eval.include_path a directory. One-line ConfigError otherwise."""
+    if ecfg.include_path and not os.path.isdir(os.path.expanduser(ecfg.include_path)):
+        raise ConfigError(f"eval.include_path={ecfg.include_path} is not a directory: point it at your task YAML files")
+    tasks = list(ecfg.tasks)
+    manager = task_manager(_path(ecfg), tasks)
+    unknown = sorted(set(tasks) - set(manager.match_tasks(tasks)))
+    if unknown:
+        raise ConfigError(f"eval.tasks: {', '.join(unknown)} unknown to lm-eval (`lm_eval ls tasks` lists its tasks; "
+                          "your own: their YAML in eval.include_path=DIR)")
+    try:
+        loaded = manager.load(tasks)["tasks"]  # every leaf task, groups expanded
+    except Exception as e:  # noqa: BLE001 - lm-eval and datasets raise many kinds; the message is what matters
+        raise ConfigError(f"eval.tasks={tasks}: lm-eval could not load them ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}): check the task's data files (offline: set "
+                          "HF_DATASETS_OFFLINE=1 with a filled cache, or use local data_files)") from None
+    generative = sorted(name for name, task in loaded.items() if task.OUTPUT_TYPE == "generate_until")
+    if generative:
+        raise ConfigError(f"eval.tasks: {', '.join(generative)} generate text (lm-eval's generate_until), and hpctrain "
+                          "scores log-likelihood tasks only so far: drop them, or run lm_eval --model hf on an export")
+
+
+def _path(ecfg: EvalConfig) -> str | None:
+    return os.path.abspath(os.path.expanduser(ecfg.include_path)) if ecfg.include_path else None
+
+
+def evaluate(lm, ecfg: EvalConfig, log_samples: bool = False) -> dict:
+    """lm-eval's own evaluation of eval.tasks with `lm` (its results dict; empty on a rank whose LOCAL_RANK is not 0:
+    lm-eval returns them on one process of a node); global random state untouched."""
+    import random
+
+    import numpy as np
+    import torch
+    from lm_eval import evaluator
+
+    state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return evaluator.simple_evaluate(
+                model=lm, tasks=list(ecfg.tasks), num_fewshot=ecfg.num_fewshot, limit=ecfg.limit,
+                task_manager=task_manager(_path(ecfg), list(ecfg.tasks)), log_samples=log_samples,
+                bootstrap_iters=0, random_seed=None, numpy_random_seed=None, torch_random_seed=None,
+                verbosity="ERROR") or {}
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+
+
+SAMPLE_KEYS = ("doc_id", "target", "arguments", "resps", "filtered_resps")
+
+
+def write_samples(results: dict, out_dir: str) -> list[str]:
+    """lm-eval's logged samples (evaluate(..., log_samples=True)): <out_dir>/<task>.jsonl, a line per document with
+    its requests and answers (the log-likelihoods); the files written."""
+    from hpctrain.core.files import atomic_write
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for task, samples in results.get("samples", {}).items():
+        path = os.path.join(out_dir, f"{task}.jsonl")
+        lines = (json.dumps({k: s.get(k) for k in SAMPLE_KEYS}, default=str) for s in samples)
+        atomic_write(path, "".join(line + "\n" for line in lines))
+        written.append(path)
+    return written
+
+
+def scores(results: dict) -> dict[str, float]:
+    """lm-eval's results as metric names: eval/<task>/<metric> (a filter other than `none` appended:
+    <metric>_<filter>); standard errors left out."""
+    out = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if not filt or "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            out[f"eval/{task}/{metric if filt == 'none' else f'{metric}_{filt}'}"] = float(value)
+    return out

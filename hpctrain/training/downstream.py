@@ -1,0 +1,122 @@
+"""Downstream evaluation in the loop (the `eval` group): lm-eval's tasks scored by the run's model in its layout at
+eval.every steps and the last, logged as eval/<task>/<metric>."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.core.config import EvalConfig
+from hpctrain.core.errors import ConfigError
+from hpctrain.core.shard_format import read_manifest
+from hpctrain.models.cross_entropy import IGNORE_INDEX
+
+PAD_TO = 64  # a batch's length is rounded up to a multiple of this: fewer shapes (compiled blocks recompile per shape)
+
+
+class Scorer:
+    """lm-eval's rows scored by the step's model: longest first, `rows` at a time, batch j on data-parallel rank
+    j % dp (every rank runs as many forwards: FSDP gathers with its peers), the scores summed over dp so that every
+    rank returns all of them."""
+
+    def __init__(self, step, dp_mesh, rows: int, max_length: int):
+        self.step, self.dp_mesh, self.rows, self.max_length = step, dp_mesh, rows, max_length
+
+    def __call__(self, rows: Sequence[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        """`rows`: (tokens of context + continuation, how many of the last are the continuation) each."""
+        if not rows:
+            return []
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        batches = [order[i:i + self.rows] for i in range(0, len(order), self.rows)]
+        dp, me = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
+        out = torch.zeros((len(rows), 2), dtype=torch.float64)
+        for r in range(math.ceil(len(batches) / dp)):
+            j = r * dp + me
+            idx = batches[j] if j < len(batches) else batches[0][:1]  # a forward to keep in step with the others
+            scores = self.step.score(*_padded([rows[i] for i in idx], self.max_length))
+            if j < len(batches):
+                out[idx] = scores
+        if dp > 1:
+            dist.all_reduce(out, group=self.dp_mesh.get_group())
+        return [(ll, bool(greedy)) for ll, greedy in out.tolist()]
+
+
+def _padded(rows: Sequence[tuple[list[int], int]], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T] inputs, [B, T] targets, -100 where nothing is scored: the context and the padding)."""
+    length = max(len(tokens) for tokens, _ in rows) - 1
+    length = min(-(-length // PAD_TO) * PAD_TO, max_length)
+    inputs = torch.zeros((len(rows), length), dtype=torch.int64)
+    targets = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.int64)
+    for i, (tokens, n_cont) in enumerate(rows):
+        n = len(tokens) - 1
+        inputs[i, :n] = torch.tensor(tokens[:-1])
+        targets[i, n - n_cont:n] = torch.tensor(tokens[-n_cont:])
+    return inputs, targets
+
+
+def tokenizer_of(data_dir: str):
+    """The shards' tokenizer as transformers loads it — what an export carries and lm-eval's hf model reads."""
+    from transformers import AutoTokenizer
+
+    manifest = read_manifest(data_dir)
+    path = os.path.dirname(os.path.join(data_dir, manifest.tokenizer.path))
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"eval.tasks need the shards' tokenizer as transformers reads it ({path}): "
+                          f"{' '.join(str(e).split())[:200]}") from None
+
+
+def max_length(ecfg: EvalConfig, seq_len: int) -> int:
+    return ecfg.max_length or seq_len
+
+
+def check(ecfg: EvalConfig, layout, data_dir: str, seq_len: int, max_seq_len: int) -> None:
+    """The eval group before a run starts: lengths the model and layout can score, the tokenizer, the tasks (known,
+    loadable, not generative); one-line ConfigError."""
+    if not ecfg.tasks:
+        return
+    if ecfg.every < 0 or ecfg.batch_size < 1 or (ecfg.limit is not None and ecfg.limit <= 0):
+        raise ConfigError(f"eval.every={ecfg.every}, eval.batch_size={ecfg.batch_size}, eval.limit={ecfg.limit}: need "
+                          "every >= 0 (0: the last step only), batch_size >= 1, limit > 0 or null")
+    length = max_length(ecfg, seq_len)
+    if length > max_seq_len:
+        raise ConfigError(f"eval.max_length={length} exceeds model.max_seq_len={max_seq_len}: lower eval.max_length")
+    if layout.pipelined and length > seq_len:
+        raise ConfigError(f"eval.max_length={length} with parallel.pp={layout.pp}: a pipeline scores in its training "
+                          f"shape, at most train.seq_len={seq_len} tokens; lower eval.max_length")
+    tokenizer_of(data_dir)
+    from hpctrain.evaluation import harness  # (lm-eval: imported only where tasks are asked for)
+
+    harness.check_tasks(ecfg)
+
+
+class DownstreamEval:
+    """The in-loop component: due at eval.every steps and the last; every rank runs it, the main rank logs."""
+
+    def __init__(self, ecfg: EvalConfig, last_step: int, step, dp_mesh, data_dir: str, seq_len: int, metrics,
+                 samples_dir: str | None):
+        """`samples_dir`: where eval.log_samples writes (the main rank's; None elsewhere)."""
+        self.ecfg, self.last_step, self.metrics, self.samples_dir = ecfg, last_step, metrics, samples_dir
+        self.enabled = bool(ecfg.tasks)
+        self.tokenizer = tokenizer_of(data_dir) if self.enabled else None
+        self.max_length = max_length(ecfg, seq_len)
+        self.scorer = Scorer(step, dp_mesh, step.score_rows(ecfg.batch_size), self.max_length)
+
+    def due(self, step: int) -> bool:
+        return self.enabled and ((self.ecfg.every and step % self.ecfg.every == 0) or step == self.last_step)
+
+    def run(self, state) -> dict:
+        from hpctrain.evaluation import harness
+
+        lm = harness.HpctrainLM(self.tokenizer, self.scorer, self.max_length)
+        results = harness.evaluate(lm, self.ecfg, log_samples=self.ecfg.log_samples)
+        if self.ecfg.log_samples and self.samples_dir:
+            harness.write_samples(results, os.path.join(self.samples_dir, f"step-{state.step}"))
+        record = {"step": state.step, **harness.scores(results)}
+        self.metrics.log(record)
+        return record

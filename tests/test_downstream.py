@@ -1,0 +1,147 @@
+"""Downstream evaluation (the eval group): lm-evaluation-harness tasks scored by the run's model in its layout, against
+lm-eval's own `--model hf` on the exported checkpoint — on local tasks made by the test (offline)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from hpctrain.core.errors import ConfigError
+
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "ran", "fast", "slow", "red", "blue", "green", "house", "tree",
+         "river", "code", "data", "model", "train"]
+RUN = ("train.global_batch=8", "train.micro_batch=2", "train.max_steps=4", "train.eval_every=0", "train.ckpt_every=0",
+       "logging.trackers=[tensorboard]", "cluster.num_threads=1", "optim.decay_steps=12", "model.tie_embeddings=false",
+       "train.export_hf_at_end=true", "eval.every=2", "eval.log_samples=true", "eval.tasks=[hpc_mc,hpc_ppl]")
+
+
+def _task(name: str, data: str, body: str) -> str:
+    return (f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"test_split: test\n{body}")
+
+
+@pytest.fixture(scope="module")
+def local_tasks(tmp_path_factory) -> str:
+    """A multiple-choice task (acc, acc_norm: loglikelihood requests), a perplexity task (loglikelihood_rolling:
+    documents longer than the model's 64 tokens, so several windows each) and a generative one, as lm-eval YAML
+    reading local JSON lines — what an offline cluster does."""
+    out = tmp_path_factory.mktemp("tasks")
+    rng = random.Random(0)
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    mc = [{"question": words(3, 9), "choices": [words(1, 4) for _ in range(4)], "answer": rng.randrange(4)}
+          for _ in range(10)]
+    (out / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mc))
+    (out / "ppl.jsonl").write_text("".join(json.dumps({"text": words(5, 90)}) + "\n" for _ in range(5)))
+    (out / "hpc_mc.yaml").write_text(_task("hpc_mc", out / "mc.jsonl", (
+        "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")))
+    (out / "hpc_ppl.yaml").write_text(_task("hpc_ppl", out / "ppl.jsonl", (
+        "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")))
+    (out / "hpc_gen.yaml").write_text(_task("hpc_gen", out / "mc.jsonl", (
+        "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "metric_list:\n  - metric: exact_match\n")))
+    (out / "hpc_nodata.yaml").write_text(_task("hpc_nodata", out / "missing.jsonl", (
+        "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")))
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    return str(out)
+
+
+def _reference(export: str, tasks: str, cli: bool, out) -> tuple[dict, dict]:
+    """lm-eval's --model hf on the export: ({task: {metric: value}}, {task: [each document's answers]})."""
+    model_args = f"pretrained={export},dtype=float32,max_length=64"
+    if cli:  # the command a user runs
+        subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks",
+                        "hpc_mc,hpc_ppl", "--include_path", tasks, "--device", "cpu", "--output_path", str(out),
+                        "--log_samples"], check=True, capture_output=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+        (results_file,) = glob.glob(f"{out}/*/results_*.json")
+        results = json.loads(open_text(results_file))["results"]
+        samples = {t: _lines(glob.glob(f"{out}/*/samples_{t}_*.jsonl")[0]) for t in ("hpc_mc", "hpc_ppl")}
+    else:  # the same code in this process (lm-eval's CLI is ~10 s of imports)
+        from lm_eval import evaluator
+        from lm_eval.tasks import TaskManager
+
+        got = evaluator.simple_evaluate(model="hf", model_args=model_args, tasks=["hpc_mc", "hpc_ppl"],
+                                        task_manager=TaskManager(include_path=tasks, include_defaults=False),
+                                        log_samples=True, bootstrap_iters=0, device="cpu")
+        results, samples = got["results"], got["samples"]
+    return results, {t: sorted(s, key=lambda s: s["doc_id"]) for t, s in samples.items()}
+
+
+def open_text(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in open_text(path).splitlines()]
+
+
+def _answers(sample: dict) -> list[float]:
+    """Each request's log-likelihood of a logged sample (lm-eval writes them as strings in its files)."""
+    out = []
+    for resp in sample["resps"]:
+        first = resp[0]
+        out.append(float(first[0] if isinstance(first, (list, tuple)) else first))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [[], ["parallel=fsdp", "parallel.dp=2"], ["parallel=tp2"], ["parallel=pp2"]],
+                         ids=["single", "fsdp", "tp2", "pp2"])
+def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_path, layout):
+    """Trained four steps, scored at steps 2 and 4 in the run's layout: the step-4 scores and every request's
+    log-likelihood (to 1e-4) equal lm-eval's --model hf on the exported step-4 checkpoint; logged as
+    eval/<task>/<metric> in metrics.jsonl and TensorBoard."""
+    from hpctrain.core.files import read_metrics
+    from hpctrain.training.run import train
+
+    run = tmp_path / "run"
+    cfg = make_cfg(*RUN, f"eval.include_path={local_tasks}", *layout)
+    assert train(cfg, str(run))["status"] == "completed"
+    logged = {m["step"]: m for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
+    assert sorted(logged) == [2, 4], logged
+    (export,) = glob.glob(str(run / "hf" / "step-*"))
+    results, samples = _reference(export, local_tasks, cli=not layout, out=tmp_path / "ref")
+    for task, metrics in (("hpc_mc", ("acc", "acc_norm")), ("hpc_ppl", ("word_perplexity", "bits_per_byte"))):
+        for metric in metrics:
+            assert logged[4][f"eval/{task}/{metric}"] == pytest.approx(results[task][f"{metric},none"], rel=1e-5)
+        ours = _lines(run / "eval_samples" / "step-4" / f"{task}.jsonl")
+        assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in samples[task]]
+        for mine, theirs in zip(ours, samples[task]):
+            assert _answers(mine) == pytest.approx(_answers(theirs), abs=1e-4), (task, mine["doc_id"])
+    if not layout:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        ea = EventAccumulator(str(run / "tb"))
+        ea.Reload()
+        assert [e.step for e in ea.Scalars("eval/hpc_mc/acc")] == [2, 4]
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["eval.tasks=[nope_task]"], ["eval.tasks: nope_task unknown to lm-eval", "eval.include_path"]),
+    (["eval.tasks=[hpc_gen]"], ["hpc_gen generate text", "drop them"]),
+    (["eval.tasks=[hpc_nodata]"], ["lm-eval could not load them", "data files"]),
+    (["eval.tasks=[hpc_mc]", "eval.max_length=4096"], ["eval.max_length=4096 exceeds model.max_seq_len"]),
+    (["eval.tasks=[hpc_mc]", "eval.batch_size=0"], ["eval.batch_size=0"]),
+])
+def test_bad_eval_settings_are_one_line_before_anything_starts(make_cfg, local_tasks, overrides, words):
+    from hpctrain.training.run import prepare
+
+    with pytest.raises(ConfigError) as e:
+        prepare(make_cfg(f"eval.include_path={local_tasks}", *overrides))
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="eval.include_path=.* is not a directory"):
+        prepare(make_cfg("eval.tasks=[hpc_mc]", f"eval.include_path={local_tasks}/nope"))
