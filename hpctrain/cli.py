@@ -282,6 +282,8 @@ COMMANDS = {
     "export-hf": ("a run's checkpoint as a transformers model: export-hf RUN_DIR OUT",
                   _tool("hpctrain.weights.export_hf")),
     "summary": ("a run's status and loss curve in one line: summary RUN_DIR", _tool("hpctrain.tools.summary")),
+    "eval": ("downstream tasks (lm-eval) on a run's checkpoints: eval RUN_DIR 'eval.tasks=[...]'",
+             _tool("hpctrain.tools.evaluate")),
     "report": ("a sweep's table and plots: report SWEEP_DIR", _tool("hpctrain.launch.sweep", "report")),
     "bench": (f"throughput against a plain transformers loop; bench NAME: {', '.join(BENCHES)}", bench),
     "prep": (f"data preparation: prep {{{','.join(PREP)}}} ...", prep),

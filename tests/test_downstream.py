@@ -145,3 +145,38 @@ def test_bad_eval_settings_are_one_line_before_anything_starts(make_cfg, local_t
     assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match="eval.include_path=.* is not a directory"):
         prepare(make_cfg("eval.tasks=[hpc_mc]", f"eval.include_path={local_tasks}/nope"))
+
+
+@pytest.mark.multiproc
+def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(local_tasks, demo_data, tmp_path):
+    """`hpctrain eval RUN_DIR checkpoint=all` in tp2 scores the run's step-2 and step-4 checkpoints as the run
+    scored them in the loop (one process), appended to evals.jsonl; a sweep directory gives one row per run."""
+    import shutil
+
+    from helpers import cli_args, run_forked
+
+    from hpctrain import cli
+    from hpctrain.core.files import read_metrics
+    from hpctrain.tools import evaluate
+    from hpctrain.training.checkpoint_eval import records
+
+    run = tmp_path / "sweep" / "0"
+    tasks = ["eval.tasks=[hpc_mc,hpc_ppl]", f"eval.include_path={local_tasks}"]
+    trained = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=4", "train.ckpt_every=2", "eval.every=2",
+                                            "model.tie_embeddings=false", "train.progress=false", *tasks), cwd=tmp_path)
+    assert trained.code == 0, trained.err
+    in_loop = {m["step"]: m for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
+    ran = run_forked(evaluate.main, [str(run), "checkpoint=all", "parallel=tp2", *tasks], cwd=tmp_path)
+    assert ran.code == 0, ran.err
+    got = {r["step"]: r for r in records(str(run))}
+    assert sorted(got) == [2, 4] and "hpc_ppl/bits_per_byte" in ran.out, ran.out
+    for step in (2, 4):
+        for key in ("eval/hpc_mc/acc", "eval/hpc_mc/acc_norm", "eval/hpc_ppl/word_perplexity"):
+            assert got[step][key] == pytest.approx(in_loop[step][key], rel=1e-5), (step, key)
+    shutil.copytree(run, tmp_path / "sweep" / "1", ignore=shutil.ignore_patterns("evals.jsonl"))
+    ran = run_forked(evaluate.main, [str(tmp_path / "sweep"), "eval.limit=4", *tasks], cwd=tmp_path)
+    assert ran.code == 0 and [line.split()[0] for line in ran.out.splitlines()[1:]] == ["0", "1"], ran.out
+    for argv, words in (([str(run), "eval.tasks=[]"], "pass 'eval.tasks=[TASK,...]'"), ([str(run), "train.lr=1", *tasks], "train.lr="),
+                        ([str(tmp_path / "nope"), *tasks], "is not a directory")):
+        ran = run_forked(evaluate.main, argv, cwd=tmp_path)
+        assert ran.code == 2 and words in ran.err and len(ran.err.strip().splitlines()) == 1, ran.err

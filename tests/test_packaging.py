@@ -98,7 +98,8 @@ def test_console_script_has_every_command(fresh):
     script = venv / "bin" / "hpctrain"
     p = _run([script, "--help"], empty)
     assert p.returncode == 0, p.stderr
-    commands = ("train", "plan", "report", "preflight", "generate", "export-hf", "summary", "bench", "prep", "gpu-check")
+    commands = ("train", "plan", "report", "preflight", "generate", "export-hf", "summary", "eval", "bench", "prep",
+                "gpu-check")
     # Each command's --help through the script's own function, in one interpreter of the fresh environment.
     helps = _run([venv / "bin" / "python", "-c", _HELPS, *commands], empty)
     assert helps.returncode == 0, helps.stderr
@@ -111,5 +112,5 @@ def test_console_script_has_every_command(fresh):
     p = _run([script, "trian"], empty)
     assert p.returncode == 2 and p.stderr.strip() == (
         "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, check, generate, export-hf, summary, "
-        "report, bench, prep, gpu-check (hpctrain --help)")
+        "eval, report, bench, prep, gpu-check (hpctrain --help)")
 

@@ -95,12 +95,22 @@ def _legacy_run(run_dir: str) -> bool:
     return os.path.isfile(os.path.join(run_dir, ".hydra", "config.yaml")) and bool(complete_checkpoints(run_dir))
 
 
+def _logging_here(path: str) -> bool:
+    """Whether this process's logging writes `path`: Hydra's train.log, opened at the first log line (a warning of
+    the run's own checks, before the directory is claimed) — this run's file, not another's."""
+    import logging
+
+    return any(isinstance(h, logging.FileHandler) and h.stream is not None
+               and os.path.realpath(h.baseFilename) == os.path.realpath(path) for h in logging.getLogger().handlers)
+
+
 def check_owned(run_dir: str) -> None:
     """Refuse (one TrainingError line) a directory holding files of the names a run writes that no hpctrain run
     wrote (no LOCK_FILE): they would be appended to, truncated or moved. Reads only."""
     if not os.path.isdir(run_dir) or os.path.lexists(os.path.join(run_dir, LOCK_FILE)):
         return
-    found = [name for name in RUN_OUTPUTS + RUN_RECORDS if os.path.lexists(os.path.join(run_dir, name))]
+    found = [name for name in RUN_OUTPUTS + RUN_RECORDS if os.path.lexists(os.path.join(run_dir, name))
+             and not _logging_here(os.path.join(run_dir, name))]
     if found and not _legacy_run(run_dir):
         raise TrainingError(f"run_dir={run_dir} holds {', '.join(found[:3])} that no hpctrain run wrote (no "
                             f"{LOCK_FILE}): choose a new or empty run_dir (if it is a run of an hpctrain older than "

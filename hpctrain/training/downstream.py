@@ -111,12 +111,18 @@ class DownstreamEval:
         return self.enabled and ((self.ecfg.every and step % self.ecfg.every == 0) or step == self.last_step)
 
     def run(self, state) -> dict:
+        """Score the model now and log eval/<task>/<metric> at the run's step."""
+        record = {"step": state.step, **self.score(state.step)}
+        self.metrics.log(record)
+        return record
+
+    def score(self, step: int) -> dict[str, float]:
+        """eval/<task>/<metric> of the model as it is (every rank; the scores on every rank whose LOCAL_RANK is
+        0); with eval.log_samples each request's answers in <samples_dir>/step-<step>/."""
         from hpctrain.evaluation import harness
 
         lm = harness.HpctrainLM(self.tokenizer, self.scorer, self.max_length)
         results = harness.evaluate(lm, self.ecfg, log_samples=self.ecfg.log_samples)
         if self.ecfg.log_samples and self.samples_dir:
-            harness.write_samples(results, os.path.join(self.samples_dir, f"step-{state.step}"))
-        record = {"step": state.step, **harness.scores(results)}
-        self.metrics.log(record)
-        return record
+            harness.write_samples(results, os.path.join(self.samples_dir, f"step-{step}"))
+        return harness.scores(results)
