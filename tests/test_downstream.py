@@ -109,7 +109,9 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_p
     from hpctrain.training.run import train
 
     run = tmp_path / "run"
-    cfg = make_cfg(*RUN, f"eval.include_path={local_tasks}", *layout)
+    # an alert rule watching a score (one process): acc is below 2 at every evaluation
+    watch = [] if layout else ["+monitor.rules.mc={metric:eval/hpc_mc/acc,threshold:2,when:below,for_s:0}"]
+    cfg = make_cfg(*RUN, f"eval.include_path={local_tasks}", *layout, *watch)
     assert train(cfg, str(run))["status"] == "completed"
     logged = {m["step"]: m for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
     assert sorted(logged) == [2, 4], logged
@@ -128,6 +130,8 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_p
         ea = EventAccumulator(str(run / "tb"))
         ea.Reload()
         assert [e.step for e in ea.Scalars("eval/hpc_mc/acc")] == [2, 4]
+        alerts = _lines(run / "alerts.jsonl")
+        assert [(a["event"], a["step"]) for a in alerts if a.get("rule") == "mc"] == [("firing", 2)], alerts
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -176,6 +180,10 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
     shutil.copytree(run, tmp_path / "sweep" / "1", ignore=shutil.ignore_patterns("evals.jsonl"))
     ran = run_forked(evaluate.main, [str(tmp_path / "sweep"), "eval.limit=4", *tasks], cwd=tmp_path)
     assert ran.code == 0 and [line.split()[0] for line in ran.out.splitlines()[1:]] == ["0", "1"], ran.out
+    from hpctrain.launch.sweep import format_table, report
+
+    shown = format_table(report(str(tmp_path / "sweep")))  # the sweep report: each run's latest scores
+    assert "downstream (last eval)" in shown and "hpc_mc/acc " in shown, shown
     for argv, words in (([str(run), "eval.tasks=[]"], "pass 'eval.tasks=[TASK,...]'"), ([str(run), "train.lr=1", *tasks], "train.lr="),
                         ([str(tmp_path / "nope"), *tasks], "is not a directory")):
         ran = run_forked(evaluate.main, argv, cwd=tmp_path)

@@ -15,6 +15,7 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
+EVALS_FILE = "evals.jsonl"  # hpctrain eval: one record per scored checkpoint (step, checkpoint, eval/<task>/<metric>)
 
 # The most a file of each kind may hold before hpctrain refuses to read it: a symlink to /dev/zero, a FIFO or a
 # runaway file must end in one line, never in a read that exhausts memory or never returns.
@@ -180,8 +181,13 @@ def lines(path: str, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
 def read_metrics(run_dir: str, lenient: bool = False) -> list[dict]:
     """The records of <run_dir>/metrics.jsonl. `lenient`: skip lines that are not JSON objects (a crash can cut
     the last one short) instead of raising ValueError."""
+    return read_records(os.path.join(run_dir, METRICS_FILE), lenient)
+
+
+def read_records(path: str, lenient: bool = False) -> list[dict]:
+    """The JSON-object lines of a JSON-lines file (`lenient`: lines that are not one passed over)."""
     records = []
-    for line in lines(os.path.join(run_dir, METRICS_FILE)):
+    for line in lines(path):
         if not line.strip():
             continue
         try:

@@ -7,6 +7,7 @@ result.json, and from Slurm (sacct) where result.json cannot tell: missing, or a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -14,7 +15,7 @@ import re
 import subprocess
 import sys
 
-from hpctrain.core.files import read_metrics, read_object, read_result, read_yaml
+from hpctrain.core.files import EVALS_FILE, read_metrics, read_object, read_records, read_result, read_yaml
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
@@ -145,6 +146,7 @@ def _run_row(run_dir: str) -> dict:
     records = _records(run_dir)
     train = [r for r in records or [] if isinstance(r, dict) and _num(r.get("loss")) is not None]
     val = [r for r in records or [] if isinstance(r, dict) and _num(r.get("val_loss")) is not None]
+    evals = _eval_records(run_dir, records or [])
     res = result or {}
     # The first record's throughput includes warm-up (compilation, first data reads).
     tps = [_num(r.get("tokens_per_s")) for r in (train[1:] or train)]
@@ -177,6 +179,8 @@ def _run_row(run_dir: str) -> dict:
         # split (the last evaluation's val_loss/<source>)
         "loss_by_source": _by_source(train[-1] if train else {}, "loss/"),
         "val_by_source": _by_source(val[-1] if val else {}, "val_loss/"),
+        # downstream tasks: the scores of the latest step evaluated (in the loop, or by `hpctrain eval`)
+        "eval_scores": _by_source(evals[-1] if evals else {}, "eval/"),
         "tokens_per_s": sum(tps) / len(tps) if tps else None,
         "wall_time_s": wall,
         "steps": res.get("steps") if isinstance(res.get("steps"), int)
@@ -193,6 +197,14 @@ def _stragglers(result: dict, records: list) -> list[str]:
         return sorted(str(k) for k in named)
     sampled = [r["stragglers"] for r in records if isinstance(r, dict) and isinstance(r.get("stragglers"), list)]
     return sorted(map(str, sampled[-1])) if sampled else []
+
+
+def _eval_records(run_dir: str, records: list) -> list[dict]:
+    """Records holding downstream scores, by step: metrics.jsonl's and evals.jsonl's (`hpctrain eval`)."""
+    found = [r for r in records if isinstance(r, dict) and any(str(k).startswith("eval/") for k in r)]
+    with contextlib.suppress(OSError):  # none yet
+        found += read_records(os.path.join(run_dir, EVALS_FILE), lenient=True)
+    return sorted((r for r in found if isinstance(r.get("step"), int)), key=lambda r: r["step"])
 
 
 def _by_source(record: dict, prefix: str) -> dict[str, float]:
@@ -245,7 +257,8 @@ def report(sweep_dir: str) -> list[dict]:
     for n in jobs:
         row = rows.get(n) or {"dir": None, "all_overrides": [], "config": None, "result": None,
                               "has_metrics": False, "slurm_job_id": None, "final_loss": None,
-                              "final_val_loss": None, "loss_by_source": {}, "val_by_source": {}, "tokens_per_s": None,
+                              "final_val_loss": None, "loss_by_source": {}, "val_by_source": {},
+                              "eval_scores": {}, "tokens_per_s": None,
                               "wall_time_s": None, "steps": None, "curve": [], "stragglers": []}
         row["slurm_job_id"] = row["slurm_job_id"] or submitit.get(n)
         planned = grid[n] if grid and n < len(grid) else []
@@ -312,7 +325,8 @@ def format_table(rows: list[dict]) -> str:
         ", ".join(r["stragglers"]) or "-",
     ] for r in rows]
     # a mixture: each source's own loss beside the loss, its own val loss beside val_loss
-    for at, key, name in ((5, "val_by_source", "val by source"), (4, "loss_by_source", "loss by source")):
+    for at, key, name in ((5, "eval_scores", "downstream (last eval)"), (5, "val_by_source", "val by source"),
+                          (4, "loss_by_source", "loss by source")):
         if any(r.get(key) for r in rows):
             head.insert(at, name)
             for line, r in zip(body, rows):

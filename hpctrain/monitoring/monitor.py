@@ -97,6 +97,14 @@ METRICS: dict[str, tuple[Callable[[dict, Context], float | None], Callable[[Cont
 }
 
 
+def metric_of(name: str):
+    """(value from a record, why this run cannot measure it) of a metric a rule names: METRICS', or a downstream
+    score eval/<task>/<metric> as logged (the eval group); None for neither."""
+    if name.startswith("eval/") and name.count("/") >= 2:
+        return (lambda r, c: r.get(name)), (lambda c: None)
+    return METRICS.get(name)
+
+
 def run_bounded(cmd: list[str], stdin: bytes, timeout: float, keep: int = 500) -> tuple[int, bytes]:
     """Run `cmd` (never a shell) with `stdin`: (exit code, the last `keep` bytes of its stderr). Its stdout is
     discarded and its stderr read as it comes, keeping only the tail: a command that prints without end costs
@@ -157,9 +165,9 @@ def check_monitor(mcfg: MonitorConfig, checkpointing: bool = True) -> None:
         raise ConfigError("monitor.loss_spike.action=rollback reloads the last checkpoint, but train.checkpointing="
                           "false writes none: set train.checkpointing=true or monitor.loss_spike.action=skip_batch")
     for name, rule in parse_rules(mcfg).items():
-        if rule.metric not in METRICS:
+        if metric_of(rule.metric) is None:
             raise ConfigError(f"monitor.rules.{name}.metric={rule.metric!r} is not a metric alerts can watch: use "
-                              f"one of {', '.join(METRICS)}")
+                              f"one of {', '.join(METRICS)}, or a downstream score eval/<task>/<metric>")
         if rule.for_s < 0 or rule.threshold != rule.threshold:
             raise ConfigError(f"monitor.rules.{name}: for_s={rule.for_s} must be >= 0 and threshold a number")
     cmd = mcfg.notify_cmd
@@ -191,7 +199,7 @@ class AlertSink(Sink):
         self.straggler_frac = mcfg.straggler_frac
         self.inactive = {}
         for name, rule in self.rules.items():
-            reason = METRICS[rule.metric][1](ctx)
+            reason = metric_of(rule.metric)[1](ctx)
             if reason:
                 self.inactive[name] = reason
                 self._emit({"event": "inactive", "rule": name, "metric": rule.metric, "reason": reason}, None)
@@ -202,7 +210,7 @@ class AlertSink(Sink):
         for name, rule in self.rules.items():
             if name in self.inactive:
                 continue
-            value = METRICS[rule.metric][0](record, self.ctx)
+            value = metric_of(rule.metric)[0](record, self.ctx)
             if value is None:  # e.g. a skipped step's loss: no evidence either way
                 continue
             st = self.state[name]

@@ -10,6 +10,7 @@ import os
 import torch
 
 from hpctrain.core.errors import BAD_INPUT, TrainingError
+from hpctrain.core.files import EVALS_FILE, read_records
 from hpctrain.core.shard_format import read_manifest
 from hpctrain.models import spec_of
 from hpctrain.parallel import process_group
@@ -21,8 +22,6 @@ from hpctrain.training import downstream
 from hpctrain.training.model_init import build_model
 from hpctrain.training.precision import compute_dtype, setup_precision
 from hpctrain.training.step import build_train_step
-
-EVALS_FILE = "evals.jsonl"  # one record per scored checkpoint: step, checkpoint, eval/<task>/<metric>
 
 
 def score_checkpoint(cfg, run_dir: str, ckpt: str) -> dict:
@@ -86,17 +85,6 @@ def append_record(run_dir: str, record: dict) -> None:
 
 def records(run_dir: str) -> list[dict]:
     """The records of <run_dir>/evals.jsonl (lines that are no record passed over)."""
-    from hpctrain.core.files import lines
-
-    out = []
     path = os.path.join(run_dir, EVALS_FILE)
-    if not os.path.exists(path):
-        return out
-    for line in lines(path):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            out.append(record)
-    return out
+    found = read_records(path, lenient=True) if os.path.exists(path) else []
+    return [r for r in found if isinstance(r.get("step"), int)]
