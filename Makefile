@@ -32,7 +32,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-comm bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-comm bench-eval bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -84,6 +84,10 @@ bench-monitor: install
 # Bytes per step per rank and the loss after N steps for each gradient-communication option (dp=2):
 bench-comm: install
 	$(PY) -m hpctrain bench comm
+
+# Downstream-evaluation throughput (requests/s): hpctrain's scorer against lm-eval's own hf model on the export:
+bench-eval: install
+	$(PY) -m hpctrain bench eval
 
 # Training stall per checkpoint, sync vs train.ckpt_async=true, against the disk's O_DIRECT write speed:
 # llama_350m (4.2 GB checkpoints), ~11 GiB memory and ~9 GB free disk under outputs/, ~2 min.

@@ -188,3 +188,13 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
                         ([str(tmp_path / "nope"), *tasks], "is not a directory")):
         ran = run_forked(evaluate.main, argv, cwd=tmp_path)
         assert ran.code == 2 and words in ran.err and len(ran.err.strip().splitlines()) == 1, ran.err
+
+
+@pytest.mark.slow
+def test_bench_eval_smoke(capsys):
+    """`make bench-eval`, shortened: both sides score the same requests and the table compares them."""
+    from hpctrain.tools import bench_eval
+
+    doc = bench_eval.main(["--model", "nano", "--docs", "8", "--repeats", "1", "--batch", "4", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert doc["requests"] > 32 and set(doc["rates"]) == {"hpctrain", "lm-eval hf"} and "vs lm-eval hf" in out, out

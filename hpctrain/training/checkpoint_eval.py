@@ -63,7 +63,7 @@ def _rank_main(cfg, run_dir: str, ckpt: str, shape, data_dir: str, seq_len: int)
                                 grad_accum=shape.grad_accum, micro_shape=(shape.micro_batch, seq_len))
         samples = os.path.join(run_dir, "eval_samples") if env.is_main else None
         scoring = downstream.DownstreamEval(cfg.eval, 0, step, layout.batch_mesh(mesh), data_dir, seq_len, None,
-                                            samples)
+                                            samples, cfg.parallel.compile)
         number = checkpoint.step_of(ckpt)
         record = {"step": number, "checkpoint": os.path.abspath(ckpt), **scoring.score(number)}
         if env.is_main:

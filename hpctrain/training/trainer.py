@@ -129,7 +129,8 @@ class Trainer:
                                    {name: (lambda v=v: v.share(dp_rank)) for name, v in by_source.items()})
         self.downstream = DownstreamEval(cfg.eval, t.max_steps, self.step, shape.layout.batch_mesh(self.mesh),
                                          prepared.data_dir, prepared.seq_len, self.metrics,
-                                         os.path.join(self.run_dir, "eval_samples") if env.is_main else None)
+                                         os.path.join(self.run_dir, "eval_samples") if env.is_main else None,
+                                         cfg.parallel.compile)
         self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(self.run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
