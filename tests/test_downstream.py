@@ -140,6 +140,9 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_p
     (["eval.tasks=[hpc_nodata]"], ["lm-eval could not load them", "data files"]),
     (["eval.tasks=[hpc_mc]", "eval.max_length=4096"], ["eval.max_length=4096 exceeds model.max_seq_len"]),
     (["eval.tasks=[hpc_mc]", "eval.batch_size=0"], ["eval.batch_size=0"]),
+    (["eval.tasks=[hpc_mc]", "eval.mode=job", "train.ckpt_async=true"], ["eval.mode=job", "train.ckpt_async=false"]),
+    (["eval.tasks=[hpc_mc]", "eval.mode=job", "eval.every=3", "train.ckpt_every=2"],
+     ["eval.every=3", "multiple of train.ckpt_every=2"]),
 ])
 def test_bad_eval_settings_are_one_line_before_anything_starts(make_cfg, local_tasks, overrides, words):
     from hpctrain.training.run import prepare
@@ -198,3 +201,54 @@ def test_bench_eval_smoke(capsys):
     doc = bench_eval.main(["--model", "nano", "--docs", "8", "--repeats", "1", "--batch", "4", "--threads", "1"])
     out = capsys.readouterr().out
     assert doc["requests"] > 32 and set(doc["rates"]) == {"hpctrain", "lm-eval hf"} and "vs lm-eval hf" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm, slurm_jobs, local_tasks, demo_data,
+                                                                           tmp_path):
+    """eval.mode=job on the local cluster: a Slurm job per checkpoint (steps 2, 4, 6), each pinning its checkpoint
+    against rotation until it ends. The step-4 job is killed: the others leave one record each in evals.jsonl; the
+    run, resumed, reports the killed one (training goes on), removes its pin and forwards the records into its
+    metrics at their steps; an eval job run again (a requeue) does not score twice."""
+    import re
+
+    from helpers import cli_args, run_forked, wait_job
+
+    from hpctrain import cli
+    from hpctrain.core.files import read_metrics
+    from hpctrain.storage.checkpoint import pins
+    from hpctrain.tools import evaluate
+    from hpctrain.training.checkpoint_eval import records
+
+    run = tmp_path / "run"
+    args = ["train.ckpt_every=2", "eval.every=2", "eval.mode=job", "+eval.cluster.time_min=5", "train.ckpt_keep=1",
+            "model.tie_embeddings=false", "train.progress=false", "eval.tasks=[hpc_mc,hpc_ppl]",
+            f"eval.include_path={local_tasks}"]
+    trained = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=6", *args), cwd=tmp_path,
+                         env={"HF_DATASETS_OFFLINE": "1"})
+    assert trained.code == 0, trained.err
+    submitted = dict(re.findall(r"eval job (\d+) submitted for checkpoint \S+step-0*(\d+)", open_text(run / "train.log")))
+    jobs = {int(step): job for job, step in submitted.items()}
+    slurm_jobs.extend(jobs.values())
+    assert sorted(jobs) == [2, 4, 6], submitted
+    subprocess.run(["scancel", jobs[4]], check=True, timeout=30)
+    assert sorted(p["step"] for p in pins(str(run))) == [2, 4, 6]  # (ckpt_keep=1: the pinned ones stay)
+    assert (run / "checkpoints" / "step-0000002").is_dir()
+    states = {step: wait_job(job) for step, job in jobs.items()}
+    assert states[2] == states[6] == "completed" and states[4] == "cancelled", states
+    assert sorted(r["step"] for r in records(str(run))) == [2, 6]
+    resumed = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=7", *args), cwd=tmp_path,
+                         env={"HF_DATASETS_OFFLINE": "1"})
+    assert resumed.code == 0, resumed.err
+    log = open_text(run / "train.log")
+    assert re.search(rf"eval job {jobs[4]} for step 4 ended CANCELLED\S* without a result: training goes on", log), log
+    logged = {m["step"] for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
+    assert {2, 6} <= logged, logged
+    assert 4 not in {p["step"] for p in pins(str(run))}
+    (job7,) = re.findall(r"eval job (\d+) submitted for checkpoint \S+step-0000007", log)
+    slurm_jobs.append(job7)
+    again = run_forked(evaluate.main, [str(run), f"checkpoint={run / 'checkpoints' / 'step-0000006'}", "once=true"],
+                       cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1"})
+    assert again.code == 0, again.err
+    assert [r["step"] for r in records(str(run))].count(6) == 1
+    assert wait_job(job7) == "completed"

@@ -381,6 +381,11 @@ class ClusterConfig:
     gpu_mem_gb: float | None = None
 
 
+class EvalMode(str, Enum):
+    loop = "loop"  # the training ranks score, at the step
+    job = "job"  # a Slurm job per checkpoint scores it (hpctrain.training.eval_jobs)
+
+
 @dataclass
 class EvalConfig:
     """Downstream evaluation with lm-evaluation-harness (hpctrain.evaluation): its tasks scored by the run's model."""
@@ -394,6 +399,11 @@ class EvalConfig:
     # tokens of context + continuation a request keeps (from the right); None: the run's train.seq_len
     max_length: int | None = None
     log_samples: bool = False  # every request and its answer in <run_dir>/eval_samples/step-N/<task>.jsonl
+    mode: EvalMode = EvalMode.loop
+    # eval.mode=job: the run's `cluster` keys the eval jobs change (partition, time_min, gpus_per_node, ...), and
+    # more arguments of their `hpctrain eval` (another layout: [parallel=fsdp])
+    cluster: dict[str, Any] = field(default_factory=dict)
+    job_args: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -507,6 +507,11 @@ class WandbSink(_Sink):
 
     def _write(self, record: dict) -> None:
         data = dict(named(record))
+        if data and any(k.startswith("eval/") for k in data) and record["step"] < self.last_step:
+            # an eval job's scores arrive after later steps, and W&B's own step only grows: on their own axis
+            self.run.define_metric("eval/*", step_metric="eval/step")
+            self.run.log({**data, "eval/step": record["step"]})
+            return
         self.last_step = max(self.last_step, record["step"])
         if data:
             self.run.log(data, step=record["step"])

@@ -8,6 +8,7 @@ rename, so a crash at any point leaves the previous checkpoint as the one resume
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import io
@@ -415,13 +416,52 @@ def publish(run_dir: str, step: int, trainer_state: dict, keep: int) -> str:
     # The newest `keep` up to this step stay (newer ones, met after falling back past them, are not counted: they
     # would crowd out the checkpoint just written). Renamed before the removal, so that a removal cut short
     # leaves no `step-N` without its trainer state; leftovers of earlier ones go too (their names are ours).
+    held = pinned(run_dir)
     older = [path for path in complete_checkpoints(run_dir) if step_of(path) <= step][:-keep]
-    for old in older:
+    for old in (path for path in older if step_of(path) not in held):
         os.rename(old, os.path.join(root(run_dir), REMOVING + os.path.basename(old)))
     for name in os.listdir(root(run_dir)):
         if name.startswith(REMOVING):
             shutil.rmtree(os.path.join(root(run_dir), name), ignore_errors=True)
     return final
+
+
+PINS_DIR = "pins"  # <run_dir>/pins/step-N.<who>: a reader (an eval job) of checkpoint N, which rotation keeps
+
+
+def pin(run_dir: str, step: int, who: str, **about) -> str:
+    """Keep checkpoint `step` out of the rotation until `unpin` (an eval job reading it); `about`: what the pin
+    records besides (written again to add to it); returns the pin's path."""
+    os.makedirs(os.path.join(run_dir, PINS_DIR), exist_ok=True)
+    path = os.path.join(run_dir, PINS_DIR, f"step-{step:07d}.{who}")
+    write_json(path, {"step": step, "who": who, **about})
+    return path
+
+
+def pins(run_dir: str) -> list[dict]:
+    """What each pin of the run records ({"step", "who", ...})."""
+    from hpctrain.core.files import read_object
+
+    try:
+        names = sorted(os.listdir(os.path.join(run_dir, PINS_DIR)))
+    except FileNotFoundError:
+        return []
+    found = (read_object(os.path.join(run_dir, PINS_DIR, name)) for name in names if name.startswith("step-"))
+    return [doc for doc in found if isinstance(doc, dict) and isinstance(doc.get("step"), int)]
+
+
+def unpin(run_dir: str, step: int, who: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(run_dir, PINS_DIR, f"step-{step:07d}.{who}"))
+
+
+def pinned(run_dir: str) -> set[int]:
+    """The steps whose checkpoints are pinned."""
+    try:
+        names = os.listdir(os.path.join(run_dir, PINS_DIR))
+    except FileNotFoundError:
+        return set()
+    return {int(m.group(1)) for m in map(re.compile(r"step-(\d+)\.").match, names) if m}
 
 
 def _agreed(check):

@@ -7,7 +7,9 @@ downstream tasks (lm-evaluation-harness, the eval group), in the run's layout or
   hpctrain eval multirun/2026-11-27/10-00-00 'eval.tasks=[my_mc]'
 
 key=value: any eval.* key (eval.tasks is required unless the run's config has tasks), parallel=NAME or parallel.*
-and precision=NAME (the layout and precision to score in; default: the run's), cluster.num_threads.
+and precision=NAME (the layout and precision to score in; default: the run's), cluster.num_threads; once=true: a
+checkpoint scored already with these tasks is not scored again; unpin=NAME: the pin of that name removed at the end
+(an eval job's: eval.mode=job).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hpctrain.core.errors import ConfigError
 
 GROUPS = ("parallel", "precision")  # config groups whose option may be chosen by name
 KEYS = ("eval.", "parallel.", "cluster.num_threads")  # the keys an override may set
+OWN = ("checkpoint", "once", "unpin")  # the command's own keys
 
 
 def runs_of(path: str) -> list[str]:
@@ -87,18 +90,23 @@ def table(rows: list[tuple[str, dict]]) -> str:
 
 
 def run(argv: list[str]) -> str:
+    from hpctrain.storage.checkpoint import step_of, unpin
     from hpctrain.training.checkpoint_eval import score_checkpoint
 
     if not argv or argv[0].startswith("-") or "=" in argv[0]:
         raise ConfigError("usage: hpctrain eval RUN_DIR [checkpoint=DIR|all] [key=value ...] (hpctrain eval --help)")
-    which = next((a.partition("=")[2] for a in argv[1:] if a.startswith("checkpoint=")), None)
-    overrides = [a for a in argv[1:] if not a.startswith("checkpoint=")]
+    own = {k: v for k, _, v in (a.partition("=") for a in argv[1:]) if k in OWN}
+    overrides = [a for a in argv[1:] if a.partition("=")[0] not in OWN]
     rows = []
     for run_dir in runs_of(argv[0]):
         cfg = configured(run_dir, overrides)
-        for ckpt in checkpoints(run_dir, which):
-            rows.append((os.path.relpath(run_dir, argv[0]) if run_dir != argv[0] else run_dir,
-                         score_checkpoint(cfg, run_dir, ckpt)))
+        for ckpt in checkpoints(run_dir, own.get("checkpoint")):
+            try:
+                record = score_checkpoint(cfg, run_dir, ckpt, once=own.get("once") == "true")
+            finally:
+                if own.get("unpin"):
+                    unpin(run_dir, step_of(ckpt), own["unpin"])
+            rows.append((os.path.relpath(run_dir, argv[0]) if run_dir != argv[0] else run_dir, record))
     return table(rows)
 
 

@@ -24,9 +24,13 @@ from hpctrain.training.precision import compute_dtype, setup_precision
 from hpctrain.training.step import build_train_step
 
 
-def score_checkpoint(cfg, run_dir: str, ckpt: str) -> dict:
+def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
     """Every check first (the layout, the tasks, the checkpoint's metadata), then the ranks the layout needs, forked
-    here; returns the record (also appended to <run_dir>/evals.jsonl)."""
+    here; returns the record (also appended to <run_dir>/evals.jsonl). `once`: a checkpoint scored already with these
+    tasks is not scored again (its record returned): an eval job requeued."""
+    done = [r for r in records(run_dir) if r["step"] == checkpoint.step_of(ckpt) and r.get("scored_with") == _key(cfg.eval)]
+    if once and done:
+        return done[-1]
     world = process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
     data_dir = os.path.expanduser(cfg.data.path)
@@ -65,12 +69,18 @@ def _rank_main(cfg, run_dir: str, ckpt: str, shape, data_dir: str, seq_len: int)
         scoring = downstream.DownstreamEval(cfg.eval, 0, step, layout.batch_mesh(mesh), data_dir, seq_len, None,
                                             samples, cfg.parallel.compile)
         number = checkpoint.step_of(ckpt)
-        record = {"step": number, "checkpoint": os.path.abspath(ckpt), **scoring.score(number)}
+        record = {"step": number, "checkpoint": os.path.abspath(ckpt), "scored_with": _key(cfg.eval),
+                  **scoring.score(number)}
         if env.is_main:
             append_record(run_dir, record)
         return record
     finally:
         process_group.shutdown()
+
+
+def _key(ecfg) -> dict:
+    """What a record was scored with (tasks, limit, few-shot): a checkpoint is scored once per key."""
+    return {"tasks": sorted(ecfg.tasks), "limit": ecfg.limit, "num_fewshot": ecfg.num_fewshot}
 
 
 def append_record(run_dir: str, record: dict) -> None:

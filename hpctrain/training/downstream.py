@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from hpctrain.core.config import EvalConfig
+from hpctrain.core.config import EvalConfig, EvalMode
 from hpctrain.core.errors import ConfigError
 from hpctrain.core.shard_format import read_manifest
 from hpctrain.models.cross_entropy import IGNORE_INDEX
@@ -106,8 +106,8 @@ class DownstreamEval:
         """`samples_dir`: where eval.log_samples writes (the main rank's; None elsewhere); `compiled`: the model's
         blocks are (parallel.compile)."""
         self.ecfg, self.last_step, self.metrics, self.samples_dir = ecfg, last_step, metrics, samples_dir
-        self.enabled = bool(ecfg.tasks)
-        self.tokenizer = tokenizer_of(data_dir) if self.enabled else None
+        self.enabled = bool(ecfg.tasks) and EvalMode(ecfg.mode) == EvalMode.loop  # (job: eval_jobs.EvalJobs)
+        self.tokenizer = tokenizer_of(data_dir) if ecfg.tasks else None
         self.max_length = max_length(ecfg, seq_len)
         self.scorer = Scorer(step, dp_mesh, step.score_rows(ecfg.batch_size), self.max_length,
                              PAD_COMPILED if compiled else 1)

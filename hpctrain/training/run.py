@@ -28,7 +28,7 @@ from hpctrain.runs.compose import typed
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
-from hpctrain.training import downstream
+from hpctrain.training import downstream, eval_jobs
 from hpctrain.training.feed import ValSplit, check_bound, check_epochs, data_lanes, schedule_samples, sources
 from hpctrain.training.save_resume import check_trainer_state
 from hpctrain.training.trainer import Trainer
@@ -61,6 +61,7 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     _check_resume(cfg)
     _check_init_from(cfg, data_dir)
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
+    eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing)
     from hpctrain.training.planner import stage_bytes
 
     stages = stage_bytes(cfg, shape, seq_len)

@@ -34,6 +34,7 @@ from hpctrain.runtime import job
 from hpctrain.runtime.job import RunStatus, Stop
 from hpctrain.storage import checkpoint
 from hpctrain.training.downstream import DownstreamEval
+from hpctrain.training.eval_jobs import EvalJobs
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.feed import TrainFeed, ValSplit
 from hpctrain.training.model_init import build_model, load_initial_weights
@@ -131,6 +132,8 @@ class Trainer:
                                          prepared.data_dir, prepared.seq_len, self.metrics,
                                          os.path.join(self.run_dir, "eval_samples") if env.is_main else None,
                                          cfg.parallel.compile)
+        self.eval_jobs = EvalJobs(cfg.eval, cfg.cluster, cfg.parallel, self.run_dir, self.metrics, t.max_steps,
+                                  env.is_main)
         self.peaks = Peaks(self.memory.peak(), prepared.planned[self.mesh["pp"].get_local_rank()],
                            min(self.state.step + 2, t.max_steps))
         self.profiler = StepProfiler(self.run_dir, t.profile_steps and tuple(t.profile_steps), env.rank, env.device)
@@ -160,6 +163,7 @@ class Trainer:
                     self._evaluate(saved)
                     self.hang.end()
             self.checkpointer.close()
+            self.eval_jobs.poll(force=True)  # records of jobs done by now; later ones stay in evals.jsonl
             self._check_applied()
             if not stop:
                 self._export_hf()
@@ -301,6 +305,9 @@ class Trainer:
                 raise
         if self.downstream.due(self.state.step):
             self.downstream.run(self.state)
+        if saved and self.eval_jobs.due(self.state.step):  # eval.mode=job: the checkpoint just written
+            self.eval_jobs.submit(self.state.step, checkpoint.latest(self.run_dir))
+        self.eval_jobs.poll()
 
     def _finish(self, status: RunStatus, error: str | None) -> dict:
         self.signals.restore(drain=status not in (RunStatus.failed, RunStatus.interrupted))
