@@ -58,8 +58,9 @@ def _train(work: str, model: str, threads: int):
     return run, cfg
 
 
-def _hpctrain_lm(run: str, cfg, batch: int):
-    """hpctrain's LM over the run's final checkpoint, one process (what the loop's scorer does at dp=1)."""
+def _hpctrain_lm(run: str, mcfg, pcfg, data_dir: str, batch: int):
+    """hpctrain's LM over the run's final checkpoint (`mcfg`, `pcfg`: its model and precision groups), one process
+    (what the loop's scorer does at dp=1)."""
     from hpctrain.evaluation.harness import HpctrainLM
     from hpctrain.models import build_model
     from hpctrain.storage import checkpoint
@@ -67,12 +68,11 @@ def _hpctrain_lm(run: str, cfg, batch: int):
     from hpctrain.training.precision import setup_precision
     from hpctrain.training.step import TrainStep
 
-    model = build_model(cfg.model)
+    model = build_model(mcfg)
     checkpoint.load_model(checkpoint.latest(run), model)
     cpu = torch.device("cpu")
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), setup_precision(cfg.precision, cpu), 0.0, cpu)
-    length = cfg.model.max_seq_len
-    return HpctrainLM(tokenizer_of(os.path.expanduser(cfg.data.path)), Scorer(step, None, batch, length), length)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), setup_precision(pcfg, cpu), 0.0, cpu)
+    return HpctrainLM(tokenizer_of(data_dir), Scorer(step, None, batch, mcfg.max_seq_len), mcfg.max_seq_len)
 
 
 def _timed(lm, tasks_dir: str) -> tuple[float, int]:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         _tasks(work, a.docs)
         run, cfg = _train(work, a.model, a.threads)
         (export,) = glob.glob(os.path.join(run, "hf", "step-*"))
-        ours = _hpctrain_lm(run, cfg, a.batch)
+        ours = _hpctrain_lm(run, cfg.model, cfg.precision, os.path.expanduser(cfg.data.path), a.batch)
         theirs = HFLM(pretrained=export, dtype="float32", batch_size=a.batch, max_length=ours.max_length,
                       device="cpu")
         times = {"hpctrain": [], "lm-eval hf": []}
