@@ -25,6 +25,8 @@ log = logging.getLogger("hpctrain")
 # (tokens of context + continuation, at most max_length + 1 of them; how many of the last are the continuation)
 Row = tuple[list[int], int]
 ScoreFn = Callable[[Sequence[Row]], list[tuple[float, bool]]]
+# ([(context tokens, tokens to generate at most)], done(generated tokens) -> bool) -> the greedy tokens of each
+GenerateFn = Callable[[Sequence[tuple[list[int], int]], Callable[[int, list[int]], bool]], list[list[int]]]
 
 
 class HpctrainLM(TemplateLM):
@@ -32,9 +34,9 @@ class HpctrainLM(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, tokenizer, score: ScoreFn, max_length: int):
+    def __init__(self, tokenizer, score: ScoreFn, max_length: int, generate: GenerateFn | None = None):
         super().__init__()
-        self.tokenizer, self._score, self._max_length = tokenizer, score, max_length
+        self.tokenizer, self._score, self._max_length, self._generate = tokenizer, score, max_length, generate
 
     @property
     def eot_token_id(self) -> int:
@@ -83,8 +85,40 @@ class HpctrainLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        raise ConfigError("a generative task (lm-eval's generate_until): hpctrain scores log-likelihood tasks only "
-                          "so far (check_tasks refuses them before a run starts)")
+        """Greedy continuations, as lm-eval's hf model makes them: the context left-truncated to max_length −
+        max_gen_toks, generation until a stop sequence (EOS included) or max_gen_toks, the text cut at the first stop
+        sequence."""
+        from lm_eval.models.utils import (
+            handle_stop_sequences,
+            normalize_gen_kwargs,
+            postprocess_generated_text,
+        )
+
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        rows, stops = [], []
+        for context, gen_kwargs in (r.args for r in requests):
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
+            if kwargs.get("do_sample") or kwargs.get("temperature"):
+                raise ConfigError(f"a generative task asks for sampling ({gen_kwargs}): hpctrain generates greedily "
+                                  "only; set do_sample: false in the task's generation_kwargs")
+            until, n = handle_stop_sequences(kwargs.pop("until", None), eos=eos), kwargs.pop("max_gen_toks")
+            if n >= self._max_length:
+                raise ConfigError(f"a generative task asks for {n} new tokens, not below eval.max_length="
+                                  f"{self._max_length}: lower its max_gen_toks or raise eval.max_length")
+            rows.append((self.tok_encode(context)[-(self._max_length - n):], n))
+            stops.append(until)
+        texts = []
+        for tokens, until in zip(self._generate(rows, self._stopped_by(stops)), stops):
+            texts.append(postprocess_generated_text(self.tok_decode(tokens), until, None))
+        return texts
+
+    def _stopped_by(self, stops: list[list[str]]):
+        """done(i, tokens): whether row i's text holds one of its stop sequences."""
+        def done(i: int, tokens: list[int]) -> bool:
+            text = self.tok_decode(tokens, skip_special_tokens=False)
+            return any(term and term in text for term in stops[i])
+
+        return done
 
 
 _managers: dict = {}
@@ -105,9 +139,9 @@ def task_manager(include_path: str | None, tasks: Sequence[str]):
     return _managers[key]
 
 
-def check_tasks(ecfg: EvalConfig) -> None:
+def check_tasks(ecfg: EvalConfig) -> list[str]:
     """eval.tasks that lm-eval knows and can load (their data found: on an offline cluster, local files or a filled
-    datasets cache), none generative; eval.include_path a directory. One-line ConfigError otherwise."""
+    datasets cache); eval.include_path a directory. One-line ConfigError otherwise. Returns the generative ones."""
     if ecfg.include_path and not os.path.isdir(os.path.expanduser(ecfg.include_path)):
         raise ConfigError(f"eval.include_path={ecfg.include_path} is not a directory: point it at your task YAML files")
     tasks = list(ecfg.tasks)
@@ -122,10 +156,7 @@ def check_tasks(ecfg: EvalConfig) -> None:
         raise ConfigError(f"eval.tasks={tasks}: lm-eval could not load them ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:300]}): check the task's data files (offline: set "
                           "HF_DATASETS_OFFLINE=1 with a filled cache, or use local data_files)") from None
-    generative = sorted(name for name, task in loaded.items() if task.OUTPUT_TYPE == "generate_until")
-    if generative:
-        raise ConfigError(f"eval.tasks: {', '.join(generative)} generate text (lm-eval's generate_until), and hpctrain "
-                          "scores log-likelihood tasks only so far: drop them, or run lm_eval --model hf on an export")
+    return sorted(name for name, task in loaded.items() if task.OUTPUT_TYPE == "generate_until")
 
 
 def _path(ecfg: EvalConfig) -> str | None:

@@ -47,6 +47,56 @@ class Scorer:
         return [(ll, bool(greedy)) for ll, greedy in out.tolist()]
 
 
+class Generator(Scorer):
+    """Greedy continuations by the step's model, split over dp as Scorer's rows (every rank runs as many forwards:
+    a batch ends when every row of every rank's batch is done), gathered on every rank."""
+
+    def __call__(self, rows: Sequence[tuple[list[int], int]], done) -> list[list[int]]:
+        """`rows`: (context tokens, tokens to generate at most); `done(i, tokens)`: row i may stop."""
+        if not rows:
+            return []
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        batches = [order[i:i + self.rows] for i in range(0, len(order), self.rows)]
+        dp, me = (self.dp_mesh.size(), self.dp_mesh.get_local_rank()) if self.dp_mesh is not None else (1, 0)
+        mine: dict[int, list[int]] = {}
+        for r in range(math.ceil(len(batches) / dp)):
+            j = r * dp + me
+            idx = batches[j] if j < len(batches) else []  # none: forwards in step with the others all the same
+            mine.update(zip(idx, self._greedy([rows[i] for i in idx] or [rows[0]], idx, done)))
+        if dp > 1:
+            every = [None] * dp
+            dist.all_gather_object(every, mine, group=self.dp_mesh.get_group())
+            mine = {k: v for part in every for k, v in part.items()}
+        return [mine[i] for i in range(len(rows))]
+
+    def _greedy(self, batch, idx, done) -> list[list[int]]:
+        lengths = [len(context) for context, _ in batch]
+        steps = self._agreed(max(n for _, n in batch), dist.ReduceOp.MAX)
+        tokens = torch.zeros((len(batch), max(lengths) + steps), dtype=torch.int64)
+        for i, (context, _) in enumerate(batch):
+            tokens[i, :len(context)] = torch.tensor(context)
+        made: list[list[int]] = [[] for _ in batch]
+        for _ in range(steps):
+            nxt = self.step.next_tokens(tokens[:, :max(lengths)], torch.tensor(lengths) - 1)
+            for i, (_, n) in enumerate(batch):
+                if len(made[i]) < n and not (idx and done(idx[i], made[i])):
+                    made[i].append(int(nxt[i]))
+                tokens[i, lengths[i]] = nxt[i]
+                lengths[i] += 1
+            finished = not idx or all(len(m) >= n or done(k, m) for k, m, (_, n) in zip(idx, made, batch))
+            if self._agreed(int(finished), dist.ReduceOp.MIN):
+                break
+        return made
+
+    def _agreed(self, value: int, op) -> int:
+        """`value` reduced over the data-parallel ranks (all of them decide together)."""
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return value
+        t = torch.tensor([value])
+        dist.all_reduce(t, op=op, group=self.dp_mesh.get_group())
+        return int(t.item())
+
+
 def _padded(rows: Sequence[tuple[list[int], int]], max_length: int, pad_to: int) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, T] inputs, [B, T] targets, -100 where nothing is scored: the context and the padding); T the longest
     row's, rounded up to a multiple of `pad_to`."""
@@ -95,7 +145,11 @@ def check(ecfg: EvalConfig, layout, data_dir: str, seq_len: int, max_seq_len: in
     tokenizer_of(data_dir)
     from hpctrain.evaluation import harness  # (lm-eval: imported only where tasks are asked for)
 
-    harness.check_tasks(ecfg)
+    generative = harness.check_tasks(ecfg)
+    if generative and layout.pipelined:
+        raise ConfigError(f"eval.tasks: {', '.join(generative)} generate text (lm-eval's generate_until), which a "
+                          f"pipeline (parallel.pp={layout.pp}) does not: drop them, or score with hpctrain eval in "
+                          "another layout (parallel=fsdp)")
 
 
 class DownstreamEval:
@@ -111,6 +165,7 @@ class DownstreamEval:
         self.max_length = max_length(ecfg, seq_len)
         self.scorer = Scorer(step, dp_mesh, step.score_rows(ecfg.batch_size), self.max_length,
                              PAD_COMPILED if compiled else 1)
+        self.generator = Generator(step, dp_mesh, ecfg.batch_size, self.max_length)
 
     def due(self, step: int) -> bool:
         return self.enabled and ((self.ecfg.every and step % self.ecfg.every == 0) or step == self.last_step)
@@ -126,7 +181,7 @@ class DownstreamEval:
         0); with eval.log_samples each request's answers in <samples_dir>/step-<step>/."""
         from hpctrain.evaluation import harness
 
-        lm = harness.HpctrainLM(self.tokenizer, self.scorer, self.max_length)
+        lm = harness.HpctrainLM(self.tokenizer, self.scorer, self.max_length, self.generator)
         results = harness.evaluate(lm, self.ecfg, log_samples=self.ecfg.log_samples)
         if self.ecfg.log_samples and self.samples_dir:
             harness.write_samples(results, os.path.join(self.samples_dir, f"step-{step}"))

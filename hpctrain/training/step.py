@@ -307,6 +307,19 @@ class TrainStep:
         self.model.train(was_training)
         return scores.cpu()
 
+    @torch.no_grad()
+    def next_tokens(self, inputs: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """[B] the most likely token after position `last[b]` of each row of `inputs` [B, T] (greedy generation);
+        the same on every tensor-parallel rank."""
+        was_training = self.model.training
+        self.model.eval()
+        with self.loss_ctx(), self.precision.autocast():
+            logits = self.model(inputs.to(self.device))
+        self.model.train(was_training)
+        if isinstance(logits, DTensor):  # vocab-sharded: the rows' whole vocabulary
+            logits = logits.full_tensor()
+        return logits[torch.arange(inputs.shape[0]), last.to(logits.device)].argmax(-1).cpu()
+
     def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
         both = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=total.device)])
         if self.dp > 1:
