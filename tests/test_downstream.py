@@ -218,7 +218,7 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     """eval.mode=job on the local cluster: a Slurm job per checkpoint (steps 2, 4, 6), each pinning its checkpoint
     against rotation until it ends. The step-4 job is killed: the others leave one record each in evals.jsonl; the
     run, resumed, reports the killed one (training goes on), removes its pin and forwards the records into its
-    metrics at their steps; an eval job run again (a requeue) does not score twice."""
+    metrics and TensorBoard at their steps; an eval job run again (a requeue) does not score twice."""
     import re
 
     from helpers import cli_args, run_forked, wait_job
@@ -231,6 +231,7 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
 
     run = tmp_path / "run"
     args = ["train.ckpt_every=2", "eval.every=2", "eval.mode=job", "+eval.cluster.time_min=5", "train.ckpt_keep=1",
+            "logging.trackers=[tensorboard]",
             "model.tie_embeddings=false", "train.progress=false", "eval.tasks=[hpc_mc,hpc_ppl]",
             f"eval.include_path={local_tasks}"]
     trained = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=6", *args), cwd=tmp_path,
@@ -253,6 +254,11 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     assert re.search(rf"eval job {jobs[4]} for step 4 ended CANCELLED\S* without a result: training goes on", log), log
     logged = {m["step"] for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
     assert {2, 6} <= logged, logged
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run / "tb"))
+    board.Reload()
+    assert {2, 6} <= {e.step for e in board.Scalars("eval/hpc_mc/acc")}  # the tracker, at the checkpoints' steps
     assert 4 not in {p["step"] for p in pins(str(run))}
     (job7,) = re.findall(r"eval job (\d+) submitted for checkpoint \S+step-0000007", log)
     slurm_jobs.append(job7)
