@@ -64,10 +64,14 @@ def local_tasks(tmp_path_factory) -> str:
 def _reference(export: str, tasks_dir: str, tasks: list[str], cli: bool, out) -> tuple[dict, dict]:
     """lm-eval's --model hf on the export: ({task: {metric: value}}, {task: [each document's answers]})."""
     model_args = f"pretrained={export},dtype=float32,max_length=64"
-    if cli:  # the command a user runs
-        subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks",
-                        ",".join(tasks), "--include_path", tasks_dir, "--device", "cpu", "--output_path", str(out),
-                        "--log_samples"], check=True, capture_output=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    if cli:  # the command a user runs: `lm_eval ...`'s entry point, in a fork of this process (its imports done)
+        from helpers import run_forked
+
+        ran = run_forked(_lm_eval_cli, ["--model", "hf", "--model_args", model_args, "--tasks", ",".join(tasks),
+                                        "--include_path", tasks_dir, "--device", "cpu", "--output_path", str(out),
+                                        "--log_samples"], cwd=os.path.dirname(str(out)),
+                         env={"HF_DATASETS_OFFLINE": "1"}, timeout=300)
+        assert ran.code == 0, ran.err
         (results_file,) = glob.glob(f"{out}/*/results_*.json")
         results = json.loads(open_text(results_file))["results"]
         samples = {t: _lines(glob.glob(f"{out}/*/samples_{t}_*.jsonl")[0]) for t in tasks}
@@ -89,6 +93,14 @@ def open_text(path) -> str:
 
 def _lines(path) -> list[dict]:
     return [json.loads(line) for line in open_text(path).splitlines()]
+
+
+def _lm_eval_cli(argv: list[str]) -> int:
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
+    return 0
 
 
 def _answers(sample: dict) -> list[float]:
