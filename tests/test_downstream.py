@@ -230,7 +230,8 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     """eval.mode=job on the local cluster: a Slurm job per checkpoint (steps 2, 4, 6), each pinning its checkpoint
     against rotation until it ends. The step-4 job is killed: the others leave one record each in evals.jsonl; the
     run, resumed, reports the killed one (training goes on), removes its pin and forwards the records into its
-    metrics and TensorBoard at their steps; an eval job run again (a requeue) does not score twice."""
+    metrics, TensorBoard, MLflow and W&B (on its eval/step axis) at their steps; an eval job run again (a requeue)
+    does not score twice."""
     import re
 
     from helpers import cli_args, run_forked, wait_job
@@ -243,7 +244,7 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
 
     run = tmp_path / "run"
     args = ["train.ckpt_every=2", "eval.every=2", "eval.mode=job", "+eval.cluster.time_min=5", "train.ckpt_keep=1",
-            "logging.trackers=[tensorboard]",
+
             "model.tie_embeddings=false", "train.progress=false", "eval.tasks=[hpc_mc,hpc_ppl]",
             f"eval.include_path={local_tasks}"]
     trained = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=6", *args), cwd=tmp_path,
@@ -259,7 +260,9 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     states = {step: wait_job(job) for step, job in jobs.items()}
     assert states[2] == states[6] == "completed" and states[4] == "cancelled", states
     assert sorted(r["step"] for r in records(str(run))) == [2, 6]
-    resumed = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=7", *args), cwd=tmp_path,
+    # (the trackers in the resumed attempt only: the one that forwards the records)
+    resumed = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=7", *args,
+                                            "logging.trackers=[tensorboard,mlflow,wandb]"), cwd=tmp_path,
                          env={"HF_DATASETS_OFFLINE": "1"})
     assert resumed.code == 0, resumed.err
     log = open_text(run / "train.log")
@@ -270,7 +273,14 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
 
     board = EventAccumulator(str(run / "tb"))
     board.Reload()
-    assert {2, 6} <= {e.step for e in board.Scalars("eval/hpc_mc/acc")}  # the tracker, at the checkpoints' steps
+    assert {2, 6} <= {e.step for e in board.Scalars("eval/hpc_mc/acc")}  # the trackers, at the checkpoints' steps
+    from test_trackers import _client, _history, _wandb
+
+    ids = json.loads(open_text(run / "trackers.json"))
+    assert {2, 6} <= set(_history(_client(f"sqlite:///{run}/mlflow/mlflow.db"), ids["mlflow"]["run_id"],
+                                  "eval/hpc_mc/acc"))
+    late = [row for row in _wandb(run)["history"].values() if "eval/hpc_mc/acc" in row]  # W&B: on eval/step
+    assert {2, 6} <= {row["eval/step"] for row in late}, late
     assert 4 not in {p["step"] for p in pins(str(run))}
     (job7,) = re.findall(r"eval job (\d+) submitted for checkpoint \S+step-0000007", log)
     slurm_jobs.append(job7)

@@ -18,7 +18,7 @@ from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import METRICS_FILE, FileCheckError, lines, step_of
 from hpctrain.monitoring.monitor import AlertSink, Context
 from hpctrain.monitoring.prometheus import prometheus_sinks
-from hpctrain.monitoring.sink import Sink
+from hpctrain.monitoring.sink import Sink, display_name
 from hpctrain.monitoring.trackers import chosen, tracker_sinks
 
 log = logging.getLogger("hpctrain")
@@ -124,16 +124,10 @@ class TensorBoardSink(Sink):
     def write(self, record: dict) -> None:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.tb.add_scalar(_tb_name(key), value, record["step"])
+                self.tb.add_scalar(display_name(key), value, record["step"])
 
     def close(self) -> None:
         self.tb.close()
-
-
-def _tb_name(key: str) -> str:
-    if key.startswith("val_"):
-        return key.replace("val_", "val/", 1)
-    return key if key.startswith("eval/") else f"train/{key}"
 
 
 class ConsoleSink(Sink):

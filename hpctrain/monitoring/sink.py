@@ -19,3 +19,11 @@ class Sink:
 
     def close(self) -> None:
         """The run ended (or failed): flush and release."""
+
+
+def display_name(key: str) -> str:
+    """A record's key as TensorBoard and the trackers show it: val_x as val/x, downstream scores (eval/...) as they
+    are, everything else under train/."""
+    if key.startswith("val_"):
+        return key.replace("val_", "val/", 1)
+    return key if key.startswith("eval/") else f"train/{key}"

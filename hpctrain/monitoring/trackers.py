@@ -38,7 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 from hpctrain.core.config import ConfigError, LoggingConfig, WandbMode
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import open_checked, read_object, write_json
-from hpctrain.monitoring.sink import Sink
+from hpctrain.monitoring.sink import Sink, display_name
 
 log = logging.getLogger("hpctrain")
 TRACKERS_FILE = "trackers.json"
@@ -266,7 +266,7 @@ def named(record: dict):
     """(name, value) of each finite number in a record, under TensorBoard's names."""
     for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-            yield ("val/" + key[4:] if key.startswith("val_") else f"train/{key}"), value
+            yield display_name(key), value
 
 
 def _clip(text: str, limit: int) -> str:
