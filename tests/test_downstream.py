@@ -54,6 +54,9 @@ def local_tasks(tmp_path_factory) -> str:
         "output_type: generate_until\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
         "doc_to_target: \"{{choices[answer]}}\"\ngeneration_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 6\n"
         "  do_sample: false\nmetric_list:\n  - metric: exact_match\n")))
+    (out / "hpc_sample.yaml").write_text(_task("hpc_sample", out / "mc.jsonl", (
+        "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  do_sample: true\n  temperature: 0.7\nmetric_list:\n  - metric: exact_match\n")))
     (out / "hpc_nodata.yaml").write_text(_task("hpc_nodata", out / "missing.jsonl", (
         "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
         "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")))
@@ -126,7 +129,7 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_p
     run = tmp_path / "run"
     # an alert rule watching a score (one process): acc is below 2 at every evaluation
     watch = [] if layout else ["+monitor.rules.mc={metric:eval/hpc_mc/acc,threshold:2,when:below,for_s:0}"]
-    tasks = ["hpc_mc", "hpc_ppl"] + ([] if "parallel=pp2" in layout else ["hpc_gen"])  # (a pipeline: no generation)
+    tasks = ["hpc_mc", "hpc_ppl", "hpc_gen"]
     cfg = make_cfg(*RUN, f"eval.include_path={local_tasks}", *layout, *watch, f"eval.tasks=[{','.join(tasks)}]")
     assert train(cfg, str(run))["status"] == "completed"
     logged = {m["step"]: m for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
@@ -141,7 +144,7 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_p
         for mine, theirs in zip(ours, samples[task]):
             # 1e-4, or 1e-6 of a perplexity document's summed log-likelihood (~-1,200 over its windows)
             assert _answers(mine) == pytest.approx(_answers(theirs), abs=1e-4, rel=1e-6), (task, mine["doc_id"])
-    if "hpc_gen" in tasks:  # greedy generation: the same text for every document
+    if "hpc_gen" in tasks:  # greedy generation: the same text for every document (a pipeline's too)
         ours = _lines(run / "eval_samples" / "step-4" / "hpc_gen.jsonl")
         assert [s["resps"] for s in ours] == [s["resps"] for s in samples["hpc_gen"]]
         assert logged[4]["eval/hpc_gen/exact_match"] == results["hpc_gen"]["exact_match,none"]
@@ -157,7 +160,7 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_p
 
 @pytest.mark.parametrize("overrides,words", [
     (["eval.tasks=[nope_task]"], ["eval.tasks: nope_task unknown to lm-eval", "eval.include_path"]),
-    (["eval.tasks=[hpc_gen]", "parallel=pp2", "model.tie_embeddings=false"], ["hpc_gen generate text", "pipeline"]),
+    (["eval.tasks=[hpc_sample]"], ["hpc_sample sample their generations", "do_sample: false"]),
     (["eval.tasks=[hpc_nodata]"], ["lm-eval could not load them", "data files"]),
     (["eval.tasks=[hpc_mc]", "eval.max_length=4096"], ["eval.max_length=4096 exceeds model.max_seq_len"]),
     (["eval.tasks=[hpc_mc]", "eval.batch_size=0"], ["eval.batch_size=0"]),

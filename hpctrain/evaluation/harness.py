@@ -141,7 +141,8 @@ def task_manager(include_path: str | None, tasks: Sequence[str]):
 
 def check_tasks(ecfg: EvalConfig) -> list[str]:
     """eval.tasks that lm-eval knows and can load (their data found: on an offline cluster, local files or a filled
-    datasets cache); eval.include_path a directory. One-line ConfigError otherwise. Returns the generative ones."""
+    datasets cache), generative ones greedy; eval.include_path a directory. One-line ConfigError otherwise. Returns
+    the generative ones."""
     if ecfg.include_path and not os.path.isdir(os.path.expanduser(ecfg.include_path)):
         raise ConfigError(f"eval.include_path={ecfg.include_path} is not a directory: point it at your task YAML files")
     tasks = list(ecfg.tasks)
@@ -156,7 +157,12 @@ def check_tasks(ecfg: EvalConfig) -> list[str]:
         raise ConfigError(f"eval.tasks={tasks}: lm-eval could not load them ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:300]}): check the task's data files (offline: set "
                           "HF_DATASETS_OFFLINE=1 with a filled cache, or use local data_files)") from None
-    return sorted(name for name, task in loaded.items() if task.OUTPUT_TYPE == "generate_until")
+    generative = sorted(name for name, task in loaded.items() if task.OUTPUT_TYPE == "generate_until")
+    sampled = [name for name in generative if (loaded[name].config.generation_kwargs or {}).get("do_sample")]
+    if sampled:
+        raise ConfigError(f"eval.tasks: {', '.join(sampled)} sample their generations (do_sample: true), and hpctrain "
+                          "generates greedily: set do_sample: false in the task's generation_kwargs")
+    return generative
 
 
 def _path(ecfg: EvalConfig) -> str | None:

@@ -358,12 +358,13 @@ class PipelineTrainStep(TrainStep):
                                                  loss_fn=self._loss, scale_grads=False)
         self._denom, self._scale = 1.0, 1.0
         self._scores: list[torch.Tensor] | None = None
+        self._keep = token_scores  # what `_loss` keeps of each micro-batch while scoring or generating
         self.micro_shape = micro_shape
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Called for each micro-batch in order (the schedule's `losses` are in that order too).
-        if self._scores is not None:  # scoring (`score`): kept, nothing to backpropagate
-            self._scores.append(token_scores(logits, targets))
+        if self._scores is not None:  # scoring (`score`) or generating (`next_tokens`): kept, nothing to backpropagate
+            self._scores.append(self._keep(logits, targets))
             return torch.zeros((), device=self.device)
         return cross_entropy_sum(logits, targets, self.samples) / self._denom * self._scale
 
@@ -427,6 +428,22 @@ class PipelineTrainStep(TrainStep):
         return self.n_microbatches * self.micro_shape[0]  # the schedule's shape
 
     @torch.no_grad()
+    def next_tokens(self, inputs: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """As TrainStep.next_tokens, through the schedule at its training shape: the one target set per row marks
+        the position whose most likely next token the last stage keeps (as a float, summed over pp)."""
+        targets = torch.full(inputs.shape, IGNORE_INDEX, dtype=torch.int64)
+        targets[torch.arange(inputs.shape[0]), last] = 0
+
+        def pick(logits, marked):
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            at = (marked != IGNORE_INDEX).int().argmax(1)
+            best = logits[torch.arange(logits.shape[0], device=logits.device), at].argmax(-1)
+            return torch.stack([best.double(), torch.zeros_like(best, dtype=torch.float64)], 1)
+
+        return self._through_schedule(inputs, targets, pick)[:, 0].long()
+
+    @torch.no_grad()
     def score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """As TrainStep.score, through the schedule: the batch padded to its n_microbatches micro-batches of the
         training shape ([rows, T] with rows <= n_microbatches × micro_batch and T the training length: the stages'
@@ -435,12 +452,17 @@ class PipelineTrainStep(TrainStep):
         if inputs.shape[0] > rows or inputs.shape[1] > length:
             raise ValueError(f"a pipeline scores batches of at most {rows} rows of {length} tokens, got "
                              f"{list(inputs.shape)}")
+        return self._through_schedule(inputs, targets, token_scores)
+
+    def _through_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, keep) -> torch.Tensor:
+        """[rows, 2] float64 of `keep(logits, targets)` over the padded batch, from the last stage, on every stage."""
+        rows, length = self.n_microbatches * self.micro_shape[0], self.micro_shape[1]
         padded_in = torch.zeros((rows, length), dtype=inputs.dtype)
         padded_t = torch.full((rows, length), IGNORE_INDEX, dtype=targets.dtype)
         padded_in[:inputs.shape[0], :inputs.shape[1]] = inputs
         padded_t[:targets.shape[0], :targets.shape[1]] = targets
         self.model.eval()
-        self._scores = []
+        self._scores, self._keep = [], keep
         try:
             # a masked model's stages take documents: each row is one (the same keyword inputs as training)
             self._run(padded_in, padded_t, True, self.documents and self.documents.one_per_row())
