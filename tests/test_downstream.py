@@ -187,9 +187,8 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
     from helpers import cli_args, run_forked
 
     from hpctrain import cli
-    from hpctrain.core.files import read_metrics
+    from hpctrain.core.files import read_evals, read_metrics
     from hpctrain.tools import evaluate
-    from hpctrain.training.checkpoint_eval import records
 
     run = tmp_path / "sweep" / "0"
     tasks = ["eval.tasks=[hpc_mc,hpc_ppl]", f"eval.include_path={local_tasks}"]
@@ -199,7 +198,7 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
     in_loop = {m["step"]: m for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
     ran = run_forked(evaluate.main, [str(run), "checkpoint=all", "parallel=tp2", *tasks], cwd=tmp_path)
     assert ran.code == 0, ran.err
-    got = {r["step"]: r for r in records(str(run))}
+    got = {r["step"]: r for r in read_evals(str(run))}
     assert sorted(got) == [2, 4] and "hpc_ppl/bits_per_byte" in ran.out, ran.out
     for step in (2, 4):
         for key in ("eval/hpc_mc/acc", "eval/hpc_mc/acc_norm", "eval/hpc_ppl/word_perplexity"):
@@ -240,10 +239,9 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     from helpers import cli_args, run_forked, wait_job
 
     from hpctrain import cli
-    from hpctrain.core.files import read_metrics
+    from hpctrain.core.files import read_evals, read_metrics
     from hpctrain.storage.checkpoint import pins
     from hpctrain.tools import evaluate
-    from hpctrain.training.checkpoint_eval import records
 
     run = tmp_path / "run"
     args = ["train.ckpt_every=2", "eval.every=2", "eval.mode=job", "+eval.cluster.time_min=5", "train.ckpt_keep=1",
@@ -262,7 +260,7 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     assert (run / "checkpoints" / "step-0000002").is_dir()
     states = {step: wait_job(job) for step, job in jobs.items()}
     assert states[2] == states[6] == "completed" and states[4] == "cancelled", states
-    assert sorted(r["step"] for r in records(str(run))) == [2, 6]
+    assert sorted(r["step"] for r in read_evals(str(run))) == [2, 6]
     # (the trackers in the resumed attempt only: the one that forwards the records)
     resumed = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=7", *args,
                                             "logging.trackers=[tensorboard,mlflow,wandb]"), cwd=tmp_path,
@@ -290,4 +288,33 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     again = run_forked(evaluate.main, [str(run), f"checkpoint={run / 'checkpoints' / 'step-0000006'}", "once=true"],
                        cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1"})
     assert again.code == 0, again.err
-    assert [r["step"] for r in records(str(run))].count(6) == 1  # (job7 is cancelled by the fixture: not waited for)
+    assert [r["step"] for r in read_evals(str(run))].count(6) == 1  # (job7 is cancelled by the fixture: not waited for)
+
+
+def test_pins_and_slurm_text_stay_what_they_are(make_cfg, local_tasks, tmp_path):
+    """A pin's name reaches a path (`hpctrain eval unpin=NAME`): a separator or a leading dot is refused, and unpin
+    removes only a pin's own file. Cluster text becomes #SBATCH lines: a newline is refused, in `cluster` and in
+    eval.cluster, before anything is submitted."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.core.errors import CheckpointError
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.storage import checkpoint
+    from hpctrain.training import eval_jobs
+
+    (tmp_path / "keep").write_text("not a pin")
+    for bad in ("../keep", "a/b", ".hidden", ""):
+        with pytest.raises(CheckpointError, match="pin name"):
+            checkpoint.unpin(str(tmp_path), 2, bad)
+    assert (tmp_path / "keep").exists()
+    checkpoint.pin(str(tmp_path), 2, "eval-1-2", job="7")
+    assert checkpoint.pinned(str(tmp_path)) == {2} and checkpoint.pins(str(tmp_path))[0]["job"] == "7"
+    checkpoint.unpin(str(tmp_path), 2, "eval-1-2")
+    assert checkpoint.pinned(str(tmp_path)) == set()
+    cfg = make_cfg()
+    OmegaConf.update(cfg, "cluster.partition", "gpu\n#SBATCH --uid=0")
+    with pytest.raises(ConfigError, match="cluster.partition=.* holds a newline"):
+        resolve(cfg)
+    job = make_cfg("eval.tasks=[hpc_mc]", "eval.mode=job", "+eval.cluster.qos=a\tb").eval
+    with pytest.raises(ConfigError, match="eval.cluster.qos=.* holds a newline or control character"):
+        eval_jobs.check(job, make_cfg().train, True, make_cfg().cluster)

@@ -521,6 +521,18 @@ def _interval(low, low_in, high, high_in) -> str:
     return f"within {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
 
 
+SBATCH_TEXT = ("partition", "account", "qos", "constraint")  # cluster keys that become #SBATCH lines
+
+
+def check_sbatch_text(cluster, where: str = "cluster") -> None:
+    """The cluster keys written into a job script's #SBATCH lines: one line of printable text each (a newline would
+    add a line of its own to the script). One-line ConfigError."""
+    for key in SBATCH_TEXT:
+        value = cluster.get(key) if hasattr(cluster, "get") else getattr(cluster, key, None)
+        if isinstance(value, str) and not value.isprintable():
+            raise ConfigError(f"{where}.{key}={value!r} holds a newline or control character: one line of text only")
+
+
 def check_values(cfg, prefix: str = "") -> None:
     """Every numeric key (under `prefix`) in its range and finite (`optim.lr=inf` would train to NaN weights)."""
     for key, (low, low_in, high, high_in) in _RANGES.items():

@@ -184,6 +184,13 @@ def read_metrics(run_dir: str, lenient: bool = False) -> list[dict]:
     return read_records(os.path.join(run_dir, METRICS_FILE), lenient)
 
 
+def read_evals(run_dir: str) -> list[dict]:
+    """<run_dir>/evals.jsonl's records with an integer step (none yet: []; lines that are no record passed over)."""
+    path = os.path.join(run_dir, EVALS_FILE)
+    found = read_records(path, lenient=True) if os.path.exists(path) else []
+    return [r for r in found if isinstance(r.get("step"), int)]
+
+
 def read_records(path: str, lenient: bool = False) -> list[dict]:
     """The JSON-object lines of a JSON-lines file (`lenient`: lines that are not one passed over)."""
     records = []

@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 
-from hpctrain.core.files import EVALS_FILE, read_metrics, read_object, read_records, read_result, read_yaml
+from hpctrain.core.files import read_evals, read_metrics, read_object, read_result, read_yaml
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
@@ -202,8 +202,8 @@ def _stragglers(result: dict, records: list) -> list[str]:
 def _eval_records(run_dir: str, records: list) -> list[dict]:
     """Records holding downstream scores, by step: metrics.jsonl's and evals.jsonl's (`hpctrain eval`)."""
     found = [r for r in records if isinstance(r, dict) and any(str(k).startswith("eval/") for k in r)]
-    with contextlib.suppress(OSError):  # none yet
-        found += read_records(os.path.join(run_dir, EVALS_FILE), lenient=True)
+    with contextlib.suppress(OSError):  # unreadable: the loop's own scores only
+        found += read_evals(run_dir)
     return sorted((r for r in found if isinstance(r.get("step"), int)), key=lambda r: r["step"])
 
 

@@ -19,6 +19,7 @@ from hpctrain.core.config import (
     OptimName,
     PrecisionName,
     check_keys,
+    check_sbatch_text,
     check_values,
     signal_number,
 )
@@ -138,6 +139,7 @@ def resolve(cfg, world: int = 1) -> RunShape:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     check_keys(cfg)
     check_values(cfg)
+    check_sbatch_text(cfg.cluster)
     signal_number(cfg.cluster.signal)
     spec = spec_of(cfg.model)
     layout = Layout.from_config(p, world)

@@ -429,11 +429,18 @@ def publish(run_dir: str, step: int, trainer_state: dict, keep: int) -> str:
 PINS_DIR = "pins"  # <run_dir>/pins/step-N.<who>: a reader (an eval job) of checkpoint N, which rotation keeps
 
 
+def _pin_path(run_dir: str, step: int, who: str) -> str:
+    """<run_dir>/pins/step-N.<who>; `who` a plain name (it reaches a path: no separator, no leading dot)."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", who):
+        raise CheckpointError(f"pin name {who!r}: use letters, digits, '_', '.' and '-' only")
+    return os.path.join(run_dir, PINS_DIR, f"step-{step:07d}.{who}")
+
+
 def pin(run_dir: str, step: int, who: str, **about) -> str:
     """Keep checkpoint `step` out of the rotation until `unpin` (an eval job reading it); `about`: what the pin
     records besides (written again to add to it); returns the pin's path."""
-    os.makedirs(os.path.join(run_dir, PINS_DIR), exist_ok=True)
-    path = os.path.join(run_dir, PINS_DIR, f"step-{step:07d}.{who}")
+    path = _pin_path(run_dir, step, who)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json(path, {"step": step, "who": who, **about})
     return path
 
@@ -451,12 +458,13 @@ def pins(run_dir: str) -> list[dict]:
 
 
 def unpin(run_dir: str, step: int, who: str) -> None:
+    """The pin `pin` made removed (only such a file: its own name in the pins directory)."""
     with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(run_dir, PINS_DIR, f"step-{step:07d}.{who}"))
+        os.remove(_pin_path(run_dir, step, who))
 
 
 def pinned(run_dir: str) -> set[int]:
-    """The steps whose checkpoints are pinned."""
+    """The steps whose checkpoints are pinned (by the pins' names: a pin whose content cannot be read still holds)."""
     try:
         names = os.listdir(os.path.join(run_dir, PINS_DIR))
     except FileNotFoundError:

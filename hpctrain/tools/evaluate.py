@@ -74,7 +74,7 @@ def checkpoints(run_dir: str, which: str | None) -> list[str]:
     elif which:
         found = [which]
     else:
-        found = [checkpoint.latest(run_dir)] if checkpoint.latest(run_dir) else []
+        found = [p for p in [checkpoint.latest(run_dir)] if p]
     if not found:
         raise ConfigError(f"no complete checkpoint in {run_dir}/checkpoints to score")
     return found

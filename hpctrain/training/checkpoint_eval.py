@@ -10,7 +10,7 @@ import os
 import torch
 
 from hpctrain.core.errors import BAD_INPUT, TrainingError
-from hpctrain.core.files import EVALS_FILE, read_records
+from hpctrain.core.files import EVALS_FILE, read_evals
 from hpctrain.core.shard_format import read_manifest
 from hpctrain.models import spec_of
 from hpctrain.parallel import process_group
@@ -28,9 +28,11 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
     """Every check first (the layout, the tasks, the checkpoint's metadata), then the ranks the layout needs, forked
     here; returns the record (also appended to <run_dir>/evals.jsonl). `once`: a checkpoint scored already with these
     tasks is not scored again (its record returned): an eval job requeued."""
-    done = [r for r in records(run_dir) if r["step"] == checkpoint.step_of(ckpt) and r.get("scored_with") == _key(cfg.eval)]
-    if once and done:
-        return done[-1]
+    if once:
+        done = [r for r in read_evals(run_dir) if r["step"] == checkpoint.step_of(ckpt)
+                and r.get("scored_with") == _key(cfg.eval)]
+        if done:
+            return done[-1]
     world = process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
     data_dir = os.path.expanduser(cfg.data.path)
@@ -48,7 +50,7 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
             spawn.spawn(world, _rank_main, args, threads=cfg.cluster.num_threads, quiet=(*BAD_INPUT, KeyboardInterrupt))
         except spawn.LaunchError as e:
             raise TrainingError(str(e)) from None
-        return records(run_dir)[-1]
+        return read_evals(run_dir)[-1]
     return _rank_main(*args)
 
 
@@ -91,10 +93,3 @@ def append_record(run_dir: str, record: dict) -> None:
         os.write(fd, line)
     finally:
         os.close(fd)
-
-
-def records(run_dir: str) -> list[dict]:
-    """The records of <run_dir>/evals.jsonl (lines that are no record passed over)."""
-    path = os.path.join(run_dir, EVALS_FILE)
-    found = read_records(path, lenient=True) if os.path.exists(path) else []
-    return [r for r in found if isinstance(r.get("step"), int)]

@@ -32,19 +32,28 @@ class Scorer:
         """`rows`: (tokens of context + continuation, how many of the last are the continuation) each."""
         if not rows:
             return []
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-        batches = [order[i:i + self.rows] for i in range(0, len(order), self.rows)]
-        dp, me = (self.dp_mesh.size(), self.dp_mesh.get_local_rank()) if self.dp_mesh is not None else (1, 0)
         out = torch.zeros((len(rows), 2), dtype=torch.float64)
-        for r in range(math.ceil(len(batches) / dp)):
-            j = r * dp + me
-            idx = batches[j] if j < len(batches) else batches[0][:1]  # a forward to keep in step with the others
-            scores = self.step.score(*_padded([rows[i] for i in idx], self.max_length, self.pad_to))
-            if j < len(batches):
+        for idx in self._shares(rows):
+            # (a rank without a batch left scores one row all the same: a forward in step with the others)
+            scores = self.step.score(*_padded([rows[i] for i in idx or [0]], self.max_length, self.pad_to))
+            if idx:
                 out[idx] = scores
-        if dp > 1:
+        if self._dp() > 1:
             dist.all_reduce(out, group=self.dp_mesh.get_group())
         return [(ll, bool(greedy)) for ll, greedy in out.tolist()]
+
+    def _dp(self) -> int:
+        return self.dp_mesh.size() if self.dp_mesh is not None else 1
+
+    def _shares(self, rows):
+        """This rank's batches (row indices), longest rows first, batch j on rank j % dp; as many on every rank:
+        an empty one where a rank has none left."""
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        batches = [order[i:i + self.rows] for i in range(0, len(order), self.rows)]
+        dp, me = self._dp(), self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
+        for r in range(math.ceil(len(batches) / dp)):
+            j = r * dp + me
+            yield batches[j] if j < len(batches) else []
 
 
 class Generator(Scorer):
@@ -55,16 +64,11 @@ class Generator(Scorer):
         """`rows`: (context tokens, tokens to generate at most); `done(i, tokens)`: row i may stop."""
         if not rows:
             return []
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-        batches = [order[i:i + self.rows] for i in range(0, len(order), self.rows)]
-        dp, me = (self.dp_mesh.size(), self.dp_mesh.get_local_rank()) if self.dp_mesh is not None else (1, 0)
         mine: dict[int, list[int]] = {}
-        for r in range(math.ceil(len(batches) / dp)):
-            j = r * dp + me
-            idx = batches[j] if j < len(batches) else []  # none: forwards in step with the others all the same
+        for idx in self._shares(rows):  # (none: forwards in step with the others all the same)
             mine.update(zip(idx, self._greedy([rows[i] for i in idx] or [rows[0]], idx, done)))
-        if dp > 1:
-            every = [None] * dp
+        if self._dp() > 1:
+            every = [None] * self._dp()
             dist.all_gather_object(every, mine, group=self.dp_mesh.get_group())
             mine = {k: v for part in every for k, v in part.items()}
         return [mine[i] for i in range(len(rows))]
@@ -90,7 +94,7 @@ class Generator(Scorer):
 
     def _agreed(self, value: int, op) -> int:
         """`value` reduced over the data-parallel ranks (all of them decide together)."""
-        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+        if self._dp() == 1:
             return value
         t = torch.tensor([value])
         dist.all_reduce(t, op=op, group=self.dp_mesh.get_group())
@@ -130,7 +134,7 @@ def max_length(ecfg: EvalConfig, seq_len: int) -> int:
 
 def check(ecfg: EvalConfig, layout, data_dir: str, seq_len: int, max_seq_len: int) -> None:
     """The eval group before a run starts: lengths the model and layout can score, the tokenizer, the tasks (known,
-    loadable, not generative); one-line ConfigError."""
+    loadable, none sampling); one-line ConfigError."""
     if not ecfg.tasks:
         return
     if ecfg.every < 0 or ecfg.batch_size < 1 or (ecfg.limit is not None and ecfg.limit <= 0):

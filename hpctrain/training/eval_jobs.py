@@ -18,9 +18,9 @@ import time
 
 from omegaconf import OmegaConf
 
-from hpctrain.core.config import ClusterConfig, EvalConfig, EvalMode, ParallelConfig
+from hpctrain.core.config import ClusterConfig, EvalConfig, EvalMode, ParallelConfig, check_sbatch_text
 from hpctrain.core.errors import ConfigError
-from hpctrain.core.files import EVALS_FILE, METRICS_FILE, read_records
+from hpctrain.core.files import read_evals, read_metrics
 from hpctrain.storage import checkpoint
 
 log = logging.getLogger("hpctrain")
@@ -29,17 +29,25 @@ ENDED = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMP
 
 
 def _logged(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, METRICS_FILE)
-    return read_records(path, lenient=True) if os.path.exists(path) else []
+    try:
+        return read_metrics(run_dir, lenient=True)
+    except FileNotFoundError:  # none logged yet
+        return []
 
 
-def check(ecfg: EvalConfig, tcfg, checkpointing: bool) -> None:
+def job_cluster(cluster: ClusterConfig, ecfg: EvalConfig):
+    """The run's cluster group as eval.cluster changes it for the eval jobs (an unknown key: OmegaConf's error)."""
+    return OmegaConf.merge(OmegaConf.structured(cluster), ecfg.cluster)
+
+
+def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig) -> None:
     """eval.mode=job before the run starts (one-line ConfigError): checkpoints at every eval step, written before the
-    job is submitted, and Slurm here."""
+    job is submitted, eval.cluster's keys and text, and Slurm here."""
     if not ecfg.tasks or EvalMode(ecfg.mode) != EvalMode.job:
         return
     import shutil
 
+    check_sbatch_text(job_cluster(cluster, ecfg), "eval.cluster")
     if not checkpointing or tcfg.ckpt_async:
         raise ConfigError("eval.mode=job scores the checkpoints, written before each job is submitted: set "
                           "train.checkpointing=true and train.ckpt_async=false, or use eval.mode=loop")
@@ -105,7 +113,7 @@ class EvalJobs:
 
         from hpctrain.parallel.layout import job_shape
 
-        merged = OmegaConf.merge(OmegaConf.structured(self.cluster), self.ecfg.cluster)
+        merged = job_cluster(self.cluster, self.ecfg)
         shape = job_shape(self.parallel, merged)
         executor = submitit.AutoExecutor(folder=os.path.join(self.run_dir, "eval_jobs", "%j"), cluster="slurm")
         params = {"timeout_min": merged.time_min, "nodes": shape["nodes"], "tasks_per_node": shape["tasks_per_node"],
@@ -126,7 +134,7 @@ class EvalJobs:
         if not self.enabled or (not force and time.time() - self.polled < POLL_S):
             return
         self.polled = time.time()
-        for record in self._records():
+        for record in read_evals(self.run_dir):
             if record["step"] not in self.seen:
                 self.seen.add(record["step"])
                 self.metrics.log({k: v for k, v in record.items() if k == "step" or k.startswith("eval/")})
@@ -143,9 +151,5 @@ class EvalJobs:
                 self.metrics.note({"eval_job_failed": step})
 
     def _recorded(self, step: int) -> bool:
-        return any(r["step"] == step for r in self._records())
-
-    def _records(self) -> list[dict]:
-        path = os.path.join(self.run_dir, EVALS_FILE)
-        found = read_records(path, lenient=True) if os.path.exists(path) else []
-        return [r for r in found if isinstance(r.get("step"), int)]
+        """Read again: a job that completed since the records were read (its record appended meanwhile)."""
+        return any(r["step"] == step for r in read_evals(self.run_dir))

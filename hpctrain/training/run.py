@@ -61,7 +61,7 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
     _check_resume(cfg)
     _check_init_from(cfg, data_dir)
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
-    eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing)
+    eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing, cfg.cluster)
     from hpctrain.training.planner import stage_bytes
 
     stages = stage_bytes(cfg, shape, seq_len)

@@ -300,25 +300,27 @@ class TrainStep:
     def score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`token_scores` of one batch ([B, T] inputs, targets with -100 where nothing is scored), in eval mode and
         the run's precision; the same on every tensor-parallel rank. Every rank holding a part of the model calls it."""
-        was_training = self.model.training
-        self.model.eval()
-        with self.loss_ctx(), self.precision.autocast():
-            scores = token_scores(self.model(inputs.to(self.device)), targets.to(self.device))
-        self.model.train(was_training)
-        return scores.cpu()
+        return self._evaluated(inputs, lambda logits: token_scores(logits, targets.to(self.device))).cpu()
 
     @torch.no_grad()
     def next_tokens(self, inputs: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """[B] the most likely token after position `last[b]` of each row of `inputs` [B, T] (greedy generation);
         the same on every tensor-parallel rank."""
+        def pick(logits):
+            if isinstance(logits, DTensor):  # vocab-sharded: the rows' whole vocabulary
+                logits = logits.full_tensor()
+            return logits[torch.arange(inputs.shape[0]), last.to(logits.device)].argmax(-1)
+
+        return self._evaluated(inputs, pick).cpu()
+
+    def _evaluated(self, inputs: torch.Tensor, use):
+        """use(logits) of `inputs` [B, T], in eval mode (then back) and the run's precision, under loss parallel."""
         was_training = self.model.training
         self.model.eval()
         with self.loss_ctx(), self.precision.autocast():
-            logits = self.model(inputs.to(self.device))
+            out = use(self.model(inputs.to(self.device)))
         self.model.train(was_training)
-        if isinstance(logits, DTensor):  # vocab-sharded: the rows' whole vocabulary
-            logits = logits.full_tensor()
-        return logits[torch.arange(inputs.shape[0]), last.to(logits.device)].argmax(-1).cpu()
+        return out
 
     def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
         both = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=total.device)])
