@@ -28,6 +28,12 @@ def _task(name: str, data: str, body: str) -> str:
             f"test_split: test\n{body}")
 
 
+def _metrics(*metrics: tuple[str, str, bool]) -> str:
+    """metric_list entries with their aggregation and direction (without them lm-eval warns of its defaults)."""
+    return "".join(f"  - metric: {m}\n    aggregation: {agg}\n    higher_is_better: {str(up).lower()}\n"
+                   for m, agg, up in metrics)
+
+
 @pytest.fixture(scope="module")
 def local_tasks(tmp_path_factory) -> str:
     """A multiple-choice task (acc, acc_norm: loglikelihood requests), a perplexity task (loglikelihood_rolling:
@@ -46,10 +52,12 @@ def local_tasks(tmp_path_factory) -> str:
     (out / "hpc_mc.yaml").write_text(_task("hpc_mc", out / "mc.jsonl", (
         "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
         "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")))
+        "metric_list:\n" + _metrics(("acc", "mean", True), ("acc_norm", "mean", True)))))
     (out / "hpc_ppl.yaml").write_text(_task("hpc_ppl", out / "ppl.jsonl", (
         "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
-        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")))
+        "metric_list:\n" + _metrics(("word_perplexity", "weighted_perplexity", False),
+                                  ("byte_perplexity", "weighted_perplexity", False),
+                                  ("bits_per_byte", "bits_per_byte", False)))))
     (out / "hpc_gen.yaml").write_text(_task("hpc_gen", out / "mc.jsonl", (
         "output_type: generate_until\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
         "doc_to_target: \"{{choices[answer]}}\"\ngeneration_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 6\n"
@@ -230,10 +238,10 @@ def test_bench_eval_smoke(capsys):
 def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm, slurm_jobs, local_tasks, demo_data,
                                                                            tmp_path):
     """eval.mode=job on the local cluster: a Slurm job per checkpoint (steps 2, 4, 6), each pinning its checkpoint
-    against rotation until it ends. The step-4 job is killed: the others leave one record each in evals.jsonl; the
-    run, resumed, reports the killed one (training goes on), removes its pin and forwards the records into its
-    metrics, TensorBoard, MLflow and W&B (on its eval/step axis) at their steps; an eval job run again (a requeue)
-    does not score twice."""
+    against rotation until it ends; the first attempt ends without waiting. The resumed attempt adopts them, submits
+    step 8's, which is killed while the run goes on: the run reports it (exit 0, every step), waits (eval.wait_min)
+    for the others and forwards their records into its metrics, TensorBoard, MLflow and W&B (on its eval/step axis)
+    at their steps. A finished eval job requeued with scontrol does not score twice."""
     import re
 
     from helpers import cli_args, run_forked, wait_job
@@ -241,11 +249,9 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     from hpctrain import cli
     from hpctrain.core.files import read_evals, read_metrics
     from hpctrain.storage.checkpoint import pins
-    from hpctrain.tools import evaluate
 
     run = tmp_path / "run"
     args = ["train.ckpt_every=2", "eval.every=2", "eval.mode=job", "+eval.cluster.time_min=5", "train.ckpt_keep=1",
-
             "model.tie_embeddings=false", "train.progress=false", "eval.tasks=[hpc_mc,hpc_ppl]",
             f"eval.include_path={local_tasks}"]
     trained = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=6", *args), cwd=tmp_path,
@@ -255,40 +261,47 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
     jobs = {int(step): job for job, step in submitted.items()}
     slurm_jobs.extend(jobs.values())
     assert sorted(jobs) == [2, 4, 6], submitted
-    subprocess.run(["scancel", jobs[4]], check=True, timeout=30)
     assert sorted(p["step"] for p in pins(str(run))) == [2, 4, 6]  # (ckpt_keep=1: the pinned ones stay)
     assert (run / "checkpoints" / "step-0000002").is_dir()
-    states = {step: wait_job(job) for step, job in jobs.items()}
-    assert states[2] == states[6] == "completed" and states[4] == "cancelled", states
-    assert sorted(r["step"] for r in read_evals(str(run))) == [2, 6]
-    # (the trackers in the resumed attempt only: the one that forwards the records)
-    resumed = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=7", *args,
-                                            "logging.trackers=[tensorboard,mlflow,wandb]"), cwd=tmp_path,
-                         env={"HF_DATASETS_OFFLINE": "1"})
+    # Step 8's job killed as soon as the resumed run has submitted it (a shell beside the run watches its log).
+    killer = subprocess.Popen(["bash", "-c", "until j=$(grep -oP 'eval job \\K[0-9]+(?= submitted for checkpoint "
+                               "\\S+step-0000008)' \"$1\"); do sleep 0.2; done; scancel \"$j\"; echo \"$j\"", "-",
+                               str(run / "train.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        resumed = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=8", *args, "eval.wait_min=3",
+                                                "logging.trackers=[tensorboard,mlflow,wandb]"), cwd=tmp_path,
+                             env={"HF_DATASETS_OFFLINE": "1"})
+        job8 = killer.communicate(timeout=30)[0].strip()
+    finally:
+        killer.kill()
+    slurm_jobs.append(job8)
     assert resumed.code == 0, resumed.err
+    assert json.loads(open_text(run / "result.json"))["steps"] == 8
     log = open_text(run / "train.log")
-    assert re.search(rf"eval job {jobs[4]} for step 4 ended CANCELLED\S* without a result: training goes on", log), log
-    logged = {m["step"] for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
-    assert {2, 6} <= logged, logged
+    assert re.search(rf"eval job {job8} for step 8 ended CANCELLED\S* without a result: training goes on", log), log
+    assert {wait_job(job) for job in jobs.values()} == {"completed"}
+    assert sorted(r["step"] for r in read_evals(str(run))) == [2, 4, 6]
+    assert {2, 4, 6} <= {m["step"] for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = EventAccumulator(str(run / "tb"))
     board.Reload()
-    assert {2, 6} <= {e.step for e in board.Scalars("eval/hpc_mc/acc")}  # the trackers, at the checkpoints' steps
+    # (the trackers are the resumed attempt's; step 2's record may have reached the first attempt's metrics already)
+    assert {4, 6} <= {e.step for e in board.Scalars("eval/hpc_mc/acc")}  # at the checkpoints' steps
     from test_trackers import _client, _history, _wandb
 
     ids = json.loads(open_text(run / "trackers.json"))
-    assert {2, 6} <= set(_history(_client(f"sqlite:///{run}/mlflow/mlflow.db"), ids["mlflow"]["run_id"],
+    assert {4, 6} <= set(_history(_client(f"sqlite:///{run}/mlflow/mlflow.db"), ids["mlflow"]["run_id"],
                                   "eval/hpc_mc/acc"))
     late = [row for row in _wandb(run)["history"].values() if "eval/hpc_mc/acc" in row]  # W&B: on eval/step
-    assert {2, 6} <= {row["eval/step"] for row in late}, late
-    assert 4 not in {p["step"] for p in pins(str(run))}
-    (job7,) = re.findall(r"eval job (\d+) submitted for checkpoint \S+step-0000007", log)
-    slurm_jobs.append(job7)
-    again = run_forked(evaluate.main, [str(run), f"checkpoint={run / 'checkpoints' / 'step-0000006'}", "once=true"],
-                       cwd=tmp_path, env={"HF_DATASETS_OFFLINE": "1"})
-    assert again.code == 0, again.err
-    assert [r["step"] for r in read_evals(str(run))].count(6) == 1  # (job7 is cancelled by the fixture: not waited for)
+    assert {4, 6} <= {row["eval/step"] for row in late}, late
+    assert pins(str(run)) == []
+    # A requeue runs the finished job again (its checkpoint rotated away meanwhile): it finds its record.
+    subprocess.run(["scontrol", "requeue", jobs[6]], check=True, timeout=30)
+    assert wait_job(jobs[6]) == "completed"
+    assert [r["step"] for r in read_evals(str(run))].count(6) == 1
+    outputs = " ".join(open_text(p) for p in (run / "eval_jobs" / jobs[6]).glob("*_log.*"))
+    assert "was scored already with these tasks (step 6 in evals.jsonl): not scored again" in outputs, outputs
 
 
 def test_pins_and_slurm_text_stay_what_they_are(make_cfg, local_tasks, tmp_path):

@@ -78,3 +78,19 @@ def test_a_port_in_use_is_one_line_before_anything_starts(make_cfg, tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare(make_cfg("monitor.prometheus_port=70000"))
     one_line(e, "monitor.prometheus_port=70000")
+
+
+def test_downstream_scores_are_gauges_too(tmp_path):
+    """An eval record (in the loop, or an eval job's forwarded at its step) reaches the scrape as one gauge per
+    task and metric: hpctrain_eval_<task>_<metric>."""
+    from hpctrain.core.config import MonitorConfig
+    from hpctrain.monitoring.prometheus import PrometheusSink
+
+    sink = PrometheusSink(MonitorConfig(prometheus_port=0, prometheus_addr="127.0.0.1"), str(tmp_path / "run"))
+    try:
+        sink.write({"step": 4, "eval/hpc_mc/acc": 0.4, "eval/hpc_ppl/word_perplexity": 12.5})
+        text = _scrape(sink.port)
+    finally:
+        sink.close()
+    assert _value(text, "hpctrain_eval_hpc_mc_acc") == 0.4 and _value(text, "hpctrain_step") == 4
+    assert _value(text, "hpctrain_eval_hpc_ppl_word_perplexity") == 12.5

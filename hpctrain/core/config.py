@@ -404,6 +404,7 @@ class EvalConfig:
     # more arguments of their `hpctrain eval` (another layout: [parallel=fsdp])
     cluster: dict[str, Any] = field(default_factory=dict)
     job_args: list[str] = field(default_factory=list)
+    wait_min: float = 0.0  # eval.mode=job: at its end the run waits this long for its eval jobs still going
 
 
 @dataclass

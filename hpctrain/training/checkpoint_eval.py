@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 
@@ -32,6 +33,9 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
         done = [r for r in read_evals(run_dir) if r["step"] == checkpoint.step_of(ckpt)
                 and r.get("scored_with") == _key(cfg.eval)]
         if done:
+            # (a command's line, not a log record: `hpctrain eval` configures no logging)
+            print(f"{ckpt} was scored already with these tasks (step {done[-1]['step']} in evals.jsonl): not scored "
+                  "again", file=sys.stderr)
             return done[-1]
     world = process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)

@@ -6,7 +6,8 @@ changed by eval.cluster. The job loads the checkpoint in its own layout, scores 
 <run_dir>/evals.jsonl (once per checkpoint and tasks: a requeued job does not score again) and removes the pin. The
 run polls its jobs: it forwards each new record to its sinks at the record's step (metrics.jsonl, TensorBoard,
 trackers, alert rules) and reports a job that ended without a record (one warning, an alert event; the pin removed);
-a failed eval job never stops training. Records that arrive after the run has ended stay in evals.jsonl.
+a failed eval job never stops training. At its end the run waits up to eval.wait_min for the jobs still going (their
+scores reach the trackers too); records that arrive later stay in evals.jsonl (forwarded if the run is resumed).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hpctrain.storage import checkpoint
 
 log = logging.getLogger("hpctrain")
 POLL_S = 10.0  # at most this often a logged step asks Slurm about the jobs (sacct)
+WAIT_POLL_S = 2.0  # how often the run's end asks, waiting for its jobs (eval.wait_min)
 ENDED = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 
 
@@ -149,6 +151,22 @@ class EvalJobs:
                 log.warning("eval job %s for step %d ended %s without a result: training goes on (its output: %s)",
                             job_id, step, state, os.path.join(self.run_dir, "eval_jobs", job_id))
                 self.metrics.note({"eval_job_failed": step})
+
+    def finish(self, wait: bool) -> None:
+        """At the run's end, after every collective (only the main rank waits): the records there are, and with
+        `wait` those of the jobs that end within eval.wait_min."""
+        self.poll(force=True)
+        if not (wait and self.jobs and self.ecfg.wait_min > 0):
+            return
+        deadline = time.time() + 60 * self.ecfg.wait_min
+        log.info("waiting up to %g min for %d eval job(s): %s", self.ecfg.wait_min, len(self.jobs),
+                 " ".join(sorted(self.jobs)))
+        while self.jobs and time.time() < deadline:
+            time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.time())))
+            self.poll(force=True)
+        if self.jobs:
+            log.warning("eval job(s) %s still going after eval.wait_min=%g: their records stay in %s/evals.jsonl",
+                        " ".join(sorted(self.jobs)), self.ecfg.wait_min, self.run_dir)
 
     def _recorded(self, step: int) -> bool:
         """Read again: a job that completed since the records were read (its record appended meanwhile)."""

@@ -163,10 +163,10 @@ class Trainer:
                     self._evaluate(saved)
                     self.hang.end()
             self.checkpointer.close()
-            self.eval_jobs.poll(force=True)  # records of jobs done by now; later ones stay in evals.jsonl
             self._check_applied()
             if not stop:
                 self._export_hf()
+            self.eval_jobs.finish(wait=not stop)  # after every collective: the main rank alone may wait
             status = stop.status
         except BaseException as e:
             hung = self.hang.explain(e)
