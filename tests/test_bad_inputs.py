@@ -382,7 +382,7 @@ CASES = [
     ("n-layers-zero", *_hp("model.n_layers=0"), ["model.n_layers=0"]),
     ("unknown-model-family", *_hp("model.family=gpt9"), ["model.family='gpt9'", "use one of llama"]),
     ("option-of-another-family", *_hp("model.family=qwen2", "model.sliding_window=16"),
-     ["model.sliding_window=16 is not an option of model.family=qwen2", "mistral's"]),
+     ["model.sliding_window=16 is not an option of model.family=qwen2", "mistral and mixtral's"]),
     ("odd-head-dim", *_hp("model.head_dim=15"), ["head_dim=15", "must be even"]),
     ("llama3-rope-without-context", *_hp("model.rope_scaling.type=llama3", "model.rope_scaling.factor=8"),
      ["model.rope_scaling.original_max_seq_len"]),

@@ -190,7 +190,7 @@ def _step_one(run_dir) -> tuple[float, float]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_runs_start_from_hf_weights_in_every_layout(demo_data, tmp_path, case):
     """model.init_from=hf:PATH and no other model key, for each family: the first step's loss is transformers' on the
     same batch (one process), and every layout (fsdp dp=2 with activation checkpointing, tp2 with sequence
@@ -222,6 +222,8 @@ def test_runs_start_from_hf_weights_in_every_layout(demo_data, tmp_path, case):
     assert abs(ref[0] - want) <= TOL, (ref, want)
     for name, layout in (("fsdp", ["parallel=fsdp", "parallel.dp=2", "parallel.activation_checkpointing=full"]),
                          ("tp2", ["parallel=tp2", "parallel.sequence_parallel=true"]), ("pp2", ["parallel=pp2"])):
+        if name == "tp2" and cfg.model.moe.num_experts:  # (tensor parallelism of MoE layers: not yet)
+            continue
         assert train(compose([*run, *layout]), str(tmp_path / name))["status"] == "completed"
         loss, norm = _step_one(tmp_path / name)
         print(f"init_from=hf: {case} {name}: |Δ first loss| {abs(loss - ref[0]):.2e}, rel |Δ grad norm| "
@@ -481,7 +483,7 @@ def test_init_from_hf_weights_of_another_tokenizer_is_one_line(make_cfg, tmp_pat
     assert f"--tokenizer {path}" in msg, msg
 
 
-@pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_an_export_gives_back_the_model_the_run_started_from(tmp_path, demo_data, case):
     """A run started from a published instruct model of each family (its own special-token ids, a chat template,
     generation settings): `export-hf` writes the same class with the original's token ids, tokenizer files, chat
@@ -518,10 +520,11 @@ def test_an_export_gives_back_the_model_the_run_started_from(tmp_path, demo_data
     assert (config["bos_token_id"], config["eos_token_id"], config["architectures"]) == (
         1, 2, [type(original).__name__])
     theirs = json.loads((path / "config.json").read_text())
-    head_dim = theirs["hidden_size"] // theirs["num_attention_heads"]  # (Qwen2's config.json has no head_dim)
+    head_dim = theirs["hidden_size"] // theirs["num_attention_heads"]
     for key in ("model_type", "head_dim", "rope_parameters", "sliding_window", "tie_word_embeddings",
                 "max_position_embeddings", "rms_norm_eps", "num_key_value_heads"):
-        mine, first = (c.get(key, head_dim if key == "head_dim" else None) for c in (config, theirs))
+        # (Qwen2's config.json has no head_dim, Mixtral's a null one: dim / heads)
+        mine, first = ((c.get(key) or head_dim) if key == "head_dim" else c.get(key) for c in (config, theirs))
         assert mine == first, (key, mine, first)
     assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
     assert json.loads((out / "generation_config.json").read_text()) == json.loads(
@@ -551,6 +554,10 @@ FAMILY_CASES = {
     "mistral": ("mistral", dict(sliding_window=24, head_dim=32), "sliding_window"),  # a window shorter than the run's
     "qwen2": ("qwen2", dict(tie_word_embeddings=True), None),
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True), None),
+    # MoE: every layer sparse (Mixtral); layer 1 dense, the others 4 experts of another width, renormalised (Qwen3)
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=3), "num_experts_per_tok"),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    norm_topk_prob=True, mlp_only_layers=[1]), "norm_topk_prob"),
 }
 
 
@@ -569,6 +576,8 @@ def _family_model(case: str, drop: bool = False, dtype=torch.float32):
         for name, p in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # a router far from uniform: no near-tie decides a choice
+                p.normal_(0.0, 1.0)
     return hf.eval()
 
 
@@ -624,7 +633,7 @@ def test_a_family_option_on_another_family_is_one_line(make_cfg):
     from hpctrain.models import model_args
 
     with pytest.raises(ConfigError, match=r"model.sliding_window=16 is not an option of model.family=qwen2 \(it is "
-                                          r"mistral's\): drop it or choose that family"):
+                                          r"mistral and mixtral's\): drop it or choose that family"):
         model_args(make_cfg("model.family=qwen2", "model.sliding_window=16").model)
     assert model_args(make_cfg("model.family=mistral", "model.sliding_window=16").model).sliding_window == 16
 

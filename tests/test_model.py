@@ -25,15 +25,15 @@ def test_model_args_fields_and_defaults():
     assert list(got) == [
         "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
         "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "init_std", "head_dim", "rope_scaling",
-        "sliding_window", "qkv_bias", "qk_norm",
+        "sliding_window", "moe", "qkv_bias", "qk_norm",
     ]
-    assert {k: d for k, (_, d) in got.items() if k != "rope_scaling"} == dict(
+    assert {k: d for k, (_, d) in got.items() if k not in ("rope_scaling", "moe")} == dict(
         vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=None, ffn_hidden=688,
         max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, init_std=0.02, head_dim=None,
         sliding_window=None, qkv_bias=False, qk_norm=False,
     )
     a = ModelArgs()
-    assert (a.head_dim, a.kv_heads) == (32, 8)
+    assert (a.head_dim, a.kv_heads, a.moe.num_experts) == (32, 8, 0)  # dense unless model.moe says
     assert ModelArgs(n_kv_heads=2).kv_heads == 2
 
 

@@ -100,6 +100,32 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3
 
 
+class RouterKind(str, Enum):
+    softmax = "softmax"  # softmax over the experts, then the top k (Mixtral, Qwen3-MoE, OLMoE)
+    sigmoid = "sigmoid"  # each expert's sigmoid; the top k of score + bias (DeepSeek-V3)
+
+
+@dataclass
+class MoEDims:
+    """Mixture-of-experts feed-forward layers (hpctrain.models.moe): dropless token-choice routing to `top_k` of
+    `num_experts` SwiGLU experts. num_experts=0: every layer dense."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    expert_hidden: int | None = None  # each expert's hidden width (Qwen3's moe_intermediate_size); None: ffn_hidden
+    shared_experts: int = 0  # experts every token goes through too, summed (DeepSeek): width shared·expert_hidden
+    router: RouterKind = RouterKind.softmax
+    norm_topk: bool = True  # the k chosen weights renormalised to sum to 1 (Mixtral: always; Qwen3: its config's)
+    route_scale: float = 1.0  # the combine weights scaled (DeepSeek-V3's routed_scaling_factor)
+    every: int = 1  # layer i sparse when (i + 1) % every == 0 (Qwen's decoder_sparse_step), ...
+    dense_layers: list[int] = field(default_factory=list)  # ... and not listed here (mlp_only_layers, first_k_dense)
+    aux_loss_coef: float = 0.0  # load-balancing loss (E · Σ_i f_i·P_i per sparse layer and sequence)
+    z_loss_coef: float = 0.0  # router z-loss (mean logsumexp² of the router logits)
+    # Auxiliary-loss-free balancing (DeepSeek-V3): after each step each expert's routing bias moves by this much
+    # toward the mean load (counted over the step on every data-parallel rank); 0: no bias
+    bias_update_rate: float = 0.0
+
+
 @dataclass
 class TransformerDims:
     """The dimensions of a decoder-only transformer, defined once: the `model` group's schema (ModelConfig) and
@@ -120,6 +146,7 @@ class TransformerDims:
     head_dim: int | None = None  # None: dim / n_heads
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     sliding_window: int | None = None  # attend to the last N positions only (Mistral); None: all before
+    moe: MoEDims = field(default_factory=MoEDims)  # a family option (Mixtral, Qwen3-MoE)
 
 
 @dataclass
@@ -474,7 +501,8 @@ _RANGES = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                      "model.ffn_hidden", "model.max_seq_len", "model.head_dim", "model.sliding_window",
                      "model.rope_scaling.original_max_seq_len", "parallel.tp", "parallel.pp",
-                     "parallel.pp_virtual_stages", "parallel.ac_every", "parallel.powersgd_rank",
+                     "parallel.pp_virtual_stages", "parallel.ac_every", "model.moe.top_k", "model.moe.expert_hidden",
+                     "model.moe.every", "parallel.powersgd_rank",
                      "optim.update_every", "precision.loss_scale_growth_interval",
                      "optim.ref_global_batch", "data.lanes", "train.seq_len", "train.max_steps", "optim.decay_steps",
                      "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",
@@ -485,10 +513,11 @@ _RANGES = {
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
                      "monitor.loss_spike.max_rollbacks", "monitor.sample_every",
-                     "parallel.compression_start_step"), _AT_LEAST_0),
+                     "parallel.compression_start_step", "model.moe.num_experts", "model.moe.shared_experts",
+                     "model.moe.aux_loss_coef", "model.moe.z_loss_coef", "model.moe.bias_update_rate"), _AT_LEAST_0),
     **dict.fromkeys(("model.rope_theta", "model.norm_eps", "model.init_std", "model.rope_scaling.factor",
                      "data.max_epochs", "model.rope_scaling.low_freq_factor", "model.rope_scaling.high_freq_factor",
-                     "precision.loss_scale_init",
+                     "precision.loss_scale_init", "model.moe.route_scale",
                      "optim.eps", "optim.max_trust", "optim.rho", "cluster.pg_timeout_s", "cluster.peak_tflops",
                      "cluster.gpu_mem_gb",
                      "monitor.hang_s", "monitor.heartbeat_s", "monitor.straggler_frac",

@@ -30,8 +30,11 @@ from typing import Any
 from hpctrain.core.config import ConfigError, ModelConfig, TransformerDims
 
 FAMILIES = {"llama": "hpctrain.models.llama", "mistral": "hpctrain.models.mistral", "qwen2": "hpctrain.models.qwen2",
-            "qwen3": "hpctrain.models.qwen3"}
-OPTIONS = {"sliding_window": None}  # `model` keys only some families have, and their value when off
+            "qwen3": "hpctrain.models.qwen3", "mixtral": "hpctrain.models.mixtral",
+            "qwen3_moe": "hpctrain.models.qwen3_moe"}
+# `model` keys only some families have: (the key whose value says it is on, that value is on)
+OPTIONS = {"sliding_window": ("sliding_window", lambda v: v is not None),
+           "moe": ("moe.num_experts", lambda v: bool(v))}
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,13 @@ class ModelSpec:
     def args(self, model_cfg: ModelConfig) -> Any:
         """The model's arguments from the `model` config group (its keys of TransformerDims) and the family's traits;
         ConfigError when the group sets an option this family does not have."""
-        for key, off in OPTIONS.items():
-            value = getattr(model_cfg, key, off)
-            if key not in self.options and value != off:
+        for key, (shown, on) in OPTIONS.items():
+            value = model_cfg
+            for part in shown.split("."):
+                value = getattr(value, part, None)
+            if key not in self.options and on(value):
                 has = [f for f in FAMILIES if key in get_spec(f).options]
-                raise ConfigError(f"model.{key}={value} is not an option of model.family={self.family} (it is "
+                raise ConfigError(f"model.{shown}={value} is not an option of model.family={self.family} (it is "
                                   f"{' and '.join(has)}'s): drop it or choose that family")
         given = {f.name: getattr(model_cfg, f.name) for f in fields(TransformerDims) if hasattr(model_cfg, f.name)}
         return self.args_type(**given, **dict(self.traits))

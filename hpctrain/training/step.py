@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.models.cross_entropy import IGNORE_INDEX
+from hpctrain.models.moe import moe_layers, set_loss_weight
 from hpctrain.models.packing import DocumentMask
 from hpctrain.parallel.compression import grad_exchange
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout
@@ -204,6 +205,7 @@ class TrainStep:
         self.passes: list[StepPass] = []  # the optimizer's passes before each step (`optimizer.step_passes`)
         self.samples: SampleLosses | None = None  # each sample's loss, in a step given Groups
         self.documents: DocumentMask | None = None  # train.document_mask
+        self.moe = moe_layers(model)  # MoE layers: told each micro-batch's weight for their auxiliary losses
 
     def check_losses(self, check, undo: bool = False) -> None:
         """`check(loss)`: whether a finite step must not be applied (a loss spike); `undo`: such a dropped step's
@@ -279,6 +281,8 @@ class TrainStep:
             if self.grad_sync is not None:
                 self.grad_sync(last)
             batch = batch.to(self.device, non_blocking=True)
+            if self.moe:  # (get_scale: a host sync, only where it is needed)
+                set_loss_weight(self.moe, (scaler.get_scale() if scaler else 1.0) / n_tokens)
             with self.loss_ctx():
                 with self.precision.autocast():
                     loss = loss_sum(batch) / n_tokens
@@ -395,9 +399,12 @@ class PipelineTrainStep(TrainStep):
         scaler = self.precision.scaler
         self._scale = scaler.scale(torch.ones((), device=self.device)).item() if scaler else 1.0
         batch = torch.cat(list(micro_batches))  # token ids: the step's whole local batch is small
+        set_loss_weight(self.moe, self._scale / n_tokens)
         total = self._run(batch[:, :-1], batch[:, 1:], forward_only=False) / self._scale
         if self.samples is not None and self.samples.losses:
             self.samples.keep_last(self.n_microbatches)
+        for _, layer in self.moe:  # (the same: the first run's shape inference forwards once more)
+            layer.keep_last(self.n_microbatches)
         self.model.sync_tied_grads()
         return total
 

@@ -36,6 +36,7 @@ from hpctrain.storage import checkpoint
 from hpctrain.training.downstream import DownstreamEval
 from hpctrain.training.eval_jobs import EvalJobs
 from hpctrain.training.evaluator import Evaluator
+from hpctrain.training.expert_balance import ExpertBalance
 from hpctrain.training.feed import TrainFeed, ValSplit
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optimizer import build_optimizer, build_scheduler, step_passes
@@ -95,6 +96,8 @@ class Trainer:
                                      reduce_every_microbatch=sharded_gradients(cfg.parallel),
                                      fused_loss=t.fused_loss, passes=step_passes(self.optimizer), documents=documents,
                                      micro_shape=(self.shape.micro_batch, prepared.seq_len))
+        self.balance = ExpertBalance(self.model, self.spec.args(cfg.model).moe, cfg.model.n_layers, self.env.device,
+                                     copies=self.shape.layout.tp)
         spike = cfg.monitor.loss_spike
         self.spikes = LossSpikeGuard(spike.factor, spike.window, spike.action)
         self.step.check_losses(self.spikes.drop_update if self.spikes.enabled else None,
@@ -206,6 +209,7 @@ class Trainer:
         sample = self.sampler.after_step(self.state.step, step_time)
         if sample:
             self.metrics.note(sample.metrics())
+        self.metrics.note(self.balance.after_step(result.status == StepStatus.ok))
         rollback = self._account(result)
         if self.state.step == self.peaks.at_step:
             self.peaks.report(self.memory.peak(), self.env.world)

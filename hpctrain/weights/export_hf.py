@@ -77,7 +77,7 @@ def _write(model_cfg: ModelConfig, data_path: str, ckpt: str, tmp: str, weights:
 
     spec = spec_of(model_cfg)
     args = spec.args(model_cfg)
-    names = spec.hf().key_map(args.n_layers)
+    names = spec.hf().disk_names(args)
     shapes = {k: (torch.Size(shape), dtype) for k, (shape, dtype) in weights.items()
               if k in names and not (args.tie_embeddings and k == "output.weight")}  # a tied head is the embedding
     groups = _groups(shapes, shard_bytes)
@@ -86,8 +86,11 @@ def _write(model_cfg: ModelConfig, data_path: str, ckpt: str, tmp: str, weights:
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in keys}
         checkpoint.read_weights(ckpt, tensors)
-        save_file({names[k]: t for k, t in tensors.items()}, os.path.join(tmp, file), metadata={"format": "pt"})
-        weight_map.update({names[k]: file for k in keys})
+        # (a tensor saved row by row, an MoE layer's experts: each row a tensor of its own)
+        out = {name: t if len(names[k]) == 1 else t[i].contiguous() for k, t in tensors.items()
+               for i, name in enumerate(names[k])}
+        save_file(out, os.path.join(tmp, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, file))
         total += sum(t.nbytes for t in tensors.values())
     write_json(os.path.join(tmp, "model.safetensors.index.json"),
                {"metadata": {"total_size": total}, "weight_map": weight_map})

@@ -120,6 +120,21 @@ class HFAdapter:
     def key_map(self, n_layers: int) -> dict[str, str]:
         return key_map(n_layers)
 
+    def disk_names(self, args: ModelArgs) -> dict[str, tuple[str, ...]]:
+        """Our state_dict key -> the tensors it is in a transformers directory: one name (the whole tensor), or one
+        per row of its first dimension (an MoE layer's experts, saved one by one)."""
+        return {k: (v,) for k, v in self.key_map(args.n_layers).items()}
+
+    def to_memory(self, ours: dict[str, torch.Tensor], args: ModelArgs, theirs: set[str]) -> dict[str, torch.Tensor]:
+        """Our tensors as the state_dict of the family's transformers module, whose keys are `theirs`."""
+        names = self.key_map(args.n_layers)
+        return {names[k]: v for k, v in ours.items()}
+
+    def from_memory(self, theirs: dict[str, torch.Tensor], args: ModelArgs, keys) -> dict[str, torch.Tensor]:
+        """Our state_dict `keys` from a transformers module's state_dict; KeyError naming a missing one."""
+        names = self.key_map(args.n_layers)
+        return {k: theirs[names[k]] for k in keys}
+
     def to_hf_config(self, args: ModelArgs, **overrides):
         """A transformers config of the family describing the same network. ``overrides`` sets non-architectural
         fields (e.g. ``bos_token_id``, ``eos_token_id``) that ModelArgs does not know about."""
@@ -194,13 +209,12 @@ class HFAdapter:
             len(model.layers) != model.args.n_layers
         ):
             raise ValueError("to_hf needs a whole model, not a pipeline stage")
-        names = key_map(model.args.n_layers)
-        state = {}
+        ours = {}
         for k, v in model.state_dict().items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v
-            state[names[k]] = v.detach().to(device="cpu", dtype=torch.float32)
+            ours[k] = v.detach().to(device="cpu", dtype=torch.float32)
         hf = self.hf_classes()[1](self.to_hf_config(model.args, **config_overrides)).float()
-        hf.load_state_dict(state, strict=True)
+        hf.load_state_dict(self.to_memory(ours, model.args, set(hf.state_dict())), strict=True)
         return hf.eval()
 
     def from_hf(self, hf_model) -> Llama:
@@ -211,15 +225,15 @@ class HFAdapter:
             theirs.setdefault("lm_head.weight", theirs["model.embed_tokens.weight"])
         with torch.device("meta"):  # skip a random init of weights about to be overwritten
             model = Llama(args)
-        names = key_map(args.n_layers)
-        missing = [names[k] for k in model.state_dict() if names[k] not in theirs]
-        if missing:
-            raise ValueError(f"not a {self.model_class} state_dict: missing {missing[:3]}")
+        try:
+            state = self.from_memory(theirs, args, list(model.state_dict()))
+        except KeyError as e:
+            raise ValueError(f"not a {self.model_class} state_dict: missing {e}") from None
         model.to_empty(device="cpu")
-        model.reset_rope_cache()
+        model.init_buffers()
         model.tie_weights()  # to_empty() unties them
-        state = {k: theirs[names[k]].detach().to(device="cpu", dtype=torch.float32) for k in model.state_dict()}
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict({k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in state.items()},
+                              strict=True)
         return model
 
     def save_hf(self, model: Llama, out_dir: str | Path, **config_overrides) -> Path:
@@ -252,7 +266,8 @@ class HFAdapter:
         """(dotted model key, theirs, ours) for each field that differs beyond float32 rounding (FREE ones aside)."""
         mine = dict(flat(ours))
         return [(key, value, mine[key]) for key, value in flat(theirs)
-                if key.split(".")[0] not in self.FREE and key != "n_kv_heads" and not float32_equal(value, mine[key])
+                if key not in self.FREE and key.split(".")[0] not in self.FREE and key != "n_kv_heads"
+                and not float32_equal(value, mine[key])
                 ] + ([("n_kv_heads", theirs.kv_heads, ours.kv_heads)] if theirs.kv_heads != ours.kv_heads else [])
 
     def check_hf_dir(self, path: str | Path, args: ModelArgs) -> None:
@@ -270,8 +285,11 @@ class HFAdapter:
             raise ValueError(f"{path}/config.json does not describe this model: {'; '.join(bad)}")
         with torch.device("meta"):
             shapes = {k: tuple(v.shape) for k, v in Llama(args).state_dict().items()}
-        names = key_map(args.n_layers)
-        check_tensors(str(path), {names[k]: shape for k, shape in shapes.items()},
+        names = self.disk_names(args)
+        expected = {}
+        for k, shape in shapes.items():
+            expected.update({names[k][0]: shape} if len(names[k]) == 1 else dict.fromkeys(names[k], shape[1:]))
+        check_tensors(str(path), expected,
                       optional=("lm_head.weight",) if args.tie_embeddings else (),  # a tied head may be listed or not
                       ignored=("rotary_emb.inv_freq",))  # a buffer older transformers versions saved
 
@@ -283,14 +301,35 @@ class HFAdapter:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        names = key_map(args.n_layers)
+        names = self.disk_names(args)
         # A tied checkpoint may lack lm_head.weight: the embedding, loaded, is the head too.
         ours = model.state_dict()
-        state = {names[k]: v for k, v in ours.items()
-                 if k in names and not (args.tie_embeddings and k == "output.weight")}
+        state = {}
+        for k, v in ours.items():
+            if k in names and not (args.tie_embeddings and k == "output.weight"):
+                state.update(_disk_views(names[k], v))
         if args.tie_embeddings and "output.weight" in ours and "tok_embeddings.weight" not in ours:
-            state[names["tok_embeddings.weight"]] = ours["output.weight"]  # a last pipeline stage's copy of the table
+            state[names["tok_embeddings.weight"][0]] = ours["output.weight"]  # a last pipeline stage's copy of the table
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())
+
+
+def _disk_views(names: tuple[str, ...], tensor) -> dict:
+    """{disk name: what DCP loads it into}: the tensor itself (one name), or the rows of its first dimension that
+    this rank holds, as plain views (a tensor saved row by row; a DTensor sharded on that dimension only)."""
+    if len(names) == 1:
+        return {names[0]: tensor}
+    if hasattr(tensor, "to_local"):
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(not (p.is_replicate() or (isinstance(p, Shard) and p.dim == 0)) for p in tensor.placements):
+            raise ValueError(f"{names[0]}...: loading rows of a tensor sharded as {tensor.placements} is not "
+                             "supported")
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        local, start = tensor.to_local(), offset[0]
+    else:
+        local, start = tensor, 0
+    return {names[start + i]: local[i] for i in range(local.shape[0])}
 
 
 ADAPTER = HFAdapter()  # Llama 1-3.x and anything saved as LlamaForCausalLM (TinyLlama, SmolLM, OpenLLaMA, ...)

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.core.config import ConfigError, RopeScaling, RopeType, TransformerDims
+from hpctrain.core.config import ConfigError, MoEDims, RopeScaling, RopeType, TransformerDims
 from hpctrain.models.cross_entropy import linear_cross_entropy
+from hpctrain.models.moe import MoE, expert_hidden, is_sparse
 from hpctrain.models.packing import Packing, attention_mask
 
 
@@ -37,6 +38,9 @@ class ModelArgs(TransformerDims):
             self.rope_scaling = RopeScaling(**given)
         kind = self.rope_scaling.type
         self.rope_scaling.type = RopeType(getattr(kind, "value", kind))
+        if not isinstance(self.moe, MoEDims):  # a config node or a dict
+            given = {f.name: self.moe[f.name] for f in fields(MoEDims) if f.name in self.moe}
+            self.moe = MoEDims(**{**given, "dense_layers": list(given.get("dense_layers", []))})
         if self.head_dim is None:
             if self.dim % self.n_heads:
                 raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: choose "
@@ -172,12 +176,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = (MoE(args.dim, args.ffn_hidden, args.moe) if is_sparse(args.moe, layer)
+                             else FeedForward(args))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, packed)
@@ -192,7 +197,7 @@ class Llama(nn.Module):
                              f"n_kv_heads={args.kv_heads}, head_dim={args.head_dim}")
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -226,6 +231,9 @@ class Llama(nn.Module):
     def init_buffers(self) -> None:
         """Fill the non-persistent buffers (after `to_empty()`), without touching the parameters."""
         self.reset_rope_cache()
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.init_buffers()
 
     def tie_weights(self) -> None:
         """With tie_embeddings, make output.weight the embedding Parameter (to_empty() from meta unties them)."""
@@ -249,6 +257,11 @@ class Llama(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+            elif isinstance(m, MoE):
+                for w in (m.experts.w1, m.experts.w3):
+                    nn.init.normal_(w, 0.0, std)
+                nn.init.normal_(m.experts.w2, 0.0, residual_std)
+                m.init_buffers()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False,
                 docs: torch.Tensor | None = None, positions: torch.Tensor | None = None):
@@ -287,13 +300,19 @@ def init_rule(args: ModelArgs):
             return "ones", 0.0
         if name.endswith(".bias"):
             return "zeros", 0.0
-        return "normal", residual_std if name.endswith(("wo.weight", "w2.weight")) else args.init_std
+        return "normal", residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else args.init_std
 
     return rule
 
 
-def _matmul_params_per_layer(a: ModelArgs) -> int:
-    return a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads) + 3 * a.dim * a.ffn_hidden
+def _matmul_params_per_layer(a: ModelArgs, layer: int, active: bool = False) -> int:
+    """The layer's matmul weights; `active`: those one token goes through (its k routed experts, not all E)."""
+    attention = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads)
+    if not is_sparse(a.moe, layer):
+        return attention + 3 * a.dim * a.ffn_hidden
+    m, hidden = a.moe, expert_hidden(a.moe, a.ffn_hidden)
+    experts = m.top_k if active else m.num_experts
+    return attention + a.dim * m.num_experts + 3 * a.dim * hidden * (experts + m.shared_experts)
 
 
 def _vector_params_per_layer(a: ModelArgs) -> int:
@@ -314,7 +333,7 @@ def num_params(model_or_args: nn.Module | ModelArgs, exclude_embedding: bool = F
         return n - emb.weight.numel() if exclude_embedding and emb is not None else n
     a = model_or_args
     emb = a.vocab_size * a.dim
-    n = a.n_layers * (_matmul_params_per_layer(a) + _vector_params_per_layer(a)) + a.dim + emb + (
+    n = sum(_matmul_params_per_layer(a, i) + _vector_params_per_layer(a) for i in range(a.n_layers)) + a.dim + emb + (
         0 if a.tie_embeddings else emb)
     return n - emb if exclude_embedding else n
 
@@ -322,10 +341,11 @@ def num_params(model_or_args: nn.Module | ModelArgs, exclude_embedding: bool = F
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token: 6·N + 12·L·H·Q·T (nanoGPT / PaLM appendix B).
 
-    N counts every matmul weight: wq, wk, wv, wo, w1, w2, w3 of all layers plus the output projection
+    N counts every matmul weight a token goes through (MoE layers: the router, its k routed experts and the shared
+    ones: *active* parameters): wq, wk, wv, wo, w1, w2, w3 of all layers plus the output projection
     (vocab·dim, counted even when tied to the embedding). Not counted: the embedding lookup (a gather)
     and the RMSNorm weights (elementwise). 12·L·H·Q·T is the attention scores and weighted values
     (L layers, H heads, Q head_dim, T = seq_len), over the full T×T matrix, i.e. ignoring causal skipping.
     """
-    n = args.n_layers * _matmul_params_per_layer(args) + args.vocab_size * args.dim
+    n = sum(_matmul_params_per_layer(args, i, active=True) for i in range(args.n_layers)) + args.vocab_size * args.dim
     return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len

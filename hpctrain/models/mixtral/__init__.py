@@ -1,0 +1,23 @@
+"""Mixtral: the Llama decoder with a mixture of experts in every layer (hpctrain.models.moe), softmax top-k routing,
+and Mistral's optional sliding window. Its MoE rules (`check_moe`) hold for every family with experts."""
+
+import dataclasses
+
+from hpctrain.core.config import ConfigError
+from hpctrain.models.llama import SPEC as LLAMA
+
+
+def check_moe(args, layout, sequence_parallel: bool) -> None:
+    """The MoE dims and the layouts MoE layers run in; then the decoder's own rules."""
+    moe = args.moe
+    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts="
+                          f"{moe.num_experts}")
+    if moe.num_experts and layout.tp > 1:
+        raise ConfigError(f"parallel.tp={layout.tp} with MoE layers (model.moe.num_experts={moe.num_experts}) is not "
+                          "supported yet: use fsdp or pp")
+    LLAMA.check_layout(args, layout, sequence_parallel)
+
+
+SPEC = dataclasses.replace(LLAMA, family="mixtral", hf_adapter="hpctrain.models.mixtral.hf",
+                           hf_model_types=("mixtral",), options=("sliding_window", "moe"), check_layout=check_moe)

@@ -1,0 +1,222 @@
+"""Mixture-of-experts layers (hpctrain.models.moe) and their training: routing, grouped GEMM against the loop, the
+auxiliary losses' gradients, the aux-loss-free bias, the figures, and layouts against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import deltas, run_layout
+
+from hpctrain.core.config import MoEDims, RouterKind
+from hpctrain.models.moe import MoE
+
+MOE = ("model.family=mixtral", "model.moe.num_experts=4", "model.moe.top_k=2", "model.tie_embeddings=false",
+       "model.init_std=0.2")  # (a router far from uniform: choices that differ between experts)
+
+
+def _layer(seed: int = 0, **kw) -> MoE:
+    torch.manual_seed(seed)
+    layer = MoE(32, 48, MoEDims(**{"num_experts": 4, "top_k": 2, **kw}))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    layer.init_buffers()
+    return layer
+
+
+@pytest.mark.parametrize("kw", [{}, {"norm_topk": False}, {"router": RouterKind.sigmoid, "route_scale": 2.5},
+                                {"shared_experts": 1}])
+def test_every_token_reaches_its_k_experts_weighted_as_the_router_says(kw):
+    """Dropless: the layer's output is, token by token, Σ over its k distinct chosen experts of weight · expert(x)
+    (+ the shared experts), each expert run alone on that token; the weights sum to route_scale when
+    renormalised; every (token, choice) is counted in the load."""
+    import torch.nn.functional as F
+
+    layer = _layer(**kw).train()
+    x = torch.randn(3, 10, 32)
+    out = layer(x).detach()
+    flat = x.reshape(-1, 32)
+    weights, chosen, _, _ = layer.router(flat)
+    assert all(len(set(row.tolist())) == 2 for row in chosen)
+    if layer.router.norm_topk:
+        torch.testing.assert_close(weights.sum(-1), torch.full((30,), layer.router.scale), rtol=1e-6, atol=1e-6)
+    e = layer.experts
+    want = torch.stack([sum(w * F.linear(F.silu(F.linear(t, e.w1[k])) * F.linear(t, e.w3[k]), e.w2[k])
+                            for w, k in zip(weights[i], chosen[i].tolist())) for i, t in enumerate(flat)])
+    if layer.shared is not None:
+        want = want + layer.shared(flat)
+    torch.testing.assert_close(out.reshape(-1, 32), want.detach(), rtol=1e-5, atol=1e-5)
+    assert layer.load.sum().item() == 30 * 2 and layer.stats[-2:].tolist() == [3, 30]  # sequences, tokens
+
+
+def test_grouped_gemm_equals_the_loop_forward_and_backward():
+    """torch._grouped_mm (CPU: any float dtype, 16-byte strides) and the per-expert loop give the same outputs and
+    gradients, with an expert that gets no token."""
+    layer = _layer(router=RouterKind.sigmoid)
+    layer.router.expert_bias[3] = -100.0  # expert 3 chosen by no token
+    x = torch.randn(2, 12, 32, requires_grad=True)
+    results = []
+    for grouped in (True, False):
+        layer.zero_grad()
+        x.grad = None
+        layer.experts.grouped = grouped
+        out = layer(x)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), x.grad.clone(), layer.experts.w1.grad.clone(), layer.router.gate.weight.grad))
+    assert layer.load[3] == 0
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_auxiliary_losses_reach_the_gradients_with_their_weight():
+    """The layer's gradient with aux_loss_coef and z_loss_coef equals autograd of output·g + weight·(coef·Σ aux +
+    z_coef·Σ z), the terms computed here sequence by sequence from the router's own outputs (weight: one token's)."""
+    layer = _layer(aux_loss_coef=0.05, z_loss_coef=0.01).train()
+    layer.loss_weight = 0.25
+    x = torch.randn(2, 8, 32)
+    g = torch.randn(2, 8, 32)
+    (layer(x) * g).sum().backward()
+    got = layer.router.gate.weight.grad.clone()
+    layer.zero_grad()
+    layer.aux_coef = layer.z_coef = 0.0
+    out = layer(x)
+    aux = z = 0.0
+    for seq in x:  # the load-balancing term per sequence (each of its 8 tokens weighs), the z-loss per token
+        _, chosen, probs, logits = layer.router(seq)
+        counts = torch.bincount(chosen.flatten(), minlength=4).float()
+        aux = aux + 8 * 4 * (counts / (8 * 2) * probs.mean(0)).sum()
+        z = z + torch.logsumexp(logits, -1).square().sum()
+    ((out * g).sum() + 0.25 * (0.05 * aux + 0.01 * z)).backward()
+    torch.testing.assert_close(got, layer.router.gate.weight.grad, rtol=1e-5, atol=1e-5)
+    layer.zero_grad()
+    (layer(x) * g).sum().backward()  # (without the terms: another gradient)
+    assert (got - layer.router.gate.weight.grad).abs().max() > 1e-4
+
+
+def test_the_bias_chooses_but_does_not_weigh():
+    """The aux-loss-free bias changes which experts a token gets, not how its chosen scores weigh."""
+    layer = _layer(router=RouterKind.sigmoid)
+    x = torch.randn(20, 32)
+    w0, c0, _, _ = layer.router(x)
+    layer.router.expert_bias[:] = torch.tensor([5.0, 5.0, -5.0, -5.0])
+    w1, c1, _, _ = layer.router(x)
+    assert set(c1.flatten().tolist()) == {0, 1} and not torch.equal(c0, c1)
+    scores = layer.router.gate(x).float().sigmoid()
+    torch.testing.assert_close(w1, scores.gather(-1, c1) / scores.gather(-1, c1).sum(-1, keepdim=True))
+
+
+def test_a_moe_run_logs_its_balance_and_counts_active_flops(make_cfg, tmp_path):
+    """A Mixtral-shaped run: the figures in metrics.jsonl (every token counted: load sums to tokens · k per layer),
+    FLOPs from the active parameters (fewer than all of them)."""
+    from helpers import records
+
+    from hpctrain.models import model_args, spec_of
+    from hpctrain.training.run import train
+
+    cfg = make_cfg(*MOE, "model.moe.aux_loss_coef=0.01", "train.max_steps=2", "train.eval_every=0",
+                   "train.ckpt_every=0", "logging.trackers=[]")
+    assert train(cfg, str(tmp_path / "run"))["status"] == "completed"
+    rec = [r for r in records(tmp_path / "run") if r.get("step") == 2][0]
+    tokens = 8 * 64  # global batch × seq_len
+    for i in range(2):
+        assert sum(rec[f"moe/layer{i}/load"]) == tokens * 2 and rec[f"moe/layer{i}/imbalance"] >= 1
+    assert rec["moe/imbalance"] >= 1 and rec["moe/aux_loss"] > 0.9 and rec["moe/router_entropy"] > 0
+    args = model_args(cfg.model)
+    spec = spec_of(cfg.model)
+    every = model_args(make_cfg(*MOE, "model.moe.top_k=4").model)  # all 4 experts active
+    d, h = args.dim, args.ffn_hidden
+    # top-2 of 4: two experts' matmuls fewer per layer than all four (6 FLOPs per weight, 3 matrices each)
+    assert spec.flops_per_token(every, 64) - spec.flops_per_token(args, 64) == 6 * 2 * (2 * 3 * d * h)
+
+
+LAYOUTS = {"fsdp": ["parallel=fsdp", "parallel.dp=2"], "pp2": ["parallel=pp2"],
+           "fsdp_ac": ["parallel=fsdp", "parallel.dp=2", "parallel.activation_checkpointing=full"]}
+BALANCED = ("model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.01", "model.moe.router=sigmoid",
+            "model.moe.bias_update_rate=0.01")
+_refs: dict = {}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_train_the_moe_losses_of_one_process(make_cfg, tmp_path, layout):
+    """fp32, 3 steps with the load-balancing loss, the z-loss and the aux-loss-free bias: fsdp dp=2 (with and
+    without activation checkpointing: the recomputation counts nothing twice) and pp2 equal one process in loss,
+    gradient norm, load and the bias."""
+    if "one" not in _refs:
+        _refs["one"] = run_layout(make_cfg, tmp_path / "one", *MOE, *BALANCED), _figures(tmp_path / "one")
+    ref, ref_figures = _refs["one"]
+    got = run_layout(make_cfg, tmp_path / layout, *MOE, *BALANCED, *LAYOUTS[layout])
+    dloss, dnorm = deltas(ref, got)
+    print(f"moe {layout}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
+    assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
+    figures = _figures(tmp_path / layout)
+    assert figures["load"] == ref_figures["load"], (figures, ref_figures)
+    assert abs(figures["aux"] - ref_figures["aux"]) <= 1e-6
+
+
+def _figures(run_dir) -> dict:
+    from helpers import records
+
+    rows = [r for r in records(run_dir) if "moe/imbalance" in r]
+    return {"load": [r["moe/layer0/load"] for r in rows], "aux": rows[-1]["moe/aux_loss"]}
+
+
+def test_balancing_lowers_the_measured_imbalance(make_cfg, tmp_path):
+    """16 steps from a router that favours some experts: the load-balancing loss, and the aux-loss-free bias, each
+    end with a lower imbalance than no balancing."""
+    from helpers import records
+
+    from hpctrain.training.run import train
+
+    def imbalance(name, *extra):
+        cfg = make_cfg(*MOE, "model.moe.num_experts=8", "train.max_steps=16", "train.eval_every=0",
+                       "train.ckpt_every=0", "logging.trackers=[]", "optim.lr=3e-3", *extra)
+        assert train(cfg, str(tmp_path / name))["status"] == "completed"
+        rows = [r["moe/imbalance"] for r in records(tmp_path / name) if "moe/imbalance" in r]
+        return sum(rows[-4:]) / 4
+
+    none = imbalance("none")
+    aux = imbalance("aux", "model.moe.aux_loss_coef=0.1")
+    bias = imbalance("bias", "model.moe.bias_update_rate=0.05")
+    print(f"imbalance over the last 4 of 16 steps: none {none:.3f}, aux loss {aux:.3f}, bias {bias:.3f}")
+    assert aux < none and bias < none, (none, aux, bias)
+
+
+def test_bad_moe_settings_are_one_line(make_cfg):
+    from hpctrain.core.config import ConfigError
+    from hpctrain.runs.resolve import resolve
+
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts=4 is not an option of model.family=llama"):
+        resolve(make_cfg("model.moe.num_experts=4"), 1)
+    with pytest.raises(ConfigError, match=r"model.moe.top_k=5 must be between 1 and model.moe.num_experts=4"):
+        resolve(make_cfg(*MOE, "model.moe.top_k=5"), 1)
+    with pytest.raises(ConfigError, match="parallel.tp=2 with MoE layers"):
+        resolve(make_cfg(*MOE, "parallel=tp2"), 2)
+
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_fsdp_resumes_in_one_process_as_if_uninterrupted(make_cfg, tmp_path):
+    """The routing bias is part of the checkpoint: 3 steps at fsdp dp=2, resumed for 3 more in one process, give
+    the losses and bias of 6 uninterrupted steps."""
+    from helpers import losses
+
+    from hpctrain.storage import checkpoint
+    from hpctrain.training.run import train
+
+    def run(name, steps, *layout):
+        cfg = make_cfg(*MOE, *BALANCED, f"train.max_steps={steps}", "train.eval_every=0", "train.ckpt_every=3",
+                       "logging.trackers=[]", "optim.decay_steps=12", *layout)
+        assert train(cfg, str(tmp_path / name))["status"] == "completed"
+
+    run("whole", 6)
+    run("resumed", 3, "parallel=fsdp", "parallel.dp=2")
+    run("resumed", 6)
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
+    assert all(abs(whole[s] - resumed[s]) <= 1e-5 for s in (4, 5, 6)), (whole, resumed)
+
+    biases = []
+    for name in ("whole", "resumed"):
+        state = {"layers.1.feed_forward.router.expert_bias": torch.zeros(4)}
+        checkpoint.read_weights(checkpoint.latest(str(tmp_path / name)), state)
+        biases.append(state["layers.1.feed_forward.router.expert_bias"])
+    assert biases[0].abs().sum() > 0 and torch.allclose(*biases, atol=1e-7), biases
