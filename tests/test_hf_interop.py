@@ -194,7 +194,8 @@ def _step_one(run_dir) -> tuple[float, float]:
 def test_runs_start_from_hf_weights_in_every_layout(demo_data, tmp_path, case):
     """model.init_from=hf:PATH and no other model key, for each family: the first step's loss is transformers' on the
     same batch (one process), and every layout (fsdp dp=2 with activation checkpointing, tp2 with sequence
-    parallelism, pp2) starts from the same weights: the same first loss and gradient norm."""
+    parallelism, pp2; MoE: tp2 without, and expert parallel ep=2 inside fsdp dp=4, each rank reading only its
+    experts' rows) starts from the same weights: the same first loss and gradient norm."""
     from transformers import AutoModelForCausalLM
 
     from hpctrain.runs.compose import compose
@@ -220,10 +221,12 @@ def test_runs_start_from_hf_weights_in_every_layout(demo_data, tmp_path, case):
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
     assert cfg.model.family == FAMILY_CASES.get(case, ("llama",))[0]
     assert abs(ref[0] - want) <= TOL, (ref, want)
-    for name, layout in (("fsdp", ["parallel=fsdp", "parallel.dp=2", "parallel.activation_checkpointing=full"]),
-                         ("tp2", ["parallel=tp2", "parallel.sequence_parallel=true"]), ("pp2", ["parallel=pp2"])):
-        if name == "tp2" and cfg.model.moe.num_experts:  # (tensor parallelism of MoE layers: not yet)
-            continue
+    layouts = [("fsdp", ["parallel=fsdp", "parallel.dp=2", "parallel.activation_checkpointing=full"]),
+               ("tp2", ["parallel=tp2", "parallel.sequence_parallel=true"]), ("pp2", ["parallel=pp2"])]
+    if cfg.model.moe.num_experts:  # MoE: tp without sequence parallelism; the experts shared out, then also sharded
+        layouts[1] = ("tp2", ["parallel=tp2"])
+        layouts += [("ep2_fsdp4", ["parallel=fsdp", "parallel.dp=4", "parallel.ep=2", "train.micro_batch=1"])]
+    for name, layout in layouts:
         assert train(compose([*run, *layout]), str(tmp_path / name))["status"] == "completed"
         loss, norm = _step_one(tmp_path / name)
         print(f"init_from=hf: {case} {name}: |Δ first loss| {abs(loss - ref[0]):.2e}, rel |Δ grad norm| "

@@ -129,7 +129,12 @@ def test_a_moe_run_logs_its_balance_and_counts_active_flops(make_cfg, tmp_path):
 
 
 LAYOUTS = {"fsdp": ["parallel=fsdp", "parallel.dp=2"], "pp2": ["parallel=pp2"],
-           "fsdp_ac": ["parallel=fsdp", "parallel.dp=2", "parallel.activation_checkpointing=full"]}
+           "fsdp_ac": ["parallel=fsdp", "parallel.dp=2", "parallel.activation_checkpointing=full"],
+           "ep2": ["parallel=fsdp", "parallel.dp=2", "parallel.ep=2"],
+           "ep2_fsdp4": ["parallel=fsdp", "parallel.dp=4", "parallel.ep=2"],
+           "ep2_tp2": ["parallel=dp2_tp2", "parallel.sequence_parallel=false", "parallel.ep=2"],
+           "ep2_pp2": ["parallel=pp2", "parallel.dp=2", "parallel.zero_stage=3", "parallel.ep=2"],
+           "tp2": ["parallel=tp2"]}
 BALANCED = ("model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.01", "model.moe.router=sigmoid",
             "model.moe.bias_update_rate=0.01")
 _refs: dict = {}
@@ -189,34 +194,53 @@ def test_bad_moe_settings_are_one_line(make_cfg):
         resolve(make_cfg("model.moe.num_experts=4"), 1)
     with pytest.raises(ConfigError, match=r"model.moe.top_k=5 must be between 1 and model.moe.num_experts=4"):
         resolve(make_cfg(*MOE, "model.moe.top_k=5"), 1)
-    with pytest.raises(ConfigError, match="parallel.tp=2 with MoE layers"):
-        resolve(make_cfg(*MOE, "parallel=tp2"), 2)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel=true with MoE layers"):
+        resolve(make_cfg(*MOE, "parallel=tp2_sp"), 2)
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts=4 is not divisible by parallel.ep=8"):
+        resolve(make_cfg(*MOE, "parallel=fsdp", "parallel.dp=8", "parallel.ep=8"), 8)
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the data-parallel degree dp=2"):
+        resolve(make_cfg(*MOE, "parallel=fsdp", "parallel.dp=2", "parallel.ep=4"), 2)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 needs a sharded data parallel"):
+        resolve(make_cfg(*MOE, "parallel=ddp", "parallel.dp=2", "parallel.ep=2"), 2)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 shares out MoE experts, and this model has none"):
+        resolve(make_cfg("parallel=fsdp", "parallel.dp=2", "parallel.ep=2"), 2)
 
 
 
 @pytest.mark.multiproc
-def test_a_checkpoint_of_fsdp_resumes_in_one_process_as_if_uninterrupted(make_cfg, tmp_path):
-    """The routing bias is part of the checkpoint: 3 steps at fsdp dp=2, resumed for 3 more in one process, give
-    the losses and bias of 6 uninterrupted steps."""
+@pytest.mark.parametrize("written, resumed", [("fsdp", "single"), ("ep2", "single"), ("ep2", "ep4")])
+def test_a_checkpoint_resumes_in_another_layout_as_if_uninterrupted(make_cfg, tmp_path, written, resumed):
+    """The experts are whole tensors in a checkpoint and the routing bias is part of it: 3 steps in one layout,
+    resumed for 3 more in another (expert parallel over 2 ranks, then 4; or one process), give the losses and bias
+    of 6 uninterrupted steps."""
     from helpers import losses
 
-    from hpctrain.storage import checkpoint
     from hpctrain.training.run import train
 
-    def run(name, steps, *layout):
+    layouts = {"single": [], "fsdp": LAYOUTS["fsdp"], "ep2": LAYOUTS["ep2"],
+               "ep4": ["parallel=fsdp", "parallel.dp=4", "parallel.ep=4"]}
+
+    def run(name, steps, layout):
         cfg = make_cfg(*MOE, *BALANCED, f"train.max_steps={steps}", "train.eval_every=0", "train.ckpt_every=3",
-                       "logging.trackers=[]", "optim.decay_steps=12", *layout)
+                       "logging.trackers=[]", "optim.decay_steps=12", "train.micro_batch=2", *layouts[layout])
         assert train(cfg, str(tmp_path / name))["status"] == "completed"
 
-    run("whole", 6)
-    run("resumed", 3, "parallel=fsdp", "parallel.dp=2")
-    run("resumed", 6)
-    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
-    assert all(abs(whole[s] - resumed[s]) <= 1e-5 for s in (4, 5, 6)), (whole, resumed)
+    if "whole" not in _refs:
+        run("whole", 6, "single")
+        _refs["whole"] = losses(tmp_path / "whole"), _bias(tmp_path / "whole")
+    whole, whole_bias = _refs["whole"]
+    run("resumed", 3, written)
+    run("resumed", 6, resumed)
+    got = losses(tmp_path / "resumed")
+    assert all(abs(whole[s] - got[s]) <= 1e-5 for s in (4, 5, 6)), (whole, got)
+    bias = _bias(tmp_path / "resumed")
+    assert whole_bias.abs().sum() > 0 and torch.allclose(whole_bias, bias, atol=1e-7), (whole_bias, bias)
 
-    biases = []
-    for name in ("whole", "resumed"):
-        state = {"layers.1.feed_forward.router.expert_bias": torch.zeros(4)}
-        checkpoint.read_weights(checkpoint.latest(str(tmp_path / name)), state)
-        biases.append(state["layers.1.feed_forward.router.expert_bias"])
-    assert biases[0].abs().sum() > 0 and torch.allclose(*biases, atol=1e-7), biases
+
+def _bias(run_dir) -> torch.Tensor:
+    """Layer 1's routing bias in the run's last checkpoint."""
+    from hpctrain.storage import checkpoint
+
+    state = {"layers.1.feed_forward.router.expert_bias": torch.zeros(4)}
+    checkpoint.read_weights(checkpoint.latest(str(run_dir)), state)
+    return state["layers.1.feed_forward.router.expert_bias"]

@@ -81,6 +81,17 @@ def test_qwen3_in_3d_equals_one_process(make_cfg, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_qwen2_biases_with_tp_without_sequence_parallel(make_cfg, tmp_path):
+    """tp2 without sequence parallelism over a family whose plan leaves 1-D parameters of both kinds (sharded q/k/v
+    biases, plain norms): every parameter is made a DTensor (the norms replicated), so the fused optimizer takes
+    them together, and the run equals one process."""
+    family = ("model.family=qwen2",)
+    ref = reference(make_cfg, tmp_path, *family)
+    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / "qwen2", *family, "parallel=tp2"))
+    assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["dp2_zero3", "tp2_sp"])
 def test_bf16_tracks_one_process_bf16(make_cfg, tmp_path, layout):
     # FSDP runs the blocks on gathered bf16 parameters (a bf16 residual stream); one process autocasts fp32 ones.

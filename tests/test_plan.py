@@ -331,6 +331,13 @@ SWEEP = {
     "llama-docmask-seq1024-single-fp32": (_shape(64, 2, 4, 2, 192, 512, 1024) + _MASKED, "fp32"),
     "mistral-docmask-window-pp2-fp32": (_shape(64, 4, 4, 2, 192, 512, 1024, family="mistral", sliding_window=256)
                                         + _MASKED + ["parallel=pp2"], "fp32"),
+    # MoE: the experts' parameters and optimizer state (all of them), their routed activations (k of them)
+    "mixtral-e8k2-single-fp32": (_shape(128, 3, 4, 2, 384, 4096, 128, family="mixtral", **{
+        "moe.num_experts": 8, "moe.top_k": 2, "moe.aux_loss_coef": 0.01}), "fp32"),
+    "qwen3moe-e16k4-fsdp-bf16": (_shape(128, 4, 4, 2, 384, 4096, 128, family="qwen3_moe", head_dim=32, **{
+        "moe.num_experts": 16, "moe.top_k": 4, "moe.expert_hidden": 128}) + _FSDP, "bf16"),
+    "mixtral-e8k2-ep2-fp32": (_shape(128, 3, 4, 2, 384, 4096, 128, family="mixtral", **{
+        "moe.num_experts": 8, "moe.top_k": 2}) + _FSDP + ["parallel.ep=2"], "fp32"),
 }
 
 

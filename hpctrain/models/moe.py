@@ -83,14 +83,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [n, D]: tokens sorted by expert, counts [E] (this module's experts) summing to n -> [n, D]."""
-        w1, w3, w2 = self.w1, self.w3, self.w2
-        if self.grouped and grouped_mm_works(x, w1, w2):
-            offsets = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.mT, offs=offsets)) * torch._grouped_mm(x, w3.mT, offs=offsets)
-            return torch._grouped_mm(h, w2.mT, offs=offsets)
-        parts = x.split(counts.tolist())
-        return torch.cat([F.linear(F.silu(F.linear(p, w1[e])) * F.linear(p, w3[e]), w2[e])
-                          for e, p in enumerate(parts)]) if parts else x
+        return run_experts(x, counts, self.w1, self.w3, self.w2, self.grouped)
+
+
+def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                grouped: bool = True) -> torch.Tensor:
+    """SwiGLU experts [E, ...] over tokens sorted by expert (counts [E]); plain tensors (expert parallelism passes
+    its ranks' pieces)."""
+    if grouped and grouped_mm_works(x, w1, w2):
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, w1.mT, offs=offsets)) * torch._grouped_mm(x, w3.mT, offs=offsets)
+        return torch._grouped_mm(h, w2.mT, offs=offsets)
+    parts = x.split(counts.tolist())
+    return torch.cat([F.linear(F.silu(F.linear(p, w1[e])) * F.linear(p, w3[e]), w2[e])
+                      for e, p in enumerate(parts)]) if parts else x
 
 
 class SwiGLU(nn.Module):
@@ -203,6 +209,16 @@ class MoE(nn.Module):
                 self.figures.append(torch.cat([counts.to(torch.float64),
                                                torch.stack([f.to(torch.float64).to(counts.device) for f in row])]))
         return out
+
+
+def saved_bytes_per_token(moe: MoEDims, dim: int, ffn_hidden: int, scale: float) -> float:
+    """What an MoE layer saves for backward per token, beyond its input (measured with saved-tensor hooks, fp32):
+    per choice the routed copy of the input and the expert's output (12·D bytes), the expert's hidden activations
+    (16·H) and int64 indices (32); the router's fp32 logits and probabilities (8·E) and 8 bytes of statistics; the
+    shared experts as a dense SwiGLU of their width. `scale`: the activations' bytes over fp32's (bf16: 1/2)."""
+    hidden = expert_hidden(moe, ffn_hidden)
+    return (moe.top_k * ((12 * dim + 16 * hidden) * scale + 32) + 8 * moe.num_experts + 8
+            + 16 * hidden * moe.shared_experts * scale)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -6,19 +6,24 @@ checks (`hpctrain.runs.resolve`), the launcher and the step builder all read it;
 degrees. Model-specific rules (which sizes a tensor-parallel degree must divide, how layers split into
 pipeline stages) are the model spec's (`hpctrain.models`).
 
-A new dimension (context or expert parallel) is a name in `DIMS`, a field here, and one `apply_*`
-function in `hpctrain.parallel.parallelize`.
+A new dimension (context parallel) is a name in `DIMS`, a field here, and one `apply_*` function in
+`hpctrain.parallel.parallelize`. Expert parallelism (`ep`) multiplies nothing: it splits the data-parallel ranks,
+whose batches stay their own, into groups of `ep` that share out each MoE layer's experts (the mesh's "ep" dim,
+inside "dp": dp = dp_mod_ep × ep, the ranks of an ep group neighbours), as torchtitan and Megatron do.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 from hpctrain.core.config import ClusterConfig, ConfigError, GradCompression, ParallelConfig, ReduceDtype
 
 # Mesh order, outermost first: pipeline stages span nodes, tensor parallel stays inside one (fastest links).
 DIMS = ("pp", "dp", "tp")
+# The device mesh's dims: dp split in two (expert parallel inside), then flattened back into "dp".
+MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")
 _SHOWN = ("dp", "tp", "pp")  # the order messages and logs name them in (as the docs do)
 
 # parallel.pp_schedule -> (torch.distributed.pipelining class, whether a rank holds several stages).
@@ -34,6 +39,7 @@ class Layout:
     tp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules)
+    ep: int = 1  # expert parallel: the data-parallel ranks that share each MoE layer's experts (divides dp)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -85,11 +91,12 @@ class Layout:
     def batch_mesh(self, mesh):
         """The ranks the global batch is split over (data parallel): each reads its own samples, FSDP shards over
         them, and gradients, loss and token counts are summed over them."""
-        return mesh["dp"]
+        return dp_mesh(mesh)
 
     def describe(self) -> str:
-        """`dp×tp×pp=2×2×1`."""
-        return "×".join(_SHOWN) + "=" + "×".join(str(getattr(self, name)) for name in _SHOWN)
+        """`dp×tp×pp=2×2×1` (and `, ep=2` when experts are shared out)."""
+        shown = "×".join(_SHOWN) + "=" + "×".join(str(getattr(self, name)) for name in _SHOWN)
+        return shown + (f", ep={self.ep}" if self.ep > 1 else "")
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int) -> Layout:
@@ -99,36 +106,54 @@ class Layout:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
         dp = _dp(p, world, f"world size {world}")
         _check_schedule(p)
+        if p.ep < 1 or dp % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel degree dp={dp}: expert parallelism "
+                              "shares each MoE layer's experts among data-parallel ranks; choose an ep that divides "
+                              "dp (or more ranks)")
         layout = cls(pp=p.pp, dp=dp, tp=p.tp, pp_schedule=p.pp_schedule,
-                     pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1)
+                     pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1, ep=p.ep)
         if layout.world != world:
             raise ConfigError(f"parallel {layout.describe()}={layout.world} does not match world size {world}")
         _check_sharding(p, layout)
         return layout
 
     def build_mesh(self, device_type: str, timeout_s: float = 600.0):
-        """The named ("pp", "dp", "tp") device mesh; every group fails within `timeout_s` when a rank dies."""
+        """The named device mesh ("pp", "dp_mod_ep", "ep", "tp", and "dp" = dp_mod_ep × ep flattened); every group
+        fails within `timeout_s` when a rank dies."""
         from datetime import timedelta
 
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=DIMS)
+        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        _FLATTENED[id(mesh)] = weakref.ref(mesh), mesh["dp_mod_ep", "ep"]._flatten("dp")
         # Sub-groups are created with c10d's default timeout (30 min), not the one of the default group.
         timeout = timedelta(seconds=timeout_s)
-        for name in DIMS:
-            group = mesh[name].get_group()
+        for group in [mesh[name].get_group() for name in MESH_DIMS] + [dp_mesh(mesh).get_group()]:
             if group is not dist.group.WORLD and dist.get_world_size(group) > 1:
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
         return mesh
+
+
+# id(root mesh) -> (the root, its flattened "dp"): torch asks callers to keep a flattened mesh themselves (slicing
+# it from the root is deprecated). By identity: meshes compare equal by their ranks, across runs of a process too.
+_FLATTENED: dict[int, tuple] = {}
+
+
+def dp_mesh(mesh):
+    """The "dp" mesh (dp_mod_ep × ep flattened) of a mesh `Layout.build_mesh` made."""
+    root, flat = _FLATTENED.get(id(mesh), (lambda: None, None))
+    return flat if root() is mesh else mesh["dp"]
 
 
 def group_timeouts(mesh) -> dict[str, float]:
     """Timeout in seconds of each mesh dim's process group (CPU backend), for tests and diagnostics."""
     import torch
 
-    return {name: mesh[name].get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for name in DIMS}
+    meshes = {name: mesh[name] for name in MESH_DIMS} | {"dp": dp_mesh(mesh)}
+    return {name: m.get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, m in meshes.items()}
 
 
 def _replica(p: ParallelConfig) -> tuple[int, str]:
@@ -216,6 +241,10 @@ def _check_sharding(p: ParallelConfig, layout: Layout) -> None:
     if p.cpu_offload and (p.zero_stage != 3 or layout.dp == 1):
         raise ConfigError(f"parallel.cpu_offload needs parallel.zero_stage=3 and dp > 1 (got zero_stage="
                           f"{p.zero_stage}, dp={layout.dp}): set parallel=fsdp or parallel.cpu_offload=false")
+    if layout.ep > 1 and (p.zero_stage == 0 or GradCompression(p.grad_compression).value != "none"):
+        raise ConfigError(f"parallel.ep={layout.ep} needs a sharded data parallel (zero_stage 2 or 3, no "
+                          "grad_compression): the experts' gradients are reduced over the rest of dp only; use "
+                          "parallel=fsdp")
     if p.sequence_parallel and layout.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
     method = GradCompression(p.grad_compression).value

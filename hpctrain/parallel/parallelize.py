@@ -1,6 +1,6 @@
 """Apply a parallel layout to a model, as small functions in a fixed order.
 
-Order (torchtitan's, for the reasons it gives): pipeline split -> tensor/sequence parallel ->
+Order (torchtitan's, for the reasons it gives): pipeline split -> tensor/sequence parallel -> expert parallel ->
 activation checkpointing -> compile -> FSDP on the "dp" mesh dim -> pipeline schedule. Every
 function is a no-op for its dimension of size 1, so one process runs the same path as many.
 What is model-specific (module names, the tensor-parallel plan) comes from the model's spec.
@@ -20,13 +20,14 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hpctrain.core.config import ActCkpt, GradCompression, ParallelConfig, ReduceDtype
 from hpctrain.core.memory import Term
 from hpctrain.models import ModelSpec
 from hpctrain.parallel.compression import apply_grad_compression
+from hpctrain.parallel.experts import apply_experts, expert_params
 from hpctrain.parallel.layout import Layout
 
 # parallel.grad_reduce_dtype
@@ -176,7 +177,42 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spe
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # both halves of a tied embedding are sharded Shard(0) on the vocab: re-share one
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        # (an MoE block has no dense feed-forward: its experts stay whole on every tp rank, fed the same tokens)
+        parallelize_module(block, tp_mesh, {k: v for k, v in block_plan.items() if _has(block, k)})
+
+
+def apply_tp_replicate(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The parameters no tensor-parallel plan placed (norms without sequence parallelism, an MoE layer's router and
+    shared experts) replicated on "tp", their modules fed and returning plain tensors: every parameter of a tp
+    model is then a DTensor, as one optimizer kernel needs (fused AdamW refuses a mix)."""
+    if tp_mesh.size() == 1:
+        return
+    for module in model.modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            distribute_module(module, tp_mesh, _replicate, _as_replicated, _as_local)
+
+
+def _replicate(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for key, p in list(module.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
+            module.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+
+def _as_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
+                 and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _as_local(module: nn.Module, output, mesh: DeviceMesh):
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: ActCkpt, every: int) -> None:
@@ -210,7 +246,8 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype | None,
-               cpu_offload: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
+               cpu_offload: bool, reduce_dtype: torch.dtype = torch.float32,
+               expert_mesh: DeviceMesh | None = None) -> None:
     """Data parallel over the "dp" mesh dim with FSDP2, as a ZeRO stage.
 
     0: replicated parameters, all-reduced gradients (FSDP2's replicate: unlike DDP it takes TP DTensors);
@@ -218,6 +255,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
        optimizer state sharded; 3: parameters resharded after each block's forward as well.
     Gradients are SUMMED over dp (divide factor 1): the step normalises the loss by the global token count;
     in `reduce_dtype` (parallel.grad_reduce_dtype), cast back to the parameters' dtype after.
+    Experts shared out by expert parallelism (already sharded over "ep", inside dp) are sharded and reduced over
+    the rest of dp only (`expert_mesh`: "dp_mod_ep"; none left when ep = dp).
     """
     if dp_mesh.size() == 1:
         return
@@ -231,9 +270,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
               # Pinned host memory needs an accelerator; a CPU-only run offloads to ordinary memory.
               "offload_policy": (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload
                                  else OffloadPolicy())}
+        experts = set(expert_params(model))
+        ignored = experts if experts and (expert_mesh is None or expert_mesh.size() == 1) else None
         for block in model.layers.values():
-            fully_shard(block, reshard_after_forward=zero_stage == 3, **kw)
-        fully_shard(model, reshard_after_forward=zero_stage == 3, **kw)
+            for layer in {m for m in block.modules() if any(p in experts for p in m.parameters(recurse=False))}:
+                if expert_mesh is not None and expert_mesh.size() > 1:
+                    fully_shard(layer, reshard_after_forward=zero_stage == 3, **{**kw, "mesh": expert_mesh})
+            fully_shard(block, reshard_after_forward=zero_stage == 3, ignored_params=ignored, **kw)
+        fully_shard(model, reshard_after_forward=zero_stage == 3, ignored_params=ignored, **kw)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -290,11 +334,13 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg: Parall
     chunks = apply_pipeline_split(model, mesh["pp"], layout.pp_virtual_stages, spec)
     for chunk in chunks:
         apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel, spec)
+        apply_experts(chunk, mesh)
+        apply_tp_replicate(chunk, mesh["tp"])
         apply_activation_checkpointing(chunk, pcfg.activation_checkpointing, pcfg.ac_every)
         apply_compile(chunk, pcfg.compile)
         if GradCompression(pcfg.grad_compression) == GradCompression.none:
             apply_fsdp(chunk, layout.batch_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload,
-                       REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)])
+                       REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)], mesh["dp_mod_ep"] if layout.ep > 1 else None)
         else:  # ZeRO-0, tp = pp = 1 (checked)
             apply_grad_compression(chunk, layout.batch_mesh(mesh), pcfg.grad_compression, pcfg.powersgd_rank,
                                    pcfg.topk_fraction, pcfg.compression_start_step)

@@ -83,20 +83,37 @@ class StageParams:
         return self.sharded // tp + self.replicated
 
 
-def _count(st: StageParams, params) -> int:
+def _count(st: StageParams, params, whole: bool = False) -> int:
+    """`whole`: parameters every tp rank holds whole however many dims they have (an MoE layer's)."""
     total = 0
     for p in params:
         total += p.numel()
-        if p.dim() > 1:
+        if p.dim() > 1 and not whole:
             st.sharded += p.numel()
             st.factored += p.shape[0] + p.shape[1]
         else:
             st.replicated += p.numel()
-            st.factored += p.numel()
+            # (Adafactor factors the last two dims of each matrix: an [E, out, in] weight E row and column sums)
+            st.factored += p.numel() if p.dim() == 1 else p.numel() // p.shape[-1] + p.numel() // p.shape[-2]
     return total
 
 
-def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None) -> list[StageParams]:
+def _count_block(st: StageParams, block, ep: int) -> int:
+    """A block's parameters counted; returns what FSDP gathers of it on a device: all but the experts, and of the
+    experts the share of its ep group (expert parallelism keeps E/ep per rank; FSDP gathers that over dp/ep)."""
+    from hpctrain.models.moe import MoE
+
+    moe = [m for m in block.modules() if isinstance(m, MoE)]
+    inside = {id(p) for m in moe for p in m.parameters()}
+    gathered = _count(st, [p for p in block.parameters() if id(p) not in inside])
+    for m in moe:
+        experts = _count(st, m.experts.parameters(), whole=True)
+        gathered += _count(st, [p for p in m.parameters() if p not in set(m.experts.parameters())], whole=True)
+        gathered += experts // ep
+    return gathered
+
+
+def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None, ep: int = 1) -> list[StageParams]:
     """Count each stage's parameters on a meta-device model (no memory is allocated)."""
     spec = spec or _default_spec()
     with torch.device("meta"):
@@ -107,7 +124,7 @@ def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None) -> li
         st.buffers = buffers
         for chunk in st.layers:
             for layer in chunk:
-                st.largest_block = max(st.largest_block, _count(st, model.layers[str(layer)].parameters()))
+                st.largest_block = max(st.largest_block, _count_block(st, model.layers[str(layer)], ep))
         names = (spec.first_stage if i == 0 else ()) + (spec.last_stage if i == pp - 1 else ())
         root = {id(t): t for name in names for t in getattr(model, name).parameters()}  # a tied weight once
         st.root = _count(st, root.values())
@@ -202,7 +219,7 @@ def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
     step's numbers."""
     r = _Run.of(cfg, plan, seq_len)
     layout = plan.layout
-    stages = stage_params(r.args, layout.pp, layout.pp_virtual_stages, r.spec)
+    stages = stage_params(r.args, layout.pp, layout.pp_virtual_stages, r.spec, layout.ep)
     rows = []
     for i, st in enumerate(stages):
         terms, acts = _stage_terms(r, i, st), _activations(r, i, st)
@@ -272,13 +289,44 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     p, args, rows = cfg.parallel, e["args"], e["rows"]
     mode = ActCkpt(p.activation_checkpointing).value
     out = [f"model {cfg.model.name}: {sum(s.sharded + s.replicated for s in e['stages']) / 1e9:.3f}B parameters "
-           f"(counted on the meta device); layout pp×dp×tp = {plan.pp}×{plan.dp}×{plan.tp} = {plan.world} devices",
+           f"(counted on the meta device); layout pp×dp×tp = {plan.pp}×{plan.dp}×{plan.tp} = {plan.world} devices"
+           + (f", experts shared out over ep={plan.layout.ep}" if plan.layout.ep > 1 else ""),
            f"batch: global {plan.global_batch} = micro {plan.micro_batch} × accum {plan.grad_accum} × dp {plan.dp}"
            f", seq_len {seq_len}; precision {PrecisionName(cfg.precision.name).value}, zero_stage {p.zero_stage}"
            f", sequence_parallel {p.sequence_parallel}, activation_checkpointing {mode}"]
     out += [f"note: {n}" for n in notes]
     out.append(f"\nlayer-to-stage map ({plan.pp} stage(s) × {plan.layout.pp_virtual_stages} virtual):")
     out += [f"  stage {r['stage']}: {r['desc']}  ({r['params_per_device'] / 1e6:.1f}M params per device)" for r in rows]
+    out += _memory_lines(cfg, plan, e, mode)
+    pp, v, m = plan.pp, plan.layout.pp_virtual_stages, e["m"]
+    out.append(f"\npipeline bubble: (pp−1)/(m·v + pp−1) = ({pp}−1)/({m}·{v} + {pp}−1) = {e['bubble']:.1%} "
+               "of each step's schedule (m = micro-batches per step, v = virtual stages)")
+    out += _expert_exchange(plan, e, seq_len, mode)
+    line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
+    peak = _peak_tflops(cfg)
+    if peak:
+        line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
+                 f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")
+    out.append(line)
+    worst = {k: max(total(r, k) for r in rows) for k in ("none", "full", mode)}
+    cap = cfg.cluster.gpu_mem_gb
+    if not cap:
+        out.append(f"\nworst stage needs {worst[mode] / GiB:.2f} GiB per device (ckpt={mode}): "
+                   "set cluster.gpu_mem_gb to check fit")
+        return "\n".join(out), None
+    usable = cap * HEADROOM * GiB
+    fits = worst[mode] <= usable
+    out.append(f"\nworst stage needs {worst[mode] / GiB:.2f} GiB per device (ckpt={mode}); usable "
+               f"{HEADROOM:.0%} of cluster.gpu_mem_gb={cap:g}: {usable / GiB:.1f} GiB -> "
+               f"{'FITS' if fits else 'DOES NOT FIT'}")
+    if not fits:
+        out.append("suggestion: " + _suggest(cfg, plan, worst, usable, args))
+    return "\n".join(out), fits
+
+
+def _memory_lines(cfg, plan: RunShape, e: dict, mode: str) -> list[str]:
+    """The per-device memory table: a column per stage, a line per term, the activations and totals by mode."""
+    rows, out = e["rows"], []
     gib = lambda x: f"{x / GiB:8.2f}"  # noqa: E731
     out.append("\nper-device memory, GiB (one column per stage):")
     out.append(f"  {'':28}" + "".join(f"{'stage ' + str(r['stage']):>10}" for r in rows))
@@ -303,29 +351,20 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     flight = ", ".join(f"{r['flight']:g}" for r in rows)
     out.append(f"  micro-batches in flight: {flight} "
                f"(schedule {e['schedule']}, m={e['m']} micro-batches of {e['b']:g} sample(s))")
-    pp, v, m = plan.pp, plan.layout.pp_virtual_stages, e["m"]
-    out.append(f"\npipeline bubble: (pp−1)/(m·v + pp−1) = ({pp}−1)/({m}·{v} + {pp}−1) = {e['bubble']:.1%} "
-               "of each step's schedule (m = micro-batches per step, v = virtual stages)")
-    line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
-    peak = _peak_tflops(cfg)
-    if peak:
-        line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
-                 f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")
-    out.append(line)
-    worst = {k: max(total(r, k) for r in rows) for k in ("none", "full", mode)}
-    cap = cfg.cluster.gpu_mem_gb
-    if not cap:
-        out.append(f"\nworst stage needs {worst[mode] / GiB:.2f} GiB per device (ckpt={mode}): "
-                   "set cluster.gpu_mem_gb to check fit")
-        return "\n".join(out), None
-    usable = cap * HEADROOM * GiB
-    fits = worst[mode] <= usable
-    out.append(f"\nworst stage needs {worst[mode] / GiB:.2f} GiB per device (ckpt={mode}); usable "
-               f"{HEADROOM:.0%} of cluster.gpu_mem_gb={cap:g}: {usable / GiB:.1f} GiB -> "
-               f"{'FITS' if fits else 'DOES NOT FIT'}")
-    if not fits:
-        out.append("suggestion: " + _suggest(cfg, plan, worst, usable, args))
-    return "\n".join(out), fits
+    return out
+
+
+def _expert_exchange(plan: RunShape, e: dict, seq_len: int, mode: str) -> list[str]:
+    """Expert parallelism's all-to-all volume, the busiest stage's (nothing without ep)."""
+    if plan.layout.ep == 1:
+        return []
+    from hpctrain.parallel.experts import all_to_all_bytes
+
+    args, tokens = e["args"], plan.micro_batch * seq_len * plan.grad_accum
+    sent = max(all_to_all_bytes(args.moe, [j for c in st.layers for j in c], args.dim, tokens, plan.layout.ep,
+                                e["c"], mode != "none") for st in e["stages"])
+    return [f"\nexpert all-to-all (ep={plan.layout.ep}): {sent / 1e9:.3g} GB sent per device per step at even load "
+            "(dispatch + combine of each routed token, forward, backward and recomputation)"]
 
 
 def _suggest(cfg, plan: RunShape, worst: dict, usable: float, args) -> str:

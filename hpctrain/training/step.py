@@ -21,7 +21,7 @@ from hpctrain.models.cross_entropy import IGNORE_INDEX
 from hpctrain.models.moe import moe_layers, set_loss_weight
 from hpctrain.models.packing import DocumentMask
 from hpctrain.parallel.compression import grad_exchange
-from hpctrain.parallel.layout import PP_SCHEDULES, Layout
+from hpctrain.parallel.layout import PP_SCHEDULES, Layout, dp_mesh
 from hpctrain.parallel.norms import all_finite, local, square_sums
 from hpctrain.training.precision import Precision
 
@@ -196,7 +196,7 @@ class TrainStep:
         self.norm_params = self.params  # what the gradient norm counts: each Parameter once
         self.loss_parallel, self.fused_loss = loss_parallel, fused_loss
         self.loss_ctx = loss_parallel_ctx(loss_parallel)
-        self.batch_mesh = batch_mesh if batch_mesh is not None or mesh is None else mesh["dp"]
+        self.batch_mesh = batch_mesh if batch_mesh is not None or mesh is None else dp_mesh(mesh)
         self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
         # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch, unless asked every time.
         self.grad_sync = None if reduce_every_microbatch else getattr(model, "set_requires_gradient_sync", None)

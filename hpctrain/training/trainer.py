@@ -352,8 +352,10 @@ class Trainer:
                  self.n_params / 1e6, self.flops_per_token, sh.layout.describe(), sh.global_batch, sh.micro_batch,
                  sh.grad_accum, sh.dp, seq_len, self.lr, torch.get_num_threads(), self.run_dir)
         log.info("model built and initialised in %.2f s (each rank draws only its own shards)", self.init_s)
-        log.info("%s; %.3g FLOPs per token = 6·N + 12·L·H·Q·T (N: matmul weights, output head included; full "
-                 "attention)", self.peak.describe(), self.flops_per_token)
+        active = " a token goes through: MoE layers' router, k routed and shared experts" \
+            if self.cfg.model.moe.num_experts else ""
+        log.info("%s; %.3g FLOPs per token = 6·N + 12·L·H·Q·T (N: matmul weights%s, output head included; full "
+                 "attention)", self.peak.describe(), self.flops_per_token, active)
         if self.init_from:
             log.info("weights loaded from model.init_from=%s", self.init_from)
         if not self.checkpointer.enabled:

@@ -321,8 +321,12 @@ def _disk_views(names: tuple[str, ...], tensor) -> dict:
     if hasattr(tensor, "to_local"):
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor.placement_types import _StridedShard
 
-        if any(not (p.is_replicate() or (isinstance(p, Shard) and p.dim == 0)) for p in tensor.placements):
+        # (expert parallel shards dim 0, FSDP shards its piece again: a _StridedShard, still a range of rows, as DCP
+        # itself saves it)
+        if any(not (p.is_replicate() or (isinstance(p, (Shard, _StridedShard)) and p.dim == 0))
+               for p in tensor.placements):
             raise ValueError(f"{names[0]}...: loading rows of a tensor sharded as {tensor.placements} is not "
                              "supported")
         _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)

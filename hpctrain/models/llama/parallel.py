@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hpctrain.core.config import ConfigError
+from hpctrain.models.moe import saved_bytes_per_token
 
 
 def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
@@ -49,6 +50,9 @@ def tp_plan(sequence_parallel: bool) -> tuple[dict, dict]:
 def check_layout(args, layout, sequence_parallel: bool) -> None:
     """What the layout's degrees must divide; ConfigError with one line naming the fix."""
     kv = args.kv_heads
+    if layout.ep > 1 and not args.moe.num_experts:
+        raise ConfigError(f"parallel.ep={layout.ep} shares out MoE experts, and this model has none: set parallel.ep=1 "
+                          "or a model with experts (model.moe.num_experts; e.g. model=moe_tiny)")
     if args.n_heads % kv:
         raise ConfigError(f"model.n_heads={args.n_heads} is not divisible by model.n_kv_heads={kv}")
     if args.head_dim % 2:
@@ -88,8 +92,11 @@ def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: i
     norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
     q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     heads = args.n_heads + args.kv_heads if args.qk_norm else 0  # q/k-normed heads
+    # An MoE layer's experts run whole on every tp rank (the largest of its blocks: the sparse ones)
+    ffn = saved_bytes_per_token(args.moe, args.dim, args.ffn_hidden, kf / 16) * tp if args.moe.num_experts else \
+        kf * args.ffn_hidden
     per_token = (norm * args.dim / sp + lin * args.dim
-                 + (kh * q + kkv * kv + kf * args.ffn_hidden) / tp
+                 + (kh * q + kkv * kv + ffn) / tp
                  + 8 + 4 * args.n_heads / tp  # RMSNorm statistics, attention log-sum-exp
                  + (QK_NORM_BYTES[kind] * args.head_dim + 4) * heads / tp)  # q/k norms: input, output, statistics
     saved = tokens * per_token
