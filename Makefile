@@ -32,7 +32,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-comm bench-eval bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-comm bench-eval bench-moe bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -88,6 +88,10 @@ bench-comm: install
 # Downstream-evaluation throughput (requests/s): hpctrain's scorer against lm-eval's own hf model on the export:
 bench-eval: install
 	$(PY) -m hpctrain bench eval
+
+# An MoE layer's tokens/s with grouped GEMM against the per-expert loop, and expert parallelism's all-to-all bytes:
+bench-moe: install
+	$(PY) -m hpctrain bench moe
 
 # Training stall per checkpoint, sync vs train.ckpt_async=true, against the disk's O_DIRECT write speed:
 # llama_350m (4.2 GB checkpoints), ~11 GiB memory and ~9 GB free disk under outputs/, ~2 min.

@@ -242,7 +242,8 @@ PREP = {"tokenizer": ("data_prep.tokenizer", ()), "shards": ("data_prep.shards",
 BENCHES = {"data": ("data_prep.bench", "hpctrain.tools.bench_data"), "host": ("hpctrain.tools.bench_host",),
            "scale": ("hpctrain.tools.bench_scale",), "ckpt": ("hpctrain.tools.bench_ckpt",),
            "monitor": ("hpctrain.tools.bench_monitor",), "comm": ("hpctrain.tools.bench_comm",),
-           "gpu": ("hpctrain.tools.bench_gpu",), "eval": ("hpctrain.tools.bench_eval",)}
+           "gpu": ("hpctrain.tools.bench_gpu",), "eval": ("hpctrain.tools.bench_eval",),
+           "moe": ("hpctrain.tools.bench_moe",)}
 
 
 def prep(argv: list[str]) -> int:

@@ -244,3 +244,14 @@ def _bias(run_dir) -> torch.Tensor:
     state = {"layers.1.feed_forward.router.expert_bias": torch.zeros(4)}
     checkpoint.read_weights(checkpoint.latest(str(run_dir)), state)
     return state["layers.1.feed_forward.router.expert_bias"]
+
+
+def test_bench_moe_smoke(capsys):
+    """`make bench-moe`, shortened: both implementations measured, the all-to-all against the even-load estimate."""
+    from hpctrain.tools import bench_moe
+
+    doc = bench_moe.main(["--dim", "32", "--hidden", "32", "--experts", "4", "--tokens", "256", "--repeats", "1",
+                          "--threads", "1"])
+    out = capsys.readouterr().out
+    assert set(doc["rates"]) == {"grouped GEMM", "loop"} and "vs loop" in out
+    assert 0.5 < doc["a2a_bytes"] / doc["a2a_estimate"] < 1.5, doc
