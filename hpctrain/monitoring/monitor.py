@@ -98,10 +98,11 @@ METRICS: dict[str, tuple[Callable[[dict, Context], float | None], Callable[[Cont
 
 
 def metric_of(name: str):
-    """(value from a record, why this run cannot measure it) of a metric a rule names: METRICS', or a downstream
-    score eval/<task>/<metric> as logged (the eval group); None for neither."""
-    if name.startswith("eval/") and name.count("/") >= 2:
-        return (lambda r, c: r.get(name)), (lambda c: None)
+    """(value from a record, why this run cannot measure it) of a metric a rule names: METRICS', or a logged figure
+    as logged: a downstream score eval/<task>/<metric>, an MoE figure moe/... (hpctrain.training.expert_balance);
+    None for neither."""
+    if name.startswith("eval/") and name.count("/") >= 2 or name.startswith("moe/"):
+        return (lambda r, c: r.get(name) if isinstance(r.get(name), (int, float)) else None), (lambda c: None)
     return METRICS.get(name)
 
 
@@ -167,7 +168,8 @@ def check_monitor(mcfg: MonitorConfig, checkpointing: bool = True) -> None:
     for name, rule in parse_rules(mcfg).items():
         if metric_of(rule.metric) is None:
             raise ConfigError(f"monitor.rules.{name}.metric={rule.metric!r} is not a metric alerts can watch: use "
-                              f"one of {', '.join(METRICS)}, or a downstream score eval/<task>/<metric>")
+                              f"one of {', '.join(METRICS)}, a downstream score eval/<task>/<metric> or an MoE "
+                              "figure moe/<name>")
         if rule.for_s < 0 or rule.threshold != rule.threshold:
             raise ConfigError(f"monitor.rules.{name}: for_s={rule.for_s} must be >= 0 and threshold a number")
     cmd = mcfg.notify_cmd

@@ -144,6 +144,11 @@ def resolve(cfg, world: int = 1) -> RunShape:
     spec = spec_of(cfg.model)
     layout = Layout.from_config(p, world)
     spec.check_layout(spec.args(m), layout, p.sequence_parallel)
+    if p.compile and spec.args(m).moe.num_experts:
+        # Measured on torch 2.13 (CPU): fullgraph tracing fails in _grouped_mm's fake kernel (bf16 only), and the
+        # routed shapes are data-dependent.
+        raise ConfigError("parallel.compile=true with MoE layers is not supported (torch.compile cannot trace the "
+                          "routed experts' data-dependent shapes): set parallel.compile=false")
     if p.sequence_parallel and t.seq_len is not None and t.seq_len % layout.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={layout.tp} with "
                           "sequence_parallel: choose a seq_len that is a multiple of tp")
