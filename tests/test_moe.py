@@ -138,6 +138,7 @@ LAYOUTS = {"fsdp_ac": ["parallel=fsdp", "parallel.dp=2", "parallel.activation_ch
            "ep2": ["parallel=fsdp", "parallel.dp=2", "parallel.ep=2"],
            "ep2_fsdp4": ["parallel=fsdp", "parallel.dp=4", "parallel.ep=2"],
            "ep2_tp2": ["parallel=dp2_tp2", "parallel.sequence_parallel=false", "parallel.ep=2"],
+           "ep2_tp2_sp": ["parallel=dp2_tp2", "parallel.ep=2"],
            "ep2_pp2": ["parallel=pp2", "parallel.dp=2", "parallel.zero_stage=3", "parallel.ep=2"]}
 BALANCED = ("model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.01", "model.moe.router=sigmoid",
             "model.moe.bias_update_rate=0.01")
@@ -198,8 +199,6 @@ def test_bad_moe_settings_are_one_line(make_cfg):
         resolve(make_cfg("model.moe.num_experts=4"), 1)
     with pytest.raises(ConfigError, match=r"model.moe.top_k=5 must be between 1 and model.moe.num_experts=4"):
         resolve(make_cfg(*MOE, "model.moe.top_k=5"), 1)
-    with pytest.raises(ConfigError, match="parallel.sequence_parallel=true with MoE layers"):
-        resolve(make_cfg(*MOE, "parallel=tp2_sp"), 2)
     with pytest.raises(ConfigError, match=r"model.moe.num_experts=4 is not divisible by parallel.ep=8"):
         resolve(make_cfg(*MOE, "parallel=fsdp", "parallel.dp=8", "parallel.ep=8"), 8)
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the data-parallel degree dp=2"):

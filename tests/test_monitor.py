@@ -158,4 +158,6 @@ def test_more_rules_fire_and_clear_with_their_metric(make_cfg, tmp_path, rule, k
             firing = past
             want.append(("firing" if firing else "cleared", r["step"]))
     got = [(e["event"], e["step"]) for e in _alerts(tmp_path / "run") if e["rule"] == rule]
-    assert got == want and ("cleared", want[1][1]) in got, (got, want)
+    # (a busier machine in the second run may keep every throughput on one side of the first run's median: then
+    # there is nothing to fire or clear, and nothing must)
+    assert got == want and (len(want) < 2 or want[1][0] == "cleared"), (got, want)

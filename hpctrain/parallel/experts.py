@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from hpctrain.core.config import MoEDims
 from hpctrain.models.moe import GroupedExperts, is_sparse, moe_layers, run_experts
@@ -82,6 +83,17 @@ def apply_experts(model: nn.Module, mesh: DeviceMesh) -> None:
         experts.__class__ = ExpertParallelExperts if ep > 1 else LocalExperts
         if ep > 1:
             experts.ep_group = mesh["ep"].get_group()
+
+
+def moe_tp_style(sequence_parallel: bool) -> PrepareModuleInputOutput | None:
+    """An MoE layer under tensor parallelism: with sequence parallelism its input gathered from the sequence shards
+    and its output cut back to this rank's (every tp rank computes the same whole output: the cut is local); without,
+    nothing (its input is whole already)."""
+    if not sequence_parallel:
+        return None
+    return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_input=True, output_layouts=(Replicate(),),
+                                    desired_output_layouts=(Shard(1),), use_local_output=True)
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:

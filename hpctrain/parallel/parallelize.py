@@ -26,8 +26,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from hpctrain.core.config import ActCkpt, GradCompression, ParallelConfig, ReduceDtype
 from hpctrain.core.memory import Term
 from hpctrain.models import ModelSpec
+from hpctrain.models.moe import MoE
 from hpctrain.parallel.compression import apply_grad_compression
-from hpctrain.parallel.experts import apply_experts, expert_params
+from hpctrain.parallel.experts import apply_experts, expert_params, moe_tp_style
 from hpctrain.parallel.layout import Layout
 
 # parallel.grad_reduce_dtype
@@ -177,8 +178,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spe
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # both halves of a tied embedding are sharded Shard(0) on the vocab: re-share one
     for block in model.layers.values():
-        # (an MoE block has no dense feed-forward: its experts stay whole on every tp rank, fed the same tokens)
-        parallelize_module(block, tp_mesh, {k: v for k, v in block_plan.items() if _has(block, k)})
+        # An MoE block has no dense feed-forward: its experts stay whole on every tp rank, fed the same tokens
+        # (under sequence parallelism: all of them, gathered, and each rank keeps its part of the output).
+        plan = {k: v for k, v in block_plan.items() if _has(block, k)}
+        plan.update({name: moe_tp_style(sequence_parallel) for name, m in block.named_children() if isinstance(m, MoE)})
+        parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if v is not None})
 
 
 def apply_tp_replicate(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -13,10 +13,6 @@ def check_moe(args, layout, sequence_parallel: bool) -> None:
     if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts="
                           f"{moe.num_experts}")
-    if moe.num_experts and layout.tp > 1 and sequence_parallel:
-        raise ConfigError(f"parallel.sequence_parallel=true with MoE layers (model.moe.num_experts={moe.num_experts}) "
-                          "is not supported yet: set parallel.sequence_parallel=false (tp shards the attention and "
-                          "the output head; each tp rank runs the experts on the same tokens)")
     if moe.num_experts % layout.ep:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={layout.ep}: "
                           "choose an ep that divides the experts")
