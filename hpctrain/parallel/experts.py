@@ -39,7 +39,13 @@ class LocalExperts(GroupedExperts):
     """GroupedExperts whose weights are DTensors, run on this rank's pieces."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_experts(x, counts, *(getattr(self, name).to_local() for name in WEIGHTS), grouped=self.grouped)
+        return run_experts(x, counts, *local_weights(self, x.dtype), grouped=self.grouped)
+
+
+def local_weights(experts: GroupedExperts, dtype: torch.dtype) -> list[torch.Tensor]:
+    """This rank's pieces of the experts' weights in the tokens' dtype: experts that FSDP does not manage (ep = dp)
+    keep fp32 parameters where its mixed precision hands the others over in bf16."""
+    return [getattr(experts, name).to_local().to(dtype) for name in WEIGHTS]
 
 
 class ExpertParallelExperts(GroupedExperts):
@@ -61,8 +67,7 @@ class ExpertParallelExperts(GroupedExperts):
         # Arrived by source rank, then expert: regrouped expert by expert (stable: sources in rank order).
         segment = torch.repeat_interleave(torch.arange(ranks * local, device=x.device), received.flatten())
         order = ((segment % local) * ranks + segment // local).argsort(stable=True)
-        weights = [getattr(self, name).to_local() for name in WEIGHTS]
-        out = run_experts(tokens[order], received.sum(dim=0), *weights, grouped=self.grouped)
+        out = run_experts(tokens[order], received.sum(dim=0), *local_weights(self, x.dtype), grouped=self.grouped)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_single_autograd(out[back], send, recv, group)
