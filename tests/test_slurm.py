@@ -286,13 +286,15 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path)
 
 @pytest.mark.timeout(240)
 def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, slurm_jobs):
-    """A run longer than its 1-minute limit: USR2 arrives `signal_lead_s` before the limit (Slurm checks
-    limits every 30 s, so within ~35 s of the start), the job checkpoints, submitit requeues it as a timeout
-    (counted against cluster.max_timeouts) and the rerun resumes from that checkpoint. The run is endless, so
-    no machine is fast enough to finish before the limit; the test cancels it once the rerun has trained on
-    (that a resumed run ends with an uninterrupted run's loss is what the preemption tests check)."""
+    """A run longer than its 2-minute limit: USR2 arrives `signal_lead_s` before the limit (Slurm may send it up
+    to 60 s early, `man sbatch`: so between 5 and 65 s after the start; with a 1-minute limit it once came in the
+    first second, before any handler existed, and the default action of USR2 killed the job), the job checkpoints,
+    submitit requeues it as a timeout (counted against cluster.max_timeouts) and the rerun resumes from that
+    checkpoint. The run is endless, so no machine is fast enough to finish before the limit; the test cancels it once
+    the rerun has trained on (that a resumed run ends with an uninterrupted run's loss is what the preemption tests
+    check)."""
     run = tmp_path / "run"
-    job = _job_id(_submit(tmp_path, run, "parallel=single", "cluster.nodes=1", "cluster.time_min=1",
+    job = _job_id(_submit(tmp_path, run, "parallel=single", "cluster.nodes=1", "cluster.time_min=2",
                           "cluster.signal_lead_s=55", "train.max_steps=100000000", "train.ckpt_every=0",
                           "train.log_every=50"))
     slurm_jobs.append(job)
