@@ -272,3 +272,16 @@ def test_bench_moe_smoke(capsys):
     out = capsys.readouterr().out
     assert set(doc["rates"]) == {"grouped GEMM", "loop"} and "vs loop" in out
     assert 0.5 < doc["a2a_bytes"] / doc["a2a_estimate"] < 1.5, doc
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_moe_shape_the_transformers_class_cannot_hold_is_one_line(family):
+    from hpctrain.models import get_spec
+    from hpctrain.models.llama.model import ModelArgs
+
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=48,
+                     moe={"num_experts": 4, "shared_experts": 1, "route_scale": 2.0})
+    adapter = get_spec(family).hf()
+    with pytest.raises(ValueError, match=rf"^{adapter.model_class} cannot hold model.moe.shared_experts=1, "
+                                         r"model.moe.route_scale=2.0: use the default or another family$"):
+        adapter.to_hf_config(args)

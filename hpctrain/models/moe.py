@@ -100,7 +100,8 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: tor
 
 
 class SwiGLU(nn.Module):
-    """The shared experts: one SwiGLU of their summed width."""
+    """A SwiGLU feed-forward (w1 gate, w3 up, w2 down): the shared experts (one of their summed width), and the
+    decoder's dense feed-forward."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -227,6 +228,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 
 def set_loss_weight(layers: list[tuple[str, MoE]], weight: float) -> None:
-    """The next forwards' weight in the training objective (micro-batch tokens / step tokens, times a loss scale)."""
+    """One token's weight in the training objective for the next forwards (1 / the step's tokens, times fp16's loss
+    scale)."""
     for _, layer in layers:
         layer.loss_weight = weight

@@ -101,10 +101,9 @@ def moe_tp_style(sequence_parallel: bool) -> PrepareModuleInputOutput | None:
                                     desired_output_layouts=(Shard(1),), use_local_output=True)
 
 
-def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters expert parallelism shares out (data parallelism reduces them over the rest of dp only)."""
-    return [p for _, layer in moe_layers(model) if isinstance(layer.experts, ExpertParallelExperts)
-            for p in layer.experts.parameters()]
+def expert_modules(model: nn.Module) -> list[ExpertParallelExperts]:
+    """The experts modules expert parallelism shares out (data parallelism reduces them over the rest of dp only)."""
+    return [layer.experts for _, layer in moe_layers(model) if isinstance(layer.experts, ExpertParallelExperts)]
 
 
 def all_to_all_bytes(moe: MoEDims, layers: list[int], dim: int, tokens: int, ep: int, c: int, recomputed: bool) -> float:

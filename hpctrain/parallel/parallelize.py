@@ -28,7 +28,7 @@ from hpctrain.core.memory import Term
 from hpctrain.models import ModelSpec
 from hpctrain.models.moe import MoE
 from hpctrain.parallel.compression import apply_grad_compression
-from hpctrain.parallel.experts import apply_experts, expert_params, moe_tp_style
+from hpctrain.parallel.experts import apply_experts, expert_modules, moe_tp_style
 from hpctrain.parallel.layout import Layout
 
 # parallel.grad_reduce_dtype
@@ -274,12 +274,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dty
               # Pinned host memory needs an accelerator; a CPU-only run offloads to ordinary memory.
               "offload_policy": (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload
                                  else OffloadPolicy())}
-        experts = set(expert_params(model))
-        ignored = experts if experts and (expert_mesh is None or expert_mesh.size() == 1) else None
+        experts = expert_modules(model)
+        rest_of_dp = expert_mesh is not None and expert_mesh.size() > 1
+        ignored = {p for m in experts for p in m.parameters()} if experts and not rest_of_dp else None
         for block in model.layers.values():
-            for layer in {m for m in block.modules() if any(p in experts for p in m.parameters(recurse=False))}:
-                if expert_mesh is not None and expert_mesh.size() > 1:
-                    fully_shard(layer, reshard_after_forward=zero_stage == 3, **{**kw, "mesh": expert_mesh})
+            for m in expert_modules(block) if rest_of_dp else ():
+                fully_shard(m, reshard_after_forward=zero_stage == 3, **{**kw, "mesh": expert_mesh})
             fully_shard(block, reshard_after_forward=zero_stage == 3, ignored_params=ignored, **kw)
         fully_shard(model, reshard_after_forward=zero_stage == 3, ignored_params=ignored, **kw)
     for m in model.modules():

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 
-from hpctrain.core.errors import BAD_INPUT, TrainingError
+from hpctrain.core.errors import BAD_INPUT, TrainingError, say
 from hpctrain.core.files import EVALS_FILE, read_evals
 from hpctrain.core.shard_format import read_manifest
 from hpctrain.models import spec_of
@@ -34,8 +33,7 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
                 and r.get("scored_with") == _key(cfg.eval)]
         if done:
             # (a command's line, not a log record: `hpctrain eval` configures no logging)
-            print(f"{ckpt} was scored already with these tasks (step {done[-1]['step']} in evals.jsonl): not scored "
-                  "again", file=sys.stderr)
+            say(f"{ckpt} was scored already with these tasks (step {done[-1]['step']} in evals.jsonl): not scored again")
             return done[-1]
     world = process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)

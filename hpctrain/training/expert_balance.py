@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.core.config import MoEDims
-from hpctrain.models.moe import STATS, moe_layers
+from hpctrain.models.moe import STATS, is_sparse, moe_layers
 
 
 def _layer_index(name: str) -> int:
@@ -24,12 +24,11 @@ def _layer_index(name: str) -> int:
 
 class ExpertBalance:
     def __init__(self, model: torch.nn.Module, moe: MoEDims, n_layers: int, device: torch.device, copies: int = 1):
-        from hpctrain.models.moe import is_sparse
-
         self.layers = [(_layer_index(name), layer) for name, layer in moe_layers(model)]
         self.enabled = moe.num_experts > 0
         self.rate, self.experts, self.copies, self.device = moe.bias_update_rate, moe.num_experts, copies, device
         self.rows = [i for i in range(n_layers) if is_sparse(moe, i)]  # every sparse layer of the whole model
+        self.row = {i: r for r, i in enumerate(self.rows)}
 
     def after_step(self, applied: bool) -> dict:
         """The step's figures (reset for the next); the routing bias moved when the step was `applied`."""
@@ -38,7 +37,7 @@ class ExpertBalance:
         # (a pipeline stage of dense layers only still joins the all-reduce)
         table = torch.zeros(len(self.rows), self.experts + len(STATS), dtype=torch.float64, device=self.device)
         for i, layer in self.layers:
-            table[self.rows.index(i)] = layer.summed()
+            table[self.row[i]] = layer.summed()
             layer.reset_stats()
         if dist.is_initialized():
             dist.all_reduce(table)
@@ -47,7 +46,7 @@ class ExpertBalance:
         if applied and self.rate:
             with torch.no_grad():
                 for i, layer in self.layers:
-                    row = load[self.rows.index(i)]
+                    row = load[self.row[i]]
                     layer.router.expert_bias += (self.rate * torch.sign(row.mean() - row)).to(
                         layer.router.expert_bias.dtype)
         return self._figures(load.cpu(), stats.cpu())

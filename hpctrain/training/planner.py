@@ -101,15 +101,14 @@ def _count(st: StageParams, params, whole: bool = False) -> int:
 def _count_block(st: StageParams, block, ep: int) -> int:
     """A block's parameters counted; returns what FSDP gathers of it on a device: all but the experts, and of the
     experts the share of its ep group (expert parallelism keeps E/ep per rank; FSDP gathers that over dp/ep)."""
-    from hpctrain.models.moe import MoE
+    from hpctrain.models.moe import moe_layers
 
-    moe = [m for m in block.modules() if isinstance(m, MoE)]
+    moe = [m for _, m in moe_layers(block)]
     inside = {id(p) for m in moe for p in m.parameters()}
     gathered = _count(st, [p for p in block.parameters() if id(p) not in inside])
-    for m in moe:
-        experts = _count(st, m.experts.parameters(), whole=True)
-        gathered += _count(st, [p for p in m.parameters() if p not in set(m.experts.parameters())], whole=True)
-        gathered += experts // ep
+    for m in moe:  # (held whole on every tp rank: the router and shared experts, and the experts of its ep share)
+        gathered += _count(st, [p for name, p in m.named_parameters() if not name.startswith("experts.")], whole=True)
+        gathered += _count(st, m.experts.parameters(), whole=True) // ep
     return gathered
 
 

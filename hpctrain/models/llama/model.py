@@ -20,7 +20,7 @@ from torch import nn
 
 from hpctrain.core.config import ConfigError, MoEDims, RopeScaling, RopeType, TransformerDims
 from hpctrain.models.cross_entropy import linear_cross_entropy
-from hpctrain.models.moe import MoE, expert_hidden, is_sparse
+from hpctrain.models.moe import MoE, SwiGLU, expert_hidden, is_sparse
 from hpctrain.models.packing import Packing, attention_mask
 
 
@@ -164,15 +164,11 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)  # up
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)  # down
+class FeedForward(SwiGLU):
+    """The dense feed-forward: one SwiGLU (w1 gate, w3 up, w2 down) of ffn_hidden."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def __init__(self, args: ModelArgs):
+        super().__init__(args.dim, args.ffn_hidden)
 
 
 class TransformerBlock(nn.Module):

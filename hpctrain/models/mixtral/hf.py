@@ -88,6 +88,22 @@ class MoEAdapter(HFAdapter):
         noise = getattr(config, "router_jitter_noise", 0.0) or 0.0
         return [f"router_jitter_noise={noise} (hpctrain routes without noise)"] if noise else []
 
+    @staticmethod
+    def _aux_coef(config) -> float:
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+    def _check_holds(self, args, allowed: dict[str, tuple]) -> None:
+        """ValueError (one line) when a model.moe key the family's class has no field for is not one of the values
+        it always has (`allowed`: key -> those values)."""
+        m = args.moe
+        value = {"expert_hidden": m.expert_hidden, "shared_experts": m.shared_experts,
+                 "router": RouterKind(m.router).value, "norm_topk": m.norm_topk, "route_scale": m.route_scale,
+                 "every": m.every, "dense_layers": list(m.dense_layers)}
+        problems = [f"model.moe.{k}={value[k]}" for k, ok in allowed.items() if value[k] not in ok]
+        if problems:
+            raise ValueError(f"{self.model_class} cannot hold {', '.join(problems)}: use the default or another "
+                             "family")
+
 
 class MixtralHF(MoEAdapter):
     family, config_class, model_class, model_type = "mixtral", "MixtralConfig", "MixtralForCausalLM", "mixtral"
@@ -98,18 +114,14 @@ class MixtralHF(MoEAdapter):
 
     def _read_traits(self, config):
         moe = MoEDims(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
-                      aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0))
+                      aux_loss_coef=self._aux_coef(config))
         return {"sliding_window": getattr(config, "sliding_window", None), "moe": moe}, self._moe_problems(config)
 
     def _write_traits(self, args):
         m = args.moe
-        problems = [f"model.moe.{k}={v}" for k, v, fixed in (
-            ("expert_hidden", m.expert_hidden, (None, args.ffn_hidden)), ("shared_experts", m.shared_experts, (0,)),
-            ("router", RouterKind(m.router).value, ("softmax",)), ("norm_topk", m.norm_topk, (True,)),
-            ("route_scale", m.route_scale, (1.0,)), ("every", m.every, (1,)),
-            ("dense_layers", list(m.dense_layers), ([],))) if v not in fixed]
-        if problems:
-            raise ValueError(f"MixtralForCausalLM cannot hold {', '.join(problems)}: use the default or another family")
+        self._check_holds(args, {"expert_hidden": (None, args.ffn_hidden), "shared_experts": (0,),
+                                 "router": ("softmax",), "norm_topk": (True,), "route_scale": (1.0,), "every": (1,),
+                                 "dense_layers": ([],)})
         return {"sliding_window": args.sliding_window, "num_local_experts": m.num_experts,
                 "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef, "router_jitter_noise": 0.0}
 

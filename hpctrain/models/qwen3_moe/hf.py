@@ -1,7 +1,7 @@
 """Qwen3-MoE's transformers adapter: Qwen3MoeForCausalLM (q/k norms; sparse layers by decoder_sparse_step and
 mlp_only_layers, dense ones of intermediate_size; experts of moe_intermediate_size; no shared experts)."""
 
-from hpctrain.core.config import MoEDims, RouterKind
+from hpctrain.core.config import MoEDims
 from hpctrain.models.mixtral.hf import MoEAdapter
 from hpctrain.models.qwen2.hf import sliding_layers
 
@@ -17,17 +17,12 @@ class Qwen3MoeHF(MoEAdapter):
         moe = MoEDims(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                       expert_hidden=config.moe_intermediate_size, norm_topk=bool(config.norm_topk_prob),
                       every=config.decoder_sparse_step, dense_layers=list(config.mlp_only_layers or []),
-                      aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0))
+                      aux_loss_coef=self._aux_coef(config))
         return {"qk_norm": True, "moe": moe}, problems + sliding_layers(config) + self._moe_problems(config)
 
     def _write_traits(self, args):
         m = args.moe
-        problems = [f"model.moe.{k}={v}" for k, v, fixed in (
-            ("shared_experts", m.shared_experts, (0,)), ("router", RouterKind(m.router).value, ("softmax",)),
-            ("route_scale", m.route_scale, (1.0,))) if v not in fixed]
-        if problems:
-            raise ValueError(f"Qwen3MoeForCausalLM cannot hold {', '.join(problems)}: use the default or another "
-                             "family")
+        self._check_holds(args, {"shared_experts": (0,), "router": ("softmax",), "route_scale": (1.0,)})
         return {"attention_bias": False, "use_sliding_window": False, "num_experts": m.num_experts,
                 "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_hidden or args.ffn_hidden,
                 "norm_topk_prob": m.norm_topk, "decoder_sparse_step": m.every, "mlp_only_layers": list(m.dense_layers),
