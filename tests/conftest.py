@@ -75,6 +75,9 @@ def pytest_collection_modifyitems(items):
         if "slurm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    # The Slurm tests first: their worker spends most of their ~6 minutes waiting on the cluster, while the others
+    # run the rest beside it (sent last, they were the suite's tail).
+    items.sort(key=lambda item: "slurm" not in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="session")

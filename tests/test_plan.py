@@ -187,9 +187,12 @@ PEAK_CASES = {"single": [], "ddp": ["parallel=ddp", "parallel.dp=2"], "fsdp": ["
               # Gradient compression (top-k) from step 1: the residual kept between steps. (PowerSGD: one rank in
               # some runs holds ~30 MiB more than the plan, unexplained: −10 … −18 %, docs/planner.md.)
               "ddp_topk": ["parallel=ddp", "parallel.dp=2", "parallel.grad_compression=topk",
-                           "parallel.compression_start_step=1", "train.max_steps=3"]}
+                           "parallel.compression_start_step=1", "train.max_steps=3"],
+              # Context parallel: half of each sequence's activations per rank, the gathered keys and values, the
+              # chunks' document masks.
+              "cp2_docs": ["parallel.cp=2", "train.document_mask=true"]}
 # The precisions each case is measured in (both, unless named here).
-PEAK_PRECISIONS = {"ddp_topk": ("fp32",)}
+PEAK_PRECISIONS = {"ddp_topk": ("fp32",), "cp2_docs": ("fp32",)}
 # Tighter than the 15 % promise where a term would hide inside it: top-k's residual is 11 % of its peak (measured
 # within 1.2 % of the plan; −11.6 % with the residual left out of backward's start).
 PEAK_TOLERANCE = {"ddp_topk": 0.05}

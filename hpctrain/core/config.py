@@ -169,6 +169,7 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     ep: int = 1  # expert parallel: data-parallel ranks sharing each MoE layer's experts (divides dp)
+    cp: int = 1  # context parallel: ranks sharing each sequence (hpctrain.parallel.context)
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     zero_stage: int = 0
@@ -501,7 +502,7 @@ _AT_LEAST_1, _AT_LEAST_0, _POSITIVE, _FRACTION = (1, True, None, False), (0, Tru
 _RANGES = {
     **dict.fromkeys(("model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                      "model.ffn_hidden", "model.max_seq_len", "model.head_dim", "model.sliding_window",
-                     "model.rope_scaling.original_max_seq_len", "parallel.tp", "parallel.pp", "parallel.ep",
+                     "model.rope_scaling.original_max_seq_len", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.cp",
                      "parallel.pp_virtual_stages", "parallel.ac_every", "model.moe.top_k", "model.moe.expert_hidden",
                      "model.moe.every", "parallel.powersgd_rank",
                      "optim.update_every", "precision.loss_scale_growth_interval",

@@ -21,11 +21,13 @@ from hpctrain.core.memory import Term
 
 
 class Packing(NamedTuple):
-    """What attention needs of packed documents: `mask` [B, 1, T, T], additive (0 where query i may attend key j,
-    −inf elsewhere), and `positions` [B, T] (RoPE's; None: 0..T-1 across the block)."""
+    """What attention is given beside the tokens: the packed documents' `mask` (`attention_mask`'s [B, 1, T, T],
+    additive: 0 where query i may attend key j, −inf elsewhere; a context-parallel attention's own: the model's
+    `document_mask`), `positions` [B, T] (RoPE's; None: 0..T-1 across the block) and the documents `docs` [B, T]."""
 
-    mask: torch.Tensor
+    mask: torch.Tensor | list | None
     positions: torch.Tensor | None
+    docs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ checks (`hpctrain.runs.resolve`), the launcher and the step builder all read it;
 degrees. Model-specific rules (which sizes a tensor-parallel degree must divide, how layers split into
 pipeline stages) are the model spec's (`hpctrain.models`).
 
-A new dimension (context parallel) is a name in `DIMS`, a field here, and one `apply_*` function in
-`hpctrain.parallel.parallelize`. Expert parallelism (`ep`) multiplies nothing: it splits the data-parallel ranks,
-whose batches stay their own, into groups of `ep` that share out each MoE layer's experts (the mesh's "ep" dim,
-inside "dp": dp = dp_mod_ep × ep, the ranks of an ep group neighbours), as torchtitan and Megatron do.
+A new dimension is a name in `DIMS`, a field here, and one `apply_*` function in `hpctrain.parallel.parallelize`.
+Context parallelism (`cp`) splits every sequence over its ranks: they read the same samples (the data is split over
+dp only) and add up their losses and gradients (over dp×cp: `reduce_mesh`, which FSDP shards over). Expert
+parallelism (`ep`) multiplies nothing: it splits the data-parallel ranks, whose batches stay their own, into groups
+of `ep` that share out each MoE layer's experts (the mesh's "ep" dim, inside "dp": dp = dp_mod_ep × ep, the ranks of
+an ep group neighbours), as torchtitan and Megatron do.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from dataclasses import dataclass
 from hpctrain.core.config import ClusterConfig, ConfigError, GradCompression, ParallelConfig, ReduceDtype
 
 # Mesh order, outermost first: pipeline stages span nodes, tensor parallel stays inside one (fastest links).
-DIMS = ("pp", "dp", "tp")
-# The device mesh's dims: dp split in two (expert parallel inside), then flattened back into "dp".
-MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")
+DIMS = ("pp", "dp", "cp", "tp")
+# The device mesh's dims: dp split in two (expert parallel inside), flattened back into "dp" (and, with cp, "dp_cp").
+MESH_DIMS = ("pp", "dp_mod_ep", "ep", "cp", "tp")
 _SHOWN = ("dp", "tp", "pp")  # the order messages and logs name them in (as the docs do)
 
 # parallel.pp_schedule -> (torch.distributed.pipelining class, whether a rank holds several stages).
@@ -40,6 +42,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules)
     ep: int = 1  # expert parallel: the data-parallel ranks that share each MoE layer's experts (divides dp)
+    cp: int = 1  # context parallel: the ranks that share each sequence
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -93,9 +96,15 @@ class Layout:
         them, and gradients, loss and token counts are summed over them."""
         return dp_mesh(mesh)
 
+    def reduce_mesh(self, mesh):
+        """The ranks whose shares of the loss, token counts and gradients add up to the step's (FSDP shards over
+        them): dp, and with context parallelism dp×cp (each cp rank holds part of every sequence)."""
+        return flattened(mesh, "dp_cp") if self.cp > 1 else dp_mesh(mesh)
+
     def describe(self) -> str:
-        """`dp×tp×pp=2×2×1` (and `, ep=2` when experts are shared out)."""
-        shown = "×".join(_SHOWN) + "=" + "×".join(str(getattr(self, name)) for name in _SHOWN)
+        """`dp×tp×pp=2×2×1` (`dp×cp×tp×pp=...` when sequences are split, and `, ep=2` when experts are shared out)."""
+        names = [name for name in ("dp", "cp", "tp", "pp") if name != "cp" or self.cp > 1]
+        shown = "×".join(names) + "=" + "×".join(str(getattr(self, name)) for name in names)
         return shown + (f", ep={self.ep}" if self.ep > 1 else "")
 
     @classmethod
@@ -111,54 +120,64 @@ class Layout:
                               "shares each MoE layer's experts among data-parallel ranks; choose an ep that divides "
                               "dp (or more ranks)")
         layout = cls(pp=p.pp, dp=dp, tp=p.tp, pp_schedule=p.pp_schedule,
-                     pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1, ep=p.ep)
+                     pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1, ep=p.ep, cp=p.cp)
         if layout.world != world:
             raise ConfigError(f"parallel {layout.describe()}={layout.world} does not match world size {world}")
         _check_sharding(p, layout)
         return layout
 
     def build_mesh(self, device_type: str, timeout_s: float = 600.0):
-        """The named device mesh ("pp", "dp_mod_ep", "ep", "tp", and "dp" = dp_mod_ep × ep flattened); every group
-        fails within `timeout_s` when a rank dies."""
+        """The named device mesh ("pp", "dp_mod_ep", "ep", "cp", "tp", and flattened "dp" = dp_mod_ep × ep and
+        "dp_cp" = dp × cp); every group fails within `timeout_s` when a rank dies."""
         from datetime import timedelta
 
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
+        shape = (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        _FLATTENED[id(mesh)] = weakref.ref(mesh), mesh["dp_mod_ep", "ep"]._flatten("dp")
+        flat = {"dp": mesh["dp_mod_ep", "ep"]._flatten("dp")}
+        if self.cp > 1:
+            flat["dp_cp"] = mesh["dp_mod_ep", "ep", "cp"]._flatten("dp_cp")
+        _FLATTENED[id(mesh)] = weakref.ref(mesh), flat
         # Sub-groups are created with c10d's default timeout (30 min), not the one of the default group.
         timeout = timedelta(seconds=timeout_s)
-        for group in [mesh[name].get_group() for name in MESH_DIMS] + [dp_mesh(mesh).get_group()]:
+        for group in [mesh[name].get_group() for name in MESH_DIMS] + [m.get_group() for m in flat.values()]:
             if group is not dist.group.WORLD and dist.get_world_size(group) > 1:
                 dist.distributed_c10d._set_pg_timeout(timeout, group)
         return mesh
 
 
-# id(root mesh) -> (the root, its flattened "dp"): torch asks callers to keep a flattened mesh themselves (slicing
-# it from the root is deprecated). By identity: meshes compare equal by their ranks, across runs of a process too.
+# id(root mesh) -> (the root, its flattened meshes by name): torch asks callers to keep a flattened mesh themselves
+# (slicing it from the root is deprecated). By identity: meshes compare equal by their ranks, across runs of a process
+# too.
 _FLATTENED: dict[int, tuple] = {}
+
+
+def flattened(mesh, name: str):
+    """The flattened mesh `name` ("dp", "dp_cp") of a mesh `Layout.build_mesh` made."""
+    root, flat = _FLATTENED.get(id(mesh), (lambda: None, {}))
+    return flat[name] if root() is mesh else mesh[name]
 
 
 def dp_mesh(mesh):
     """The "dp" mesh (dp_mod_ep × ep flattened) of a mesh `Layout.build_mesh` made."""
-    root, flat = _FLATTENED.get(id(mesh), (lambda: None, None))
-    return flat if root() is mesh else mesh["dp"]
+    return flattened(mesh, "dp")
 
 
 def group_timeouts(mesh) -> dict[str, float]:
     """Timeout in seconds of each mesh dim's process group (CPU backend), for tests and diagnostics."""
     import torch
 
-    meshes = {name: mesh[name] for name in MESH_DIMS} | {"dp": dp_mesh(mesh)}
+    root, flat = _FLATTENED.get(id(mesh), (lambda: None, {}))
+    meshes = {name: mesh[name] for name in MESH_DIMS} | (flat if root() is mesh else {"dp": dp_mesh(mesh)})
     return {name: m.get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for name, m in meshes.items()}
 
 
 def _replica(p: ParallelConfig) -> tuple[int, str]:
     """Ranks of one model replica (every dimension but dp) of a ParallelConfig, and how to name them."""
-    others = [name for name in _SHOWN if name != "dp"]
+    others = [name for name in _SHOWN if name != "dp"] + (["cp"] if p.cp > 1 else [])
     sizes = [getattr(p, name) for name in others]
     return math.prod(sizes), "×".join(others) + "=" + "×".join(map(str, sizes))
 
@@ -245,6 +264,10 @@ def _check_sharding(p: ParallelConfig, layout: Layout) -> None:
         raise ConfigError(f"parallel.ep={layout.ep} needs a sharded data parallel (zero_stage 2 or 3, no "
                           "grad_compression): the experts' gradients are reduced over the rest of dp only; use "
                           "parallel=fsdp")
+    if layout.cp > 1 and (layout.ep > 1 or GradCompression(p.grad_compression).value != "none"):
+        raise ConfigError(f"parallel.cp={layout.cp} with {'parallel.ep' if layout.ep > 1 else 'grad_compression'}: "
+                          "not supported yet (the experts' and the compressed gradients are summed over dp only); "
+                          "use cp=1 or drop the other")
     if p.sequence_parallel and layout.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
     method = GradCompression(p.grad_compression).value

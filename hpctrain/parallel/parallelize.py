@@ -1,7 +1,7 @@
 """Apply a parallel layout to a model, as small functions in a fixed order.
 
 Order (torchtitan's, for the reasons it gives): pipeline split -> tensor/sequence parallel -> expert parallel ->
-activation checkpointing -> compile -> FSDP on the "dp" mesh dim -> pipeline schedule. Every
+context parallel -> activation checkpointing -> compile -> FSDP on the "dp" (×"cp") ranks -> pipeline schedule. Every
 function is a no-op for its dimension of size 1, so one process runs the same path as many.
 What is model-specific (module names, the tensor-parallel plan) comes from the model's spec.
 """
@@ -28,6 +28,7 @@ from hpctrain.core.memory import Term
 from hpctrain.models import ModelSpec
 from hpctrain.models.moe import MoE
 from hpctrain.parallel.compression import apply_grad_compression
+from hpctrain.parallel.context import apply_cp
 from hpctrain.parallel.experts import apply_experts, expert_modules, moe_tp_style
 from hpctrain.parallel.layout import Layout
 
@@ -252,7 +253,8 @@ def apply_compile(model: nn.Module, enabled: bool) -> None:
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, param_dtype: torch.dtype | None,
                cpu_offload: bool, reduce_dtype: torch.dtype = torch.float32,
                expert_mesh: DeviceMesh | None = None) -> None:
-    """Data parallel over the "dp" mesh dim with FSDP2, as a ZeRO stage.
+    """Data parallel over the "dp" mesh dim (with context parallelism "dp_cp": its ranks' gradients add up too) with
+    FSDP2, as a ZeRO stage.
 
     0: replicated parameters, all-reduced gradients (FSDP2's replicate: unlike DDP it takes TP DTensors);
     2: parameters gathered once per step (no reshard between forward and backward), gradients and
@@ -340,10 +342,11 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg: Parall
         apply_tp(chunk, mesh["tp"], pcfg.sequence_parallel, spec)
         apply_experts(chunk, mesh)
         apply_tp_replicate(chunk, mesh["tp"])
+        apply_cp(chunk, mesh["cp"])
         apply_activation_checkpointing(chunk, pcfg.activation_checkpointing, pcfg.ac_every)
         apply_compile(chunk, pcfg.compile)
         if GradCompression(pcfg.grad_compression) == GradCompression.none:
-            apply_fsdp(chunk, layout.batch_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload,
+            apply_fsdp(chunk, layout.reduce_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload,
                        REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)], mesh["dp_mod_ep"] if layout.ep > 1 else None)
         else:  # ZeRO-0, tp = pp = 1 (checked)
             apply_grad_compression(chunk, layout.batch_mesh(mesh), pcfg.grad_compression, pcfg.powersgd_rank,

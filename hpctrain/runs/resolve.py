@@ -134,6 +134,34 @@ def _check_sophia(cfg, layout: Layout) -> None:
         raise ConfigError(f"optim=sophia with {why}")
 
 
+def _check_cp(cfg, layout: Layout, args) -> None:
+    """What context parallelism does not (yet) compose with, and the sequence length it splits."""
+    if layout.cp == 1:
+        return
+    why = None
+    if args.moe.num_experts:
+        why = "MoE layers: their per-sequence balance loss and router figures would see part of each sequence"
+    elif cfg.parallel.compile:
+        why = "parallel.compile=true: the attention's all-gather and chunked masks are not traced yet"
+    elif cfg.optim.name == OptimName.sophia:
+        why = "optim=sophia: its sampled labels are drawn per position of the whole sequence"
+    elif args.rope_scaling.type.value == "dynamic":
+        why = "model.rope_scaling.type=dynamic: its tables depend on the whole sequence's length"
+    if why:
+        raise ConfigError(f"parallel.cp={layout.cp} with {why}; use cp=1 for this run")
+    check_cp_seq_len(cfg.train.seq_len, layout, cfg.parallel.sequence_parallel, "train.seq_len")
+
+
+def check_cp_seq_len(seq_len: int | None, layout: Layout, sequence_parallel: bool, what: str) -> None:
+    """Context parallelism cuts each sequence into 2·cp equal chunks, each rank's pair split further over tp with
+    sequence parallelism; `what` names where `seq_len` came from."""
+    unit = 2 * layout.cp * (layout.tp if sequence_parallel else 1)
+    if layout.cp > 1 and seq_len is not None and seq_len % unit:
+        raise ConfigError(f"{what}={seq_len} is not divisible by {unit} (2 chunks per cp rank, parallel.cp="
+                          f"{layout.cp}{f', times tp={layout.tp} with sequence parallel' if unit > 2 * layout.cp else ''}"
+                          f"): choose a seq_len that is a multiple of {unit}")
+
+
 def resolve(cfg, world: int = 1) -> RunShape:
     """Derive and check the numbers a run on `world` ranks needs; raise ConfigError on the first problem."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -153,6 +181,7 @@ def resolve(cfg, world: int = 1) -> RunShape:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={layout.tp} with "
                           "sequence_parallel: choose a seq_len that is a multiple of tp")
     _check_sophia(cfg, layout)
+    _check_cp(cfg, layout, spec.args(m))
     if cfg.optim.name in (OptimName.adafactor, OptimName.lamb, OptimName.sophia) and \
             cfg.optim.implementation == OptimImpl.fused:
         raise ConfigError(f"optim.implementation=fused: {cfg.optim.name.value} has no fused kernel; use "

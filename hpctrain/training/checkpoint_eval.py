@@ -40,6 +40,7 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
     data_dir = os.path.expanduser(cfg.data.path)
     seq_len = shape.seq_len or read_manifest(data_dir).block_len - 1
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
+    downstream.check_scoring_layout(shape.layout)  # (whatever eval.mode the run had: this is where scoring runs)
     checkpoint.check_loadable(ckpt)
     spec = spec_of(cfg.model)
     checkpoint.check_model(ckpt, spec.weights(spec.args(cfg.model)))

@@ -132,6 +132,14 @@ def max_length(ecfg: EvalConfig, seq_len: int) -> int:
     return ecfg.max_length or seq_len
 
 
+def check_scoring_layout(layout) -> None:
+    """A layout that can score requests: not a pipeline split by context parallelism."""
+    if layout.pipelined and layout.cp > 1:
+        raise ConfigError(f"eval.tasks scored with parallel.pp={layout.pp} and cp={layout.cp}: a pipeline scores in its "
+                          "training shape, which context parallelism splits; score in a layout without pp or cp "
+                          "(eval.mode=job with 'eval.job_args=[parallel=fsdp]', or `hpctrain eval ... parallel=fsdp`)")
+
+
 def check(ecfg: EvalConfig, layout, data_dir: str, seq_len: int, max_seq_len: int) -> None:
     """The eval group before a run starts: lengths the model and layout can score, the tokenizer, the tasks (known,
     loadable, none sampling); one-line ConfigError."""
@@ -146,6 +154,8 @@ def check(ecfg: EvalConfig, layout, data_dir: str, seq_len: int, max_seq_len: in
     if layout.pipelined and length > seq_len:
         raise ConfigError(f"eval.max_length={length} with parallel.pp={layout.pp}: a pipeline scores in its training "
                           f"shape, at most train.seq_len={seq_len} tokens; lower eval.max_length")
+    if ecfg.mode == EvalMode.loop:
+        check_scoring_layout(layout)
     tokenizer_of(data_dir)
     from hpctrain.evaluation import harness  # (lm-eval: imported only where tasks are asked for)
 

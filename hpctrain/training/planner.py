@@ -37,6 +37,7 @@ from hpctrain.models.cross_entropy import loss_buffers
 from hpctrain.models.packing import mask_bytes
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel import compression
+from hpctrain.parallel.context import cp_mask_bytes, gathered_bytes
 from hpctrain.parallel.layout import world_of
 from hpctrain.parallel.parallelize import (
     checkpointed_activations,
@@ -168,24 +169,30 @@ class _Run:
         spec, layout, p = spec_of(cfg.model), plan.layout, cfg.parallel
         low = PrecisionName(cfg.precision.name) in (PrecisionName.bf16, PrecisionName.fp16)
         return cls(cfg, plan, spec, spec.args(cfg.model), c=2 if low else 4,
-                   shard=layout.dp if p.zero_stage >= 2 else 1,
+                   shard=layout.dp * layout.cp if p.zero_stage >= 2 else 1,
                    compressed=layout.dp > 1 and GradCompression(p.grad_compression) != GradCompression.none,
-                   m=plan.grad_accum if layout.pipelined else 1, tokens=seq_len * plan.micro_batch, seq_len=seq_len)
+                   m=plan.grad_accum if layout.pipelined else 1, tokens=seq_len * plan.micro_batch // layout.cp,
+                   seq_len=seq_len)
 
 
 def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     """Stage `i`'s device: every feature's term, by the plan's line it shows on."""
     p, layout, tp = r.cfg.parallel, r.plan.layout, r.plan.layout.tp
-    P, accumulating, replicas = st.per_device(tp), r.plan.grad_accum > 1, 1 if r.compressed else layout.dp
+    # FSDP spans the dp×cp ranks (context parallel ranks add up gradients as data parallel ones do)
+    P, accumulating, replicas = st.per_device(tp), r.plan.grad_accum > 1, 1 if r.compressed else layout.dp * layout.cp
     # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines: each
     # schedule run reduces).
     full_grads = r.shard > 1 and accumulating and not p.sharded_accumulation and not layout.pipelined
     terms = [sharded_weights(P, r.shard, p.cpu_offload, accumulating, full_grads), {"buffers": Term.held(st.buffers)},
-             optimizer.memory_terms(r.cfg.optim, P, st.factored / tp, layout.dp > 1 or tp > 1, r.shard, p.cpu_offload),
+             optimizer.memory_terms(r.cfg.optim, P, st.factored / tp, layout.world > layout.pp, r.shard,
+                                    p.cpu_offload),
              {"copies": gathered_copies(p.zero_stage, replicas, r.c, P, st.largest_block / tp)}]
-    if r.cfg.train.document_mask:  # one mask per micro-batch in flight on each of the stage's chunks
-        terms.append({"masks": mask_bytes(r.plan.micro_batch, r.seq_len, r.c,
-                                          layout.in_flight(i, r.m) * len(st.layers))})
+    flight = layout.in_flight(i, r.m) * len(st.layers)  # one mask per micro-batch in flight on each chunk
+    if layout.cp > 1:
+        rows = r.plan.micro_batch if r.cfg.train.document_mask else 1
+        terms.append({"masks": cp_mask_bytes(rows, r.seq_len, layout.cp, r.c, flight)})
+    elif r.cfg.train.document_mask:
+        terms.append({"masks": mask_bytes(r.plan.micro_batch, r.seq_len, r.c, flight)})
     if i == layout.pp - 1:
         terms.append({"logits": loss_buffers(r.args.vocab_size, r.args.dim, r.tokens, tp, r.c, layout.pipelined,
                                              r.cfg.train.fused_loss)})
@@ -194,7 +201,7 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
         terms.append(compression.memory_terms(P, 4 * r.args.vocab_size * r.args.dim, undo))
     else:
         tied = r.args.tie_embeddings and not layout.pipelined  # (a pipeline's end stages each hold their own copy)
-        terms.append({"reducing": last_unit_reduced(p.zero_stage, layout.dp, r.c, P, st.root / tp,
+        terms.append({"reducing": last_unit_reduced(p.zero_stage, replicas, r.c, P, st.root / tp,
                                                     st.largest_block / tp, tied)})
     return merge(*terms)
 
@@ -203,22 +210,22 @@ def _activations(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     """Stage `i`'s activations, for each activation-checkpointing mode (selective checkpoints the blocks whose
     global index is a multiple of parallel.ac_every)."""
     p, layout = r.cfg.parallel, r.plan.layout
-    kind = saved_activation_kind(r.c, 1 if r.compressed else layout.dp)
+    kind = saved_activation_kind(r.c, 1 if r.compressed else layout.dp * layout.cp)
     saved, kept_input = r.spec.block_activations(r.args, r.tokens, kind, layout.tp,
                                                  layout.tp if p.sequence_parallel else 1, r.seq_len,
-                                                 r.cfg.train.document_mask)
+                                                 r.cfg.train.document_mask or layout.cp > 1, layout.cp)
     layers = [j for chunk in st.layers for j in chunk]
     return {mode.value: checkpointed_activations(mode, p.ac_every, layers, saved, kept_input,
                                                  layout.in_flight(i, r.m)) for mode in ActCkpt}
 
 
-def estimate(cfg, plan: RunShape, seq_len: int) -> dict:
+def estimate(cfg, plan: RunShape, seq_len: int, stages: list[StageParams] | None = None) -> dict:
     """Per stage: each feature's term (`terms`), the activations' per checkpointing mode (`activations`), and the
     sizes the plan's lines show (LINES; `acts` and `recompute` per mode; `async_copy`: host memory); plus the
-    step's numbers."""
+    step's numbers. `stages`: the stages' parameter counts when known (they do not depend on seq_len)."""
     r = _Run.of(cfg, plan, seq_len)
     layout = plan.layout
-    stages = stage_params(r.args, layout.pp, layout.pp_virtual_stages, r.spec, layout.ep)
+    stages = stages or stage_params(r.args, layout.pp, layout.pp_virtual_stages, r.spec, layout.ep)
     rows = []
     for i, st in enumerate(stages):
         terms, acts = _stage_terms(r, i, st), _activations(r, i, st)
@@ -289,6 +296,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     mode = ActCkpt(p.activation_checkpointing).value
     out = [f"model {cfg.model.name}: {sum(s.sharded + s.replicated for s in e['stages']) / 1e9:.3f}B parameters "
            f"(counted on the meta device); layout pp×dp×tp = {plan.pp}×{plan.dp}×{plan.tp} = {plan.world} devices"
+           + (f" (×cp={plan.layout.cp}: each sequence split over {plan.layout.cp} ranks)" if plan.layout.cp > 1 else "")
            + (f", experts shared out over ep={plan.layout.ep}" if plan.layout.ep > 1 else ""),
            f"batch: global {plan.global_batch} = micro {plan.micro_batch} × accum {plan.grad_accum} × dp {plan.dp}"
            f", seq_len {seq_len}; precision {PrecisionName(cfg.precision.name).value}, zero_stage {p.zero_stage}"
@@ -300,7 +308,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     pp, v, m = plan.pp, plan.layout.pp_virtual_stages, e["m"]
     out.append(f"\npipeline bubble: (pp−1)/(m·v + pp−1) = ({pp}−1)/({m}·{v} + {pp}−1) = {e['bubble']:.1%} "
                "of each step's schedule (m = micro-batches per step, v = virtual stages)")
-    out += _expert_exchange(plan, e, seq_len, mode)
+    out += _expert_exchange(plan, e, seq_len, mode) + _context_exchange(plan, e, seq_len, mode)
     line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
     peak = _peak_tflops(cfg)
     if peak:
@@ -320,7 +328,28 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
                f"{'FITS' if fits else 'DOES NOT FIT'}")
     if not fits:
         out.append("suggestion: " + _suggest(cfg, plan, worst, usable, args))
+    longest = longest_seq_len(cfg, plan, mode, usable, e["stages"])
+    out.append(f"longest train.seq_len that fits this layout (micro_batch {plan.micro_batch}, ckpt={mode}): "
+               + (f"{longest} tokens" if longest else "none (not even the shortest)"))
     return "\n".join(out), fits
+
+
+def longest_seq_len(cfg, plan: RunShape, mode: str, usable: float, stages: list[StageParams],
+                    limit: int = 1 << 22) -> int:
+    """The longest sequence (a multiple of what the layout splits it into) whose worst stage fits `usable` bytes with
+    checkpointing `mode`, up to `limit` tokens; 0 when none does. The memory grows with the length: bisection."""
+    layout = plan.layout
+    unit = 2 * layout.cp if layout.cp > 1 else 1
+    unit *= layout.tp if cfg.parallel.sequence_parallel else 1
+
+    def fits(n: int) -> bool:
+        return max(total(r, mode) for r in estimate(cfg, plan, n * unit, stages)["rows"]) <= usable
+
+    lo, hi = 0, limit // unit  # fits(lo) (or lo = 0), not fits(hi + 1) assumed past the limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * unit
 
 
 def _memory_lines(cfg, plan: RunShape, e: dict, mode: str) -> list[str]:
@@ -331,11 +360,11 @@ def _memory_lines(cfg, plan: RunShape, e: dict, mode: str) -> list[str]:
     out.append(f"  {'':28}" + "".join(f"{'stage ' + str(r['stage']):>10}" for r in rows))
     lines = [("parameters (fp32)", "params"), ("buffers (RoPE tables)", "buffers"), ("gradients (fp32)", "grads"),
              (f"optimizer ({OptimName(cfg.optim.name).value})", "optim"),
-             (f"optimizer temporary ({optimizer.implementation(cfg.optim, plan.dp > 1 or plan.tp > 1).value})", "opt_temp"),
+             (f"optimizer temporary ({optimizer.implementation(cfg.optim, plan.world > plan.pp).value})", "opt_temp"),
              (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),
              ("loss buffers", "logits"), ("last unit being reduced", "reducing")]
-    if cfg.train.document_mask:
-        lines.insert(-1, ("document masks", "masks"))
+    if cfg.train.document_mask or plan.layout.cp > 1:
+        lines.insert(-1, ("attention masks" if plan.layout.cp > 1 else "document masks", "masks"))
     for label, key in lines:
         out.append(f"  {label:28}" + "".join(f"{gib(r[key]):>10}" for r in rows))
     for m in dict.fromkeys(["none", "full", mode]):
@@ -364,6 +393,19 @@ def _expert_exchange(plan: RunShape, e: dict, seq_len: int, mode: str) -> list[s
                                 e["c"], mode != "none") for st in e["stages"])
     return [f"\nexpert all-to-all (ep={plan.layout.ep}): {sent / 1e9:.3g} GB sent per device per step at even load "
             "(dispatch + combine of each routed token, forward, backward and recomputation)"]
+
+
+def _context_exchange(plan: RunShape, e: dict, seq_len: int, mode: str) -> list[str]:
+    """Context parallelism's K/V all-gathers, the busiest stage's (nothing without cp)."""
+    cp = plan.layout.cp
+    if cp == 1:
+        return []
+    args, tokens = e["args"], plan.micro_batch * seq_len * plan.grad_accum // cp
+    kv_dim = args.kv_heads * args.head_dim // plan.tp
+    moved = max(gathered_bytes(kv_dim, tokens, cp, sum(len(c) for c in st.layers), e["c"], mode != "none")
+                for st in e["stages"])
+    return [f"\ncontext all-gather (cp={cp}): {moved / 1e9:.3g} GB received per device per step (keys and values of "
+            "every layer, forward, backward's reduce-scatter and recomputation)"]
 
 
 def _suggest(cfg, plan: RunShape, worst: dict, usable: float, args) -> str:

@@ -25,7 +25,7 @@ from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
 from hpctrain.runs import rundir
 from hpctrain.runs.compose import typed
-from hpctrain.runs.resolve import RunShape, resolve
+from hpctrain.runs.resolve import RunShape, check_cp_seq_len, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
 from hpctrain.training import downstream, eval_jobs
@@ -102,6 +102,7 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
     if cfg.parallel.sequence_parallel and seq_len % shape.tp:
         raise TrainingError(f"seq_len {seq_len} (from the shards in {path}) is not divisible by parallel.tp="
                             f"{shape.tp} with sequence_parallel: set train.seq_len to a multiple of {shape.tp}")
+    check_cp_seq_len(seq_len, shape.layout, cfg.parallel.sequence_parallel, f"seq_len (from the shards in {path})")
     if shape.global_batch > manifest.num_samples("train"):
         raise DataError(f"train.global_batch={shape.global_batch} is more than the {manifest.num_samples('train')} "
                         f"samples of the train split in {path}: one step would repeat samples; lower "

@@ -21,6 +21,7 @@ from hpctrain.models.cross_entropy import IGNORE_INDEX
 from hpctrain.models.moe import moe_layers, set_loss_weight
 from hpctrain.models.packing import DocumentMask
 from hpctrain.parallel.compression import grad_exchange
+from hpctrain.parallel.context import SequenceSplit
 from hpctrain.parallel.layout import PP_SCHEDULES, Layout, dp_mesh
 from hpctrain.parallel.norms import all_finite, local, square_sums
 from hpctrain.training.precision import Precision
@@ -81,13 +82,16 @@ class SampleLosses:
         return out
 
 
+WHOLE = SequenceSplit()  # every token of each sequence on this rank (no context parallelism)
+
+
 def token_loss_sum(model: nn.Module, batch: torch.Tensor, fused: bool = False, samples: SampleLosses | None = None,
-                   documents: DocumentMask | None = None) -> torch.Tensor:
+                   documents: DocumentMask | None = None, split: SequenceSplit = WHOLE) -> torch.Tensor:
     """Summed next-token cross entropy of a [B, T+1] block of tokens. `fused`: the model computes it with its
     output projection, chunk by chunk (train.fused_loss: the logits are never held whole). `samples`: each sample's
-    loss is also kept there. `documents`: each packed document attends only within itself (train.document_mask)."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    given = documents.kwargs(inputs) if documents is not None else {}
+    loss is also kept there. `documents`: each packed document attends only within itself (train.document_mask).
+    `split`: this rank's tokens of each sequence (context parallelism), whose targets' loss is summed."""
+    inputs, targets, given = split(batch[:, :-1], batch[:, 1:], documents)
     if fused:
         if samples is None:
             return model(inputs, targets, **given)
@@ -179,8 +183,9 @@ class TrainStep:
     """One optimizer step; the same code for every layout.
 
     `mesh` (optional for one process) gives the groups: the loss is normalised by the tokens of all the ranks
-    the batch is split over (`batch_mesh`, default the "dp" dim) and gradients are summed over them, so every
-    layout computes the one-process gradients. `loss_parallel`: the model yields vocab-sharded logits (tensor
+    the batch is split over (`batch_mesh`, default the "dp" dim) and the loss shares are summed over `sum_mesh`
+    (dp, or dp×cp when each sequence is split too: `split`), as the gradients are, so every layout computes the
+    one-process gradients. `loss_parallel`: the model yields vocab-sharded logits (tensor
     parallel). `reduce_every_microbatch`: FSDP reduces (reduce-scatters) the gradients after each micro-batch
     instead of once after the last, so sharded gradients are never held whole. `fused_loss`: the model computes
     the loss with its output projection (`token_loss_sum`). `loss_check(loss)`, when set: whether a finite step
@@ -198,6 +203,7 @@ class TrainStep:
         self.loss_ctx = loss_parallel_ctx(loss_parallel)
         self.batch_mesh = batch_mesh if batch_mesh is not None or mesh is None else dp_mesh(mesh)
         self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
+        self.sum_mesh, self.split = self.batch_mesh, WHOLE  # context parallelism: dp×cp, this rank's tokens
         # FSDP2 (any ZeRO stage): reduce gradients only after the last micro-batch, unless asked every time.
         self.grad_sync = None if reduce_every_microbatch else getattr(model, "set_requires_gradient_sync", None)
         self.loss_check = None
@@ -267,15 +273,15 @@ class TrainStep:
     def _reduce(self, figures: torch.Tensor) -> None:
         """Sum this rank's share of the loss (and of the groups') over the ranks the batch is split over; tensor-
         parallel ranks hold the same (replicated) loss already."""
-        if self.dp > 1:
-            dist.all_reduce(figures, group=self.batch_mesh.get_group())
+        if self.sum_mesh is not None and self.sum_mesh.size() > 1:
+            dist.all_reduce(figures, group=self.sum_mesh.get_group())
 
     def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int, loss_sum=None) -> torch.Tensor:
         """Accumulate the gradients of all micro-batches; return this rank's share of the loss. `loss_sum(batch)`:
         another summed loss than the next-token cross entropy."""
         scaler = self.precision.scaler
         loss_sum = loss_sum or (lambda b: token_loss_sum(self.model, b, self.fused_loss, self.samples,
-                                                              self.documents))
+                                                              self.documents, self.split))
         total = torch.zeros((), device=self.device)
         for batch, last in _with_last(micro_batches):
             if self.grad_sync is not None:
@@ -293,7 +299,7 @@ class TrainStep:
     def evaluate(self, batches) -> float:
         """Mean token loss over every data-parallel rank's `batches` (each rank its own share)."""
         total, n = token_loss_total(self.model, batches, self.precision, self.device, self.loss_parallel,
-                                    self.fused_loss, self.documents)
+                                    self.fused_loss, self.documents, self.split)
         return self._mean_over_replicas(total, n)
 
     def score_rows(self, wanted: int) -> int:
@@ -328,8 +334,8 @@ class TrainStep:
 
     def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
         both = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=total.device)])
-        if self.dp > 1:
-            dist.all_reduce(both, group=self.batch_mesh.get_group())
+        if self.sum_mesh is not None and self.sum_mesh.size() > 1:
+            dist.all_reduce(both, group=self.sum_mesh.get_group())
         return (both[0] / both[1].clamp(min=1)).item()
 
 
@@ -378,11 +384,12 @@ class PipelineTrainStep(TrainStep):
              documents: DocumentMask | None = None) -> torch.Tensor:
         """One schedule run over n_microbatches micro-batches stacked along dim 0 (`documents`: instead of the
         step's)."""
-        args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
+        # Every stage is given the documents and positions (keyword inputs reach all of them, split per micro-batch
+        # as the inputs).
+        inputs, targets, given = self.split(inputs.to(self.device, non_blocking=True), targets,
+                                            documents or self.documents)
+        args = (inputs,) if self.has_first else ()
         target = targets.to(self.device, non_blocking=True) if self.has_last else None
-        # Every stage is given the documents (keyword inputs reach all of them, split per micro-batch as the inputs).
-        documents = documents or self.documents
-        given = documents.kwargs(inputs.to(self.device)) if documents is not None else {}
         losses: list[torch.Tensor] = []
         run = self.schedule.eval if forward_only else self.schedule.step
         with self.loss_ctx(), self.precision.autocast():
@@ -422,7 +429,7 @@ class PipelineTrainStep(TrainStep):
         group: list[torch.Tensor] = []
         for batch in batches:
             group.append(batch)
-            n += batch.shape[0] * (batch.shape[1] - 1)
+            n += self.split.tokens(batch.shape[0] * (batch.shape[1] - 1))
             if len(group) == self.n_microbatches:
                 total += self._run(*_padded(group, self.n_microbatches), forward_only=True).double()
                 group = []
@@ -513,6 +520,8 @@ def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, precisi
         step = TrainStep(model, optimizer, precision, grad_clip, device, mesh, layout.loss_parallel,
                          layout.batch_mesh(mesh), reduce_every_microbatch, fused_loss)
     step.passes, step.documents = list(passes), documents
+    if layout.cp > 1:
+        step.sum_mesh, step.split = layout.reduce_mesh(mesh), SequenceSplit(layout.cp, mesh["cp"].get_local_rank())
     return step
 
 
@@ -522,16 +531,17 @@ def loss_parallel_ctx(enabled: bool):
 
 @torch.no_grad()
 def token_loss_total(model: nn.Module, batches, precision: Precision, device: torch.device,
-                     loss_parallel: bool = False, fused: bool = False,
-                     documents: DocumentMask | None = None) -> tuple[torch.Tensor, int]:
-    """(summed token loss in float64, target tokens) over the given batches, in eval mode."""
+                     loss_parallel: bool = False, fused: bool = False, documents: DocumentMask | None = None,
+                     split: SequenceSplit = WHOLE) -> tuple[torch.Tensor, int]:
+    """(summed token loss in float64, target tokens) over the given batches (this rank's tokens of them: `split`),
+    in eval mode."""
     was_training = model.training
     model.eval()
     total, n = torch.zeros((), device=device, dtype=torch.float64), 0
     for batch in batches:
         batch = batch.to(device, non_blocking=True)
         with loss_parallel_ctx(loss_parallel)(), precision.autocast():
-            total += local(token_loss_sum(model, batch, fused, documents=documents)).double()
-        n += batch.shape[0] * (batch.shape[1] - 1)
+            total += local(token_loss_sum(model, batch, fused, documents=documents, split=split)).double()
+        n += split.tokens(batch.shape[0] * (batch.shape[1] - 1))
     model.train(was_training)
     return total, n

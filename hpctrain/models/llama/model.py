@@ -112,6 +112,28 @@ def sliding_window_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
+class Sdpa(nn.Module):
+    """Causal attention of [B, H, T, D] queries over [B, H_kv, T, D] keys and values (GQA without repeating them):
+    under the packed documents' mask when there is one, else a sliding window's, else plainly causal. A layout may
+    put another in its place (context parallelism: hpctrain.parallel.context)."""
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packing | None = None) -> torch.Tensor:
+        T = q.shape[2]
+        if packed is not None and packed.mask is not None:  # the documents' mask (the window folded in)
+            mask = packed.mask
+        elif self.window and self.window < T:
+            mask = sliding_window_mask(T, self.window, q.device)
+        else:  # within the window, causal attention is the same thing: no mask (and its slower kernel)
+            mask = None
+        # enable_gqa avoids materialising repeated k/v and is as fast as repeat_interleave with the CPU flash kernel.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=q.size(1) != k.size(1))
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -123,16 +145,19 @@ class Attention(nn.Module):
         # Qwen3: each head's query and key normalised (over head_dim) before RoPE.
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.window = args.sliding_window
+        self.sdpa = Sdpa(args.sliding_window)
         scaling = args.rope_scaling
         # Dynamic NTK RoPE: a sequence longer than the original context gets tables of its own length.
         self.dynamic = (args.rope_theta, scaling) if scaling.type == RopeType.dynamic else None
 
-    def _rope(self, T: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, T: int, cos: torch.Tensor, sin: torch.Tensor,
+              positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables' rows of positions 0..T-1, or of `positions` [B, T] ([B, T, 1, D]: restarted at each packed
+        document, or a context-parallel rank's own)."""
         if self.dynamic is not None and self.dynamic[1].original_max_seq_len < T:
             cos, sin = rope_cache(self.head_dim, T, self.dynamic[0], cos.device, scaling=self.dynamic[1])
-            return cos.unsqueeze(1), sin.unsqueeze(1)
-        return cos[:T], sin[:T]
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (cos[positions], sin[positions]) if positions is not None else (cos[:T], sin[:T])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -143,24 +168,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # Slice here, from the full sequence: with sequence parallelism the block input is sharded.
-        cos, sin = self._rope(T, cos, sin)
-        if packed is not None and packed.positions is not None:  # positions restart at each packed document
-            cos, sin = cos[packed.positions], sin[packed.positions]  # [B, T, 1, D]
+        cos, sin = self._rope(T, cos, sin, packed.positions if packed is not None else None)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # q is bf16 under autocast
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if packed is not None:  # the documents' mask (the window folded in)
-            mask = packed.mask
-        elif self.window and self.window < T:
-            mask = sliding_window_mask(T, self.window, x.device)
-        else:  # within the window, causal attention is the same thing: no mask (and its slower kernel)
-            mask = None
         # The transposes are views: SDPA kernels take strided input, and their output is laid out
-        # as [B, T, H, D], so the reshape below does not copy. enable_gqa avoids materialising
-        # repeated k/v and is as fast as repeat_interleave with the CPU flash kernel.
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            is_causal=mask is None, enable_gqa=q.size(2) != k.size(2),
-        )
+        # as [B, T, H, D], so the reshape below does not copy.
+        y = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), packed)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -259,6 +272,11 @@ class Llama(nn.Module):
                 nn.init.normal_(m.experts.w2, 0.0, residual_std)
                 m.init_buffers()
 
+    def document_mask(self, docs: torch.Tensor | None, dtype: torch.dtype, positions: torch.Tensor | None = None):
+        """The mask every layer's attention applies (`Packing.mask`): packed documents' `docs` [B, T], else none; a
+        layout whose attention needs another (context parallelism) puts its own builder in this method's place."""
+        return attention_mask(docs, dtype, self.args.sliding_window) if docs is not None else None
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, per_token: bool = False,
                 docs: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """tokens [B, T] -> logits [B, T, vocab]; a pipeline stage without embedding takes and/or returns
@@ -273,10 +291,10 @@ class Llama(nn.Module):
         else:
             h = tokens
         packed = None
-        if docs is not None:  # one mask for every layer, in the dtype attention computes in
+        if docs is not None or positions is not None:  # one mask for every layer, in the dtype attention computes in
             kind = h.device.type
             dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
-            packed = Packing(attention_mask(docs, dtype, self.args.sliding_window), positions)
+            packed = Packing(self.document_mask(docs, dtype, positions), positions, docs)
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin, packed)
         if self.norm is not None:

@@ -85,10 +85,12 @@ QK_NORM_BYTES = {"fp32": 8, "autocast": 6, "lowp": 6}
 
 
 def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: int,
-                      packed: bool = False) -> tuple[float, float]:
+                      packed: bool = False, cp: int = 1) -> tuple[float, float]:
     """(what one block saves for backward over `tokens` tokens (micro-batches of `seq_len`), what it keeps when
     checkpointed: its input), with tp-sharded parts / tp and the norm side and the input / sp (sequence parallel).
-    `kind`: ACT_BYTES' key; `packed`: document masking's mask (counted apart, once per forward) holds the window."""
+    `kind`: ACT_BYTES' key; `packed`: a mask counted apart, once per forward (document masking's, context
+    parallelism's) holds the window; `cp`: `tokens` are this rank's share of each sequence, and attention saves the
+    keys and values of the whole of it (gathered over the cp ranks)."""
     norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
     q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     heads = args.n_heads + args.kv_heads if args.qk_norm else 0  # q/k-normed heads
@@ -96,7 +98,7 @@ def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: i
     ffn = saved_bytes_per_token(args.moe, args.dim, args.ffn_hidden, kf / 16) * tp if args.moe.num_experts else \
         kf * args.ffn_hidden
     per_token = (norm * args.dim / sp + lin * args.dim
-                 + (kh * q + kkv * kv + ffn) / tp
+                 + (kh * q + kkv * kv * cp + ffn) / tp
                  + 8 + 4 * args.n_heads / tp  # RMSNorm statistics, attention log-sum-exp
                  + (QK_NORM_BYTES[kind] * args.head_dim + 4) * heads / tp)  # q/k norms: input, output, statistics
     saved = tokens * per_token

@@ -1,0 +1,125 @@
+"""Context parallelism (parallel.cp): each sequence split over ranks in the zig-zag layout, attention over all-gathered
+keys and values; every layout trains the losses and gradient norms of one process at 4096 tokens."""
+
+import pytest
+import torch
+from conftest import SMALL_MODEL
+from helpers import deltas, one_line, run_layout
+
+from hpctrain.parallel.context import attention_pairs, zigzag_index
+
+# A model narrow enough that 4096² attention stays quick (GQA: 4 heads, 2 kv); 4096-token blocks of ~700-token
+# documents (a document spans cp chunks, so the masks meet across ranks).
+LONG_KW = dict(vocab_size=512, seq_len=4096, samples=8, shards=2, doc_tokens=700)
+LONG = (*SMALL_MODEL, "model.dim=32", "model.ffn_hidden=64", "model.max_seq_len=4096", "train.global_batch=2",
+        "train.micro_batch=1", "data.lanes=2")
+LAYOUTS = {"cp2": ["parallel.cp=2"],
+           "cp4_fused": ["parallel.cp=4", "train.fused_loss=true"],
+           "cp2_docs": ["parallel.cp=2", "train.document_mask=true"],
+           "cp4_docs_restart": ["parallel.cp=4", "train.document_mask=true", "train.restart_positions=true"],
+           "cp2_fsdp_dp2": ["parallel=fsdp", "parallel.dp=2", "parallel.cp=2"],
+           "cp2_tp2_sp": ["parallel=tp2_sp", "parallel.cp=2"],
+           "cp2_pp2": ["parallel=pp2", "parallel.cp=2"]}
+_refs: dict = {}
+
+
+@pytest.fixture(scope="module")
+def long_data(tmp_path_factory) -> str:
+    from data_prep.synthetic import build_synthetic
+
+    out = str(tmp_path_factory.mktemp("long"))
+    build_synthetic(out, **LONG_KW)
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_the_zigzag_split_covers_each_sequence_once_with_equal_attention_work(cp):
+    """Every position is held by one rank; each rank's causal query-key pairs are the same number (T(T+1)/2 over
+    all), and so are the pairs its two chunk attentions compute (each query chunk over the keys up to its end)."""
+    T, c = 48 * cp, 24
+    held = [zigzag_index(T, cp, r) for r in range(cp)]
+    assert torch.cat(held).sort().values.equal(torch.arange(T))
+    causal = [int((idx + 1).sum()) for idx in held]  # query at position q attends keys 0..q
+    assert len(set(causal)) == 1 and sum(causal) == T * (T + 1) // 2, causal
+    computed = [sum((int(q) // c + 1) * c for q in idx) for idx in held]
+    assert computed == [attention_pairs(T, cp, r) for r in range(cp)] and len(set(computed)) == 1, computed
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_train_the_losses_of_one_process(make_cfg, tmp_path, long_data, layout):
+    """fp32, 3 steps of 2 sequences of 4096 tokens: cp=2 and cp=4 (with and without document masking, restarted
+    positions), cp2 inside fsdp dp=2, with tp2 + sequence parallel, and with pp2 equal one process."""
+    docs = "document_mask=true" in " ".join(LAYOUTS[layout])
+    key = ("docs" if docs else "plain") + ("_restart" if "restart" in layout else "")
+    if key not in _refs:
+        extra = [o for o in LAYOUTS[layout] if o.startswith("train.")]
+        _refs[key] = run_layout(make_cfg, tmp_path / "one", *LONG, f"data.path={long_data}", *extra)
+    got = run_layout(make_cfg, tmp_path / layout, *LONG, f"data.path={long_data}", *LAYOUTS[layout])
+    dloss, dnorm = deltas(_refs[key], got)
+    print(f"cp {layout}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
+    assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_written_at_cp2_resumes_at_cp1_as_if_uninterrupted(make_cfg, tmp_path):
+    """cp does not place parameters, but FSDP shards them over dp×cp: 3 steps at cp=2 (ZeRO-3 over its 2 ranks),
+    resumed for 3 more in one process, give the losses of 6 uninterrupted steps (the session's 64-token shards)."""
+    from helpers import losses
+
+    from hpctrain.training.run import train
+
+    def run(name, steps, *layout):
+        cfg = make_cfg("train.micro_batch=2", f"train.max_steps={steps}", "train.eval_every=0",
+                       "train.ckpt_every=3", "logging.trackers=[]", "optim.decay_steps=12", *layout)
+        assert train(cfg, str(tmp_path / name))["status"] == "completed"
+
+    run("whole", 6)
+    run("resumed", 3, "parallel=fsdp", "parallel.dp=1", "parallel.cp=2")
+    run("resumed", 6)
+    whole, got = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
+    assert all(abs(whole[s] - got[s]) <= 1e-5 for s in (4, 5, 6)), (whole, got)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.cp=2", "train.seq_len=62"], ("train.seq_len=62", "not divisible by 4", "multiple of 4")),
+    (["parallel.cp=2", "parallel=tp2_sp", "train.seq_len=36"], ("train.seq_len=36", "divisible by 8")),
+    (["parallel.cp=2", "parallel.compile=true"], ("parallel.cp=2", "compile", "cp=1")),
+    (["parallel.cp=2", "model=moe_tiny"], ("parallel.cp=2", "MoE", "cp=1")),
+    (["parallel.cp=2", "optim=sophia"], ("parallel.cp=2", "sophia")),
+    (["parallel.cp=0"], ("parallel.cp=0", ">= 1")),
+    (["parallel.cp=2", "parallel=fsdp", "parallel.dp=2", "parallel.ep=2"], ("parallel.cp=2", "parallel.ep")),
+])
+def test_bad_cp_settings_are_one_line(make_cfg, overrides, words):
+    from hpctrain.core.errors import ConfigError
+    from hpctrain.parallel.layout import world_of
+    from hpctrain.runs.resolve import resolve
+
+    cfg = make_cfg(*overrides)
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, world_of(cfg.parallel, 8))
+    one_line(e.value, *words)
+
+
+def test_the_plan_names_the_longest_sequence_that_fits_and_cp_lengthens_it(make_cfg):
+    """`hpctrain plan` with cluster.gpu_mem_gb: the longest train.seq_len (a multiple of 2·cp) whose worst stage fits,
+    and one step longer does not; more cp ranks per sequence, a longer one."""
+    from hpctrain.parallel.layout import world_of
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.training import planner
+
+    longest = {}
+    for cp in (1, 2, 4):
+        cfg = make_cfg("model=llama_1b", "model.max_seq_len=131072", "train.seq_len=8192", "train.global_batch=1",
+                       "train.micro_batch=1", "precision=bf16", "parallel=fsdp", "parallel.dp=1", f"parallel.cp={cp}",
+                       "parallel.activation_checkpointing=full", "cluster.gpu_mem_gb=80", small_model=False)
+        plan = resolve(cfg, world_of(cfg.parallel, 8))
+        text, _ = planner.report(cfg, plan, 8192, [])
+        line = next(x for x in text.splitlines() if x.startswith("longest train.seq_len"))
+        longest[cp] = int(line.split(": ")[1].split()[0])
+        stages, usable, unit = planner.estimate(cfg, plan, 8192)["stages"], 80 * planner.HEADROOM * planner.GiB, \
+            2 * cp if cp > 1 else 1
+        need = [max(planner.total(r, "full") for r in planner.estimate(cfg, plan, n, stages)["rows"])
+                for n in (longest[cp], longest[cp] + unit)]
+        assert longest[cp] % unit == 0 and need[0] <= usable < need[1], (cp, longest, need)
+    assert longest[1] < longest[2] < longest[4], longest
