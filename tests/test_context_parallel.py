@@ -17,7 +17,7 @@ LAYOUTS = {"cp2": ["parallel.cp=2"],
            "cp4_fused": ["parallel.cp=4", "train.fused_loss=true"],
            "cp2_docs": ["parallel.cp=2", "train.document_mask=true"],
            "cp4_docs_restart": ["parallel.cp=4", "train.document_mask=true", "train.restart_positions=true"],
-           "cp2_fsdp_dp2": ["parallel=fsdp", "parallel.dp=2", "parallel.cp=2"],
+           "cp2_fsdp_dp2_ac": ["parallel=fsdp", "parallel.dp=2", "parallel.cp=2", "parallel.activation_checkpointing=full"],
            "cp2_tp2_sp": ["parallel=tp2_sp", "parallel.cp=2"],
            "cp2_pp2": ["parallel=pp2", "parallel.cp=2"]}
 _refs: dict = {}
@@ -81,10 +81,22 @@ def test_a_checkpoint_written_at_cp2_resumes_at_cp1_as_if_uninterrupted(make_cfg
     assert all(abs(whole[s] - got[s]) <= 1e-5 for s in (4, 5, 6)), (whole, got)
 
 
+@pytest.mark.multiproc
+def test_compiled_blocks_under_cp_equal_one_process(make_cfg, tmp_path):
+    """parallel.compile with cp: each block (its all-gathers and chunk attentions) compiled whole (fullgraph), with
+    activation checkpointing, on the session's 64-token shards, equals one process."""
+    ref = run_layout(make_cfg, tmp_path / "one", "train.micro_batch=2")
+    got = run_layout(make_cfg, tmp_path / "cp2", "train.micro_batch=2", "parallel.cp=2", "parallel.compile=true",
+                     "parallel.activation_checkpointing=full")
+    dloss, dnorm = deltas(ref, got)
+    assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["parallel.cp=2", "train.seq_len=62"], ("train.seq_len=62", "not divisible by 4", "multiple of 4")),
     (["parallel.cp=2", "parallel=tp2_sp", "train.seq_len=36"], ("train.seq_len=36", "divisible by 8")),
-    (["parallel.cp=2", "parallel.compile=true"], ("parallel.cp=2", "compile", "cp=1")),
+    (["parallel.cp=2", "model.rope_scaling.type=dynamic", "model.rope_scaling.original_max_seq_len=32"],
+     ("parallel.cp=2", "dynamic", "cp=1")),
     (["parallel.cp=2", "model=moe_tiny"], ("parallel.cp=2", "MoE", "cp=1")),
     (["parallel.cp=2", "optim=sophia"], ("parallel.cp=2", "sophia")),
     (["parallel.cp=0"], ("parallel.cp=0", ">= 1")),
@@ -123,3 +135,18 @@ def test_the_plan_names_the_longest_sequence_that_fits_and_cp_lengthens_it(make_
                 for n in (longest[cp], longest[cp] + unit)]
         assert longest[cp] % unit == 0 and need[0] <= usable < need[1], (cp, longest, need)
     assert longest[1] < longest[2] < longest[4], longest
+
+
+def test_dp_auto_the_job_shape_and_the_messages_count_cp():
+    from hpctrain.core.config import ClusterConfig, ConfigError, ParallelConfig
+    from hpctrain.parallel.layout import Layout, job_shape, world_of
+
+    p = ParallelConfig(dp="auto", cp=2, tp=2)
+    layout = Layout.from_config(p, 8)
+    assert (layout.dp, layout.cp, layout.world) == (2, 2, 8) and world_of(p, 8) == 8
+    assert layout.describe() == "dp×cp×tp×pp=2×2×2×1"
+    assert job_shape(p, ClusterConfig(nodes=2, gpus_per_node=4)) == {"nodes": 2, "tasks_per_node": 4,
+                                                                     "gpus_per_node": 4}
+    with pytest.raises(ConfigError) as e:
+        Layout.from_config(ParallelConfig(dp="auto", cp=3), 8)
+    one_line(e.value, "dp=auto", "tp×pp×cp=1×1×3")

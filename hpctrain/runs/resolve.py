@@ -141,8 +141,6 @@ def _check_cp(cfg, layout: Layout, args) -> None:
     why = None
     if args.moe.num_experts:
         why = "MoE layers: their per-sequence balance loss and router figures would see part of each sequence"
-    elif cfg.parallel.compile:
-        why = "parallel.compile=true: the attention's all-gather and chunked masks are not traced yet"
     elif cfg.optim.name == OptimName.sophia:
         why = "optim=sophia: its sampled labels are drawn per position of the whole sequence"
     elif args.rope_scaling.type.value == "dynamic":
