@@ -131,10 +131,13 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
     steps = ("train.max_steps=10", ASYNC)
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert run_forked(cli.main, _args(ref, demo_data, *steps), cwd=tmp_path, timeout=300).code == 0
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, *_cli(run, demo_data, *steps)[3:]],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    err = tmp_path / "stderr"  # a file: nothing reads the pipe while the run goes on
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, *_cli(run, demo_data, *steps)[3:]],
+                                stdout=subprocess.PIPE, stderr=f, text=True)
     try:
-        assert any(line.strip() == "writing step 4" for line in proc.stdout), "checkpoint 4 was never written"
+        assert any(line.strip() == "writing step 4" for line in proc.stdout), \
+            f"checkpoint 4 was never written (exit {proc.wait()}): {err.read_text()[-3000:]}"
         deadline = time.time() + 60
         while last_step(run) < 6 and time.time() < deadline:
             time.sleep(0.05)

@@ -64,18 +64,23 @@ def test_layouts_train_the_losses_of_one_process(make_cfg, tmp_path, long_data, 
 @pytest.mark.multiproc
 def test_a_checkpoint_written_at_cp2_resumes_at_cp1_as_if_uninterrupted(make_cfg, tmp_path):
     """cp does not place parameters, but FSDP shards them over dp×cp: 3 steps at cp=2 (ZeRO-3 over its 2 ranks),
-    resumed for 3 more in one process, give the losses of 6 uninterrupted steps (the session's 64-token shards)."""
-    from helpers import losses
+    resumed for 3 more in one process, give the losses of 6 uninterrupted steps (the session's 64-token shards); the
+    validation loss at step 3, each cp rank scoring its part of every sequence, is one process's too."""
+    from helpers import losses, records
 
     from hpctrain.training.run import train
 
     def run(name, steps, *layout):
-        cfg = make_cfg("train.micro_batch=2", f"train.max_steps={steps}", "train.eval_every=0",
+        cfg = make_cfg("train.micro_batch=2", f"train.max_steps={steps}", "train.eval_every=3",
                        "train.ckpt_every=3", "logging.trackers=[]", "optim.decay_steps=12", *layout)
         assert train(cfg, str(tmp_path / name))["status"] == "completed"
 
+    def val(name) -> dict[int, float]:
+        return {r["step"]: r["val_loss"] for r in records(tmp_path / name) if "val_loss" in r}
+
     run("whole", 6)
     run("resumed", 3, "parallel=fsdp", "parallel.dp=1", "parallel.cp=2")
+    assert abs(val("whole")[3] - val("resumed")[3]) <= 1e-5, (val("whole"), val("resumed"))
     run("resumed", 6)
     whole, got = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
     assert all(abs(whole[s] - got[s]) <= 1e-5 for s in (4, 5, 6)), (whole, got)
