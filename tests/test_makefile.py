@@ -196,7 +196,7 @@ def test_pytest_args_reach_pytest_unevaluated(tmp_path):
     p = _make("test", f"PY={py}", f"PYTEST_ARGS={args}")
     assert p.returncode == 0, p.stdout + p.stderr
     assert not marker.exists()
-    assert _calls(bin_dir) == [["-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup"]]
+    assert _calls(bin_dir) == [["-m", "pytest", "-q", "-n", "3", "--dist", "loadgroup"]]
     assert (bin_dir / "addopts").read_text() == args
     assert shlex.split(args)[:4] == ["-k", "resume", "-m", "not slurm"]
 
