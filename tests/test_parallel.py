@@ -92,11 +92,13 @@ def test_qwen2_biases_with_tp_without_sequence_parallel(make_cfg, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["dp2_zero3", "tp2_sp"])
+@pytest.mark.parametrize("layout", ["dp2_zero3", "tp2_sp", "cp2_zero3"])
 def test_bf16_tracks_one_process_bf16(make_cfg, tmp_path, layout):
     # FSDP runs the blocks on gathered bf16 parameters (a bf16 residual stream); one process autocasts fp32 ones.
+    # cp2_zero3: context parallel (each sequence split over 2 ranks, bf16 keys and values gathered) with FSDP over them.
     ref = reference(make_cfg, tmp_path, "precision=bf16")
-    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / layout, "precision=bf16", *LAYOUTS[layout]))
+    extra = ["parallel=fsdp", "parallel.dp=1", "parallel.cp=2"] if layout == "cp2_zero3" else LAYOUTS[layout]
+    dloss, dnorm = deltas(ref, run_layout(make_cfg, tmp_path / layout, "precision=bf16", *extra))
     print(f"bf16 {layout}: max |Δloss| {dloss:.2e}, max rel Δgrad_norm {dnorm:.2e}")
     assert dloss <= 2e-3 and dnorm <= 2e-2, (dloss, dnorm)
 
