@@ -6,7 +6,14 @@ import time
 import pytest
 
 from hpctrain.core.errors import TrainingError
-from hpctrain.monitoring.hang import HangWatch, apply_flight_recorder, flight_recorder_env, is_timeout
+from hpctrain.monitoring.hang import (
+    LOST_BEATS,
+    HangWatch,
+    apply_flight_recorder,
+    flight_recorder_env,
+    is_peer_lost,
+    is_timeout,
+)
 
 
 def _stuck_in_a_step(seconds: float) -> None:
@@ -79,3 +86,35 @@ def test_flight_recorder_dumps_into_the_run(tmp_path, monkeypatch):
     apply_flight_recorder(str(tmp_path / "b"))  # a later run in the same process dumps into its own directory
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/b/hang/nccl-trace-rank-"
+
+
+def test_a_lost_peer_is_named_by_its_heartbeat_not_the_transport_error(tmp_path, monkeypatch):
+    """Rank 1 went away (killed, its node lost) after its last heartbeat: rank 0's collective fails with gloo's
+    'Connection closed by peer [address]', and the run's error names rank 1 and its node within a few beats (a real
+    store, as in a job)."""
+    import torch.distributed as dist
+
+    from hpctrain.runtime.spawn import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    store.set("hpctrain/heartbeat/1", f"{time.time():.3f} n9")  # rank 1's last beat
+    error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                         "[127.0.0.1]:38556")
+    assert is_peer_lost(error) and not is_timeout(error)
+    watch = HangWatch(str(tmp_path), rank=0, world=2, hang_s=100, beat_s=0.2)
+    try:
+        watch.begin(5)
+        t0 = time.monotonic()
+        line = watch.explain(error)
+        took = time.monotonic() - t0
+    finally:
+        watch.close()
+    assert line.startswith("a collective in step 5 lost its peer on rank 0 (node "), line
+    assert "rank 1 (node n9, last heartbeat " in line and "stopped responding" in line, line
+    assert took <= (LOST_BEATS + 1) * 0.2 + 0.5, took
+    assert (tmp_path / "hang" / "rank-0.txt").exists()
+    assert not is_peer_lost(TrainingError("connection closed by peer: a one-line error of ours"))

@@ -52,6 +52,44 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
         assert abs(ref[s] - got[s]) <= 1e-5, (s, ref[s], got[s])
 
 
+@pytest.mark.timeout(300)
+def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, demo_data, tmp_path):
+    """SIGKILL rank 1 of a two-node job mid-run, at cluster.pg_timeout_s=600: the job ends within 10 s, and the
+    run's error (result.json, the log) names rank 1 and its node from its heartbeat, not gloo's 'Connection closed
+    by peer [address]'; srun's own line says what killed it."""
+    run = tmp_path / "job"
+    cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
+                    "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
+                    "parallel=ddp", "cluster.pg_timeout_s=600", "train.max_steps=100000", "train.eval_every=0",
+                    "train.ckpt_every=0", "cluster.num_threads=1", "data.lanes=2", "train.log_every=1"])
+    out = tmp_path / "slurm.out"
+    p = subprocess.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(out),
+                        "--wrap", f"srun {cmd}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip().split(";")[0]
+    slurm_jobs.append(job)
+    until("a logged step", lambda: (run / "metrics.jsonl").exists() and '"step"' in read(run / "metrics.jsonl"), 120)
+
+    def rank_1() -> int | None:  # (the nodes are slurmds on this machine: rank 1's process is visible here)
+        for pid in subprocess.run(["pgrep", "-f", f"run_dir={run}"], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(OSError):
+                if "SLURM_PROCID=1" in read(f"/proc/{pid}/environ").split("\0"):
+                    return int(pid)
+        return None
+
+    victim = until("rank 1's process", rank_1, 30)
+    t0 = time.time()
+    os.kill(victim, signal.SIGKILL)
+    until(f"job {job} to end", lambda: job_gone(job), 60, every=0.2)
+    took = time.time() - t0
+    result = json.loads(read(run / "result.json"))
+    assert result["status"] == "failed", result
+    assert "lost its peer on rank 0 (node " in result["error"] and re.search(r"rank 1 \(node n\d", result["error"]), \
+        result["error"]
+    assert took < 10, (took, read(out))
+    assert re.search(r"srun: error: n\d: task 1: Killed", read(out)), read(out)
+
+
 def _tree_digest(d) -> dict[str, str]:
     out = {}
     for path in sorted(glob.glob(os.path.join(d, "*"))):

@@ -339,9 +339,9 @@ class MonitorConfig:
     notify_cmd: list[str] | None = None  # argument list run with each alert as JSON on stdin (never a shell)
     # Hang forensics (hpctrain.monitoring.hang): an iteration running longer than hang_s (None: 90 % of
     # cluster.pg_timeout_s) writes every rank's stacks to <run_dir>/hang/ and names the ranks that stopped; each
-    # rank sends a heartbeat every heartbeat_s.
+    # rank sends a heartbeat every heartbeat_s (a peer that went away is named once its beat is 2 intervals old).
     hang_s: float | None = None
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = 2.0
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     # One step in sample_every runs under the profiler on every rank: communication overhead, synchronisation
     # time and stragglers (ranks whose compute time is above (1 + straggler_frac) × the median), named with their

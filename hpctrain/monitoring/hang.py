@@ -7,7 +7,10 @@ checkpoint, evaluation) has run. Past `monitor.hang_s` (default: 90 % of cluster
 collectives' own timeout) it writes the stacks of every thread of its process and works out who is stuck:
 ranks whose heartbeat is older than three beats stopped responding (a stopped or dead process, a lost node); if
 every rank still beats, they are all alive but waiting (a collective one of them never joined, a stuck data
-read). A collective that times out ends the run with that line instead of the backend's bare timeout.
+read). A collective that times out ends the run with that line instead of the backend's bare timeout. A collective
+that fails because a peer went away (gloo's "Connection closed by peer", NCCL's remote error: a killed rank, a lost
+node) ends it with the rank whose heartbeat stopped, once it is LOST_BEATS beats old, instead of the survivor's
+transport error, which names only an address.
 
 On NCCL the flight recorder is on (`flight_recorder_env`): a timed-out collective dumps every rank's recent
 collectives to `hang/nccl-trace-rank-N` (PyTorch's `fr_trace` tool reads them).
@@ -29,6 +32,10 @@ from hpctrain.parallel.process_group import node_name
 log = logging.getLogger("hpctrain")
 HANG_DIR = "hang"
 STALE_BEATS = 3  # a heartbeat older than this many intervals: the rank stopped responding
+LOST_BEATS = 2  # after a peer's connection closed: older than this names the rank that went away
+# How the backends word a peer that went away (lower case): gloo's TCP transport, a reset socket, NCCL's remote error.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+              "ncclremoteerror", "remote end closed")
 _KEY = "hpctrain/heartbeat/{}"
 
 
@@ -64,6 +71,14 @@ def is_timeout(error: BaseException) -> bool:
     text = str(error).lower()
     return isinstance(error, RuntimeError) and not isinstance(error, BAD_INPUT) and (
         "timed out" in text or "timeout" in text)
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """A collective that failed because a peer's process or node went away (not one of hpctrain's own errors)."""
+    from hpctrain.core.errors import BAD_INPUT
+
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and not isinstance(error, BAD_INPUT) and any(p in text for p in _PEER_LOST)
 
 
 def _store(timeout_s: float):
@@ -119,8 +134,9 @@ class HangWatch:
                 self.diagnose(f"step {step} has run for {_seconds(time.monotonic() - since)} s (monitor.hang_s="
                               f"{self.hang_s:g})")
 
-    def _others(self) -> tuple[list[str], str | None]:
-        """(descriptions of the ranks that stopped responding, why they could not be read or None)."""
+    def _others(self, stale_beats: float = STALE_BEATS) -> tuple[list[str], str | None]:
+        """(descriptions of the ranks whose heartbeat is older than `stale_beats` beats, why they could not be read
+        or None)."""
         if self._store is None:
             return [], "no heartbeats in a single process" if self.world == 1 else "no store to read heartbeats"
         now, stale = time.time(), []
@@ -131,7 +147,7 @@ class HangWatch:
                     stale.append(f"rank {r} (never sent a heartbeat)")
                     continue
                 beat, node = self._store.get(key).decode().split(" ", 1)
-                if now - float(beat) > STALE_BEATS * self.beat_s:
+                if now - float(beat) > stale_beats * self.beat_s:
                     stale.append(f"rank {r} (node {node}, last heartbeat {_seconds(now - float(beat))} s ago)")
         except Exception as e:  # noqa: BLE001 - the store lives in rank 0's process
             return stale, (f"the store on rank 0 ({os.environ.get('MASTER_ADDR')}) does not answer ({type(e).__name__}):"
@@ -145,12 +161,14 @@ class HangWatch:
                 self.line = self._diagnose(what)
             return self.line
 
-    def _diagnose(self, what: str) -> str:
-        stale, unreadable = self._others()
+    def _diagnose(self, what: str, stale_beats: float = STALE_BEATS) -> str:
+        stale, unreadable = self._others(stale_beats)
         if stale:
             who = f"{', '.join(stale)} stopped responding"
         elif unreadable:
             who = unreadable
+        elif stale_beats < STALE_BEATS:  # a lost peer that still beats: its connection went, not (yet) its process
+            who = f"every one of the {self.world} ranks still sends heartbeats (a connection between them broke)"
         else:
             who = f"every one of the {self.world} ranks still responds (waiting on each other or on data)"
         folder = os.path.join(self.run_dir, HANG_DIR)
@@ -170,11 +188,26 @@ class HangWatch:
         iteration, else made now); None for any other failure. (NCCL's own watchdog ends a process whose
         collective timed out without a Python exception: there the watchdog's line in the log and the stack files
         are what remains.)"""
-        if not is_timeout(error):
-            return None
         with self._lock:
             step = self._step
+        if is_peer_lost(error):
+            return self._lost_peer(step)
+        if not is_timeout(error):
+            return None
         return self.diagnose(f"a collective timed out in step {step}")
+
+    def _lost_peer(self, step: int) -> str:
+        """A peer went away: wait (up to LOST_BEATS + 1 beats) until its heartbeat is old enough to name it."""
+        deadline = time.monotonic() + (LOST_BEATS + 1) * self.beat_s
+        while time.monotonic() < deadline and self._store is not None:
+            stale, unreadable = self._others(LOST_BEATS)
+            if stale or unreadable:
+                break
+            time.sleep(min(0.2, self.beat_s / 4))
+        with self._diagnosing:
+            if self.line is None:
+                self.line = self._diagnose(f"a collective in step {step} lost its peer", LOST_BEATS)
+            return self.line
 
     def close(self) -> None:
         self._stop.set()
