@@ -139,7 +139,11 @@ LAYOUTS = {"fsdp_ac": ["parallel=fsdp", "parallel.dp=2", "parallel.activation_ch
            "ep2_fsdp4": ["parallel=fsdp", "parallel.dp=4", "parallel.ep=2"],
            "ep2_tp2": ["parallel=dp2_tp2", "parallel.sequence_parallel=false", "parallel.ep=2"],
            "ep2_tp2_sp": ["parallel=dp2_tp2", "parallel.ep=2"],
-           "ep2_pp2": ["parallel=pp2", "parallel.dp=2", "parallel.zero_stage=3", "parallel.ep=2"]}
+           "ep2_pp2": ["parallel=pp2", "parallel.dp=2", "parallel.zero_stage=3", "parallel.ep=2"],
+           # context parallel: each sequence's balance statistics summed over its cp ranks (with activation
+           # checkpointing: the sum runs again in the recomputation), and with ep (experts sharded over dp/ep × cp)
+           "cp2_ac": ["parallel=fsdp", "parallel.dp=1", "parallel.cp=2", "parallel.activation_checkpointing=full"],
+           "ep2_cp2": ["parallel=fsdp", "parallel.dp=2", "parallel.ep=2", "parallel.cp=2"]}
 BALANCED = ("model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.01", "model.moe.router=sigmoid",
             "model.moe.bias_update_rate=0.01")
 _refs: dict = {}

@@ -138,6 +138,9 @@ class MoE(nn.Module):
         self.shared = SwiGLU(dim, hidden * moe.shared_experts) if moe.shared_experts else None
         self.aux_coef, self.z_coef = moe.aux_loss_coef, moe.z_loss_coef
         self.loss_weight = 1.0  # one token's weight in the objective (set_loss_weight)
+        # A layout that splits each sequence over ranks (context parallelism) sets this: a sum, with gradients,
+        # over the ranks holding the other parts of the same sequences, and how many parts there are.
+        self.sequence_sum, self.sequence_parts = None, 1
         # One row per training forward since the last reset: tokens routed to each expert, then the STATS sums.
         self.figures: list[torch.Tensor] = []
 
@@ -196,10 +199,16 @@ class MoE(nn.Module):
         sequences, length = probs.shape[:2]
         per_expert = torch.zeros(sequences, self.num_experts, dtype=probs.dtype, device=probs.device)
         per_expert.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
+        prob_sums, whole = probs.sum(dim=1), length
+        if self.sequence_sum is not None:  # this rank holds 1/parts of each sequence: the whole sequence's sums
+            per_expert, prob_sums = self.sequence_sum(per_expert), self.sequence_sum(prob_sums)
+            whole = length * self.sequence_parts
         # Each sequence's E·Σ f_i·P_i (f_i: the share of its k·T choices expert i got, P_i: its mean probability)
-        aux = self.num_experts * (per_expert / chosen.shape[1] * probs.mean(dim=1)).sum(dim=1)
+        aux = self.num_experts * (per_expert / (whole * self.top_k) * prob_sums / whole).sum(dim=1)
         z = torch.logsumexp(logits, dim=-1).square()
-        if self.aux_coef or self.z_coef:  # summed over tokens: a sequence's aux counts once per token
+        # Summed over tokens: a sequence's aux counts once per token (this rank's tokens of it: summed over the ranks
+        # holding the rest, each sequence's aux counts once per token of the whole sequence).
+        if self.aux_coef or self.z_coef:
             term = self.aux_coef * aux.sum() * length + self.z_coef * z.sum()
             out = _AuxLoss.apply(out, term, self.loss_weight)
         # (Not again in an activation checkpoint's recomputation, which runs inside backward.)

@@ -25,12 +25,14 @@ sharding strategy registered".
 from __future__ import annotations
 
 import torch
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpctrain.core.memory import Term
+from hpctrain.models.moe import moe_layers
 from hpctrain.models.packing import DocumentMask, Packing, attention_mask
 
 
@@ -142,7 +144,7 @@ def prefix_mask(docs: torch.Tensor | None, g: int, c: int, dtype: torch.dtype, w
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Each attention's core becomes a ContextParallelSdpa on the cp group, and the model's documents' mask its
-    chunks' masks."""
+    chunks' masks; MoE layers sum their per-sequence balance statistics over the cp group."""
     if cp_mesh.size() == 1:
         return
     core = None
@@ -151,6 +153,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         block.attention.sdpa = core
     if core is not None:
         model.document_mask = core.document_masks
+    group = cp_mesh.get_group()
+    for _, layer in moe_layers(model):
+        layer.sequence_sum, layer.sequence_parts = (lambda t: dist_nn.all_reduce(t, group=group)), cp_mesh.size()
 
 
 def cp_mask_bytes(rows: int, seq_len: int, cp: int, compute_bytes: int, in_flight: float) -> Term:

@@ -101,6 +101,11 @@ class Layout:
         them): dp, and with context parallelism dp×cp (each cp rank holds part of every sequence)."""
         return flattened(mesh, "dp_cp") if self.cp > 1 else dp_mesh(mesh)
 
+    def expert_mesh(self, mesh):
+        """The ranks an expert shared out over "ep" adds its gradients over (FSDP shards it over them): the rest of
+        dp ("dp_mod_ep"), times cp with context parallelism."""
+        return flattened(mesh, "dp_mod_ep_cp") if self.cp > 1 else mesh["dp_mod_ep"]
+
     def describe(self) -> str:
         """`dp×tp×pp=2×2×1` (`dp×cp×tp×pp=...` when sequences are split, and `, ep=2` when experts are shared out)."""
         names = [name for name in ("dp", "cp", "tp", "pp") if name != "cp" or self.cp > 1]
@@ -139,6 +144,7 @@ class Layout:
         flat = {"dp": mesh["dp_mod_ep", "ep"]._flatten("dp")}
         if self.cp > 1:
             flat["dp_cp"] = mesh["dp_mod_ep", "ep", "cp"]._flatten("dp_cp")
+            flat["dp_mod_ep_cp"] = mesh["dp_mod_ep", "cp"]._flatten("dp_mod_ep_cp")
         _FLATTENED[id(mesh)] = weakref.ref(mesh), flat
         # Sub-groups are created with c10d's default timeout (30 min), not the one of the default group.
         timeout = timedelta(seconds=timeout_s)
@@ -264,10 +270,9 @@ def _check_sharding(p: ParallelConfig, layout: Layout) -> None:
         raise ConfigError(f"parallel.ep={layout.ep} needs a sharded data parallel (zero_stage 2 or 3, no "
                           "grad_compression): the experts' gradients are reduced over the rest of dp only; use "
                           "parallel=fsdp")
-    if layout.cp > 1 and (layout.ep > 1 or GradCompression(p.grad_compression).value != "none"):
-        raise ConfigError(f"parallel.cp={layout.cp} with {'parallel.ep' if layout.ep > 1 else 'grad_compression'}: "
-                          "not supported yet (the experts' and the compressed gradients are summed over dp only); "
-                          "use cp=1 or drop the other")
+    if layout.cp > 1 and GradCompression(p.grad_compression).value != "none":
+        raise ConfigError(f"parallel.cp={layout.cp} with grad_compression: not supported yet (the compressed "
+                          "gradients are summed over dp only); use cp=1 or grad_compression=none")
     if p.sequence_parallel and layout.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: set parallel.tp or drop it")
     method = GradCompression(p.grad_compression).value

@@ -347,7 +347,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, pcfg: Parall
         apply_compile(chunk, pcfg.compile)
         if GradCompression(pcfg.grad_compression) == GradCompression.none:
             apply_fsdp(chunk, layout.reduce_mesh(mesh), pcfg.zero_stage, param_dtype, pcfg.cpu_offload,
-                       REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)], mesh["dp_mod_ep"] if layout.ep > 1 else None)
+                       REDUCE_DTYPES[ReduceDtype(pcfg.grad_reduce_dtype)], layout.expert_mesh(mesh) if layout.ep > 1 else None)
         else:  # ZeRO-0, tp = pp = 1 (checked)
             apply_grad_compression(chunk, layout.batch_mesh(mesh), pcfg.grad_compression, pcfg.powersgd_rank,
                                    pcfg.topk_fraction, pcfg.compression_start_step)

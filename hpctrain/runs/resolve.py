@@ -139,9 +139,7 @@ def _check_cp(cfg, layout: Layout, args) -> None:
     if layout.cp == 1:
         return
     why = None
-    if args.moe.num_experts:
-        why = "MoE layers: their per-sequence balance loss and router figures would see part of each sequence"
-    elif cfg.optim.name == OptimName.sophia:
+    if cfg.optim.name == OptimName.sophia:
         why = "optim=sophia: its sampled labels are drawn per position of the whole sequence"
     elif args.rope_scaling.type.value == "dynamic":
         why = "model.rope_scaling.type=dynamic: its tables depend on the whole sequence's length"
