@@ -118,3 +118,8 @@ def test_a_lost_peer_is_named_by_its_heartbeat_not_the_transport_error(tmp_path,
     assert took <= (LOST_BEATS + 1) * 0.2 + 0.5, took
     assert (tmp_path / "hang" / "rank-0.txt").exists()
     assert not is_peer_lost(TrainingError("connection closed by peer: a one-line error of ours"))
+    alone = HangWatch(str(tmp_path / "alone"), rank=0, world=1, hang_s=100, beat_s=0.2)
+    try:
+        assert alone.explain(error) is None  # one process has no peer: the error is reported as itself
+    finally:
+        alone.close()

@@ -190,7 +190,7 @@ class HangWatch:
         are what remains.)"""
         with self._lock:
             step = self._step
-        if is_peer_lost(error):
+        if self.world > 1 and is_peer_lost(error):  # (one process has no peer: such an error is its own)
             return self._lost_peer(step)
         if not is_timeout(error):
             return None
