@@ -23,11 +23,10 @@ from hpctrain.core.memory import Term
 class Packing(NamedTuple):
     """What attention is given beside the tokens: the packed documents' `mask` (`attention_mask`'s [B, 1, T, T],
     additive: 0 where query i may attend key j, −inf elsewhere; a context-parallel attention's own: the model's
-    `document_mask`), `positions` [B, T] (RoPE's; None: 0..T-1 across the block) and the documents `docs` [B, T]."""
+    `document_mask`) and `positions` [B, T] (RoPE's; None: 0..T-1 across the block)."""
 
     mask: torch.Tensor | list | None
     positions: torch.Tensor | None
-    docs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -63,14 +62,16 @@ def document_positions(docs: torch.Tensor) -> torch.Tensor:
     return idx - torch.where(starts, idx, 0).cummax(1).values
 
 
-def attention_mask(docs: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
-    """[B, 1, T, T] additive mask in `dtype`: query i may attend key j of its own document with j <= i (and i − j <
-    `window`, a sliding window). Built with one [B, T, T] bool beside it (no int64 [T, T] distances)."""
+def attention_mask(docs: torch.Tensor, dtype: torch.dtype, window: int | None = None,
+                   first_query: int = 0) -> torch.Tensor:
+    """[B, 1, T − first_query, T] additive mask in `dtype`: query i (from position `first_query` on: a context-parallel
+    chunk's) may attend key j of its own document with j <= i (and i − j < `window`, a sliding window). Built with
+    one such bool beside it (no int64 [T, T] distances)."""
     T = docs.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril_()
+    causal = torch.ones(T - first_query, T, dtype=torch.bool, device=docs.device).tril_(first_query)
     if window:
-        causal.triu_(1 - window)
-    allowed = docs[:, :, None] == docs[:, None, :]
+        causal.triu_(first_query + 1 - window)
+    allowed = docs[:, first_query:, None] == docs[:, None, :]
     allowed &= causal
     # Additive, in the attention's dtype: SDPA would turn a bool mask into one of these in every layer.
     mask = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=docs.device)

@@ -63,22 +63,23 @@ def apply_flight_recorder(run_dir: str) -> dict[str, str]:
     return effective
 
 
-def is_timeout(error: BaseException) -> bool:
-    """A collective or store operation that ran out of time (gloo, NCCL and the store word it differently; all
-    raise RuntimeErrors), not one of hpctrain's own one-line errors."""
+def _backend_error(error: BaseException, words: tuple[str, ...]) -> bool:
+    """A RuntimeError (what gloo, NCCL and the store raise), not one of hpctrain's own one-line errors, whose text
+    holds one of `words` (lower case)."""
     from hpctrain.core.errors import BAD_INPUT
 
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and not isinstance(error, BAD_INPUT) and (
-        "timed out" in text or "timeout" in text)
+    return isinstance(error, RuntimeError) and not isinstance(error, BAD_INPUT) and any(w in text for w in words)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """A collective or store operation that ran out of time (gloo, NCCL and the store word it differently)."""
+    return _backend_error(error, ("timed out", "timeout"))
 
 
 def is_peer_lost(error: BaseException) -> bool:
-    """A collective that failed because a peer's process or node went away (not one of hpctrain's own errors)."""
-    from hpctrain.core.errors import BAD_INPUT
-
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and not isinstance(error, BAD_INPUT) and any(p in text for p in _PEER_LOST)
+    """A collective that failed because a peer's process or node went away."""
+    return _backend_error(error, _PEER_LOST)
 
 
 def _store(timeout_s: float):
@@ -154,11 +155,12 @@ class HangWatch:
                            " rank 0 is likely the one that stopped")
         return stale, None
 
-    def diagnose(self, what: str) -> str:
-        """Write this rank's stacks and work out who is stuck; return (and keep) the one-line diagnosis."""
+    def diagnose(self, what: str, stale_beats: float = STALE_BEATS) -> str:
+        """Write this rank's stacks and work out who is stuck (ranks whose heartbeat is older than `stale_beats`
+        beats); return (and keep) the one-line diagnosis."""
         with self._diagnosing:  # the watchdog and a failing main thread: one diagnosis
             if self.line is None:
-                self.line = self._diagnose(what)
+                self.line = self._diagnose(what, stale_beats)
             return self.line
 
     def _diagnose(self, what: str, stale_beats: float = STALE_BEATS) -> str:
@@ -204,10 +206,7 @@ class HangWatch:
             if stale or unreadable:
                 break
             time.sleep(min(0.2, self.beat_s / 4))
-        with self._diagnosing:
-            if self.line is None:
-                self.line = self._diagnose(f"a collective in step {step} lost its peer", LOST_BEATS)
-            return self.line
+        return self.diagnose(f"a collective in step {step} lost its peer", LOST_BEATS)
 
     def close(self) -> None:
         self._stop.set()

@@ -111,7 +111,7 @@ class ContextParallelSdpa(nn.Module):
             return attention_mask(docs, dtype, self.window) if docs is not None else None
         c = positions.shape[1] // 2
         if docs is not None:  # in sequence order
-            docs = _in_sequence_order(gather(docs, 1, self.group).unsqueeze(1), self.order, 2)[:, 0]
+            docs = _in_sequence_order(gather(docs, 1, self.group), self.order, 1)
         return [prefix_mask(docs, g, c, dtype, self.window, positions.device) for g in zigzag_chunks(self.cp, self.rank)]
 
 
@@ -132,14 +132,8 @@ def prefix_mask(docs: torch.Tensor | None, g: int, c: int, dtype: torch.dtype, w
     """Additive mask of chunk g's queries over the keys before its end ([B, 1, c, (g+1)·c] within their own document
     of `docs` [B, T] in sequence order; [1, 1, c, (g+1)·c] without documents): causal, and within `window`."""
     end = (g + 1) * c
-    q = torch.arange(g * c, end, device=device)[:, None]
-    keys = torch.arange(end, device=device)[None, :]
-    allowed = keys <= q
-    if window:
-        allowed &= q - keys < window
-    allowed = allowed[None] if docs is None else (docs[:, g * c:end, None] == docs[:, None, :end]) & allowed
-    mask = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=device)
-    return mask.masked_fill_(allowed, 0.0).unsqueeze(1)
+    docs = docs[:, :end] if docs is not None else torch.zeros(1, end, dtype=torch.int64, device=device)
+    return attention_mask(docs, dtype, window, first_query=g * c)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:

@@ -96,6 +96,11 @@ class Layout:
         them, and gradients, loss and token counts are summed over them."""
         return dp_mesh(mesh)
 
+    @property
+    def reduce_ranks(self) -> int:
+        """The size of `reduce_mesh`: dp×cp."""
+        return self.dp * self.cp
+
     def reduce_mesh(self, mesh):
         """The ranks whose shares of the loss, token counts and gradients add up to the step's (FSDP shards over
         them): dp, and with context parallelism dp×cp (each cp rank holds part of every sequence)."""
@@ -160,10 +165,16 @@ class Layout:
 _FLATTENED: dict[int, tuple] = {}
 
 
+def _flattened_of(mesh) -> dict | None:
+    """The flattened meshes `Layout.build_mesh` made for `mesh` (by name), or None for a mesh it did not make."""
+    root, flat = _FLATTENED.get(id(mesh), (lambda: None, {}))
+    return flat if root() is mesh else None
+
+
 def flattened(mesh, name: str):
     """The flattened mesh `name` ("dp", "dp_cp") of a mesh `Layout.build_mesh` made."""
-    root, flat = _FLATTENED.get(id(mesh), (lambda: None, {}))
-    return flat[name] if root() is mesh else mesh[name]
+    flat = _flattened_of(mesh)
+    return flat[name] if flat is not None else mesh[name]
 
 
 def dp_mesh(mesh):
@@ -175,8 +186,7 @@ def group_timeouts(mesh) -> dict[str, float]:
     """Timeout in seconds of each mesh dim's process group (CPU backend), for tests and diagnostics."""
     import torch
 
-    root, flat = _FLATTENED.get(id(mesh), (lambda: None, {}))
-    meshes = {name: mesh[name] for name in MESH_DIMS} | (flat if root() is mesh else {"dp": dp_mesh(mesh)})
+    meshes = {name: mesh[name] for name in MESH_DIMS} | (_flattened_of(mesh) or {"dp": dp_mesh(mesh)})
     return {name: m.get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for name, m in meshes.items()}
 

@@ -169,7 +169,7 @@ class _Run:
         spec, layout, p = spec_of(cfg.model), plan.layout, cfg.parallel
         low = PrecisionName(cfg.precision.name) in (PrecisionName.bf16, PrecisionName.fp16)
         return cls(cfg, plan, spec, spec.args(cfg.model), c=2 if low else 4,
-                   shard=layout.dp * layout.cp if p.zero_stage >= 2 else 1,
+                   shard=layout.reduce_ranks if p.zero_stage >= 2 else 1,
                    compressed=layout.dp > 1 and GradCompression(p.grad_compression) != GradCompression.none,
                    m=plan.grad_accum if layout.pipelined else 1, tokens=seq_len * plan.micro_batch // layout.cp,
                    seq_len=seq_len)
@@ -179,7 +179,7 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     """Stage `i`'s device: every feature's term, by the plan's line it shows on."""
     p, layout, tp = r.cfg.parallel, r.plan.layout, r.plan.layout.tp
     # FSDP spans the dp×cp ranks (context parallel ranks add up gradients as data parallel ones do)
-    P, accumulating, replicas = st.per_device(tp), r.plan.grad_accum > 1, 1 if r.compressed else layout.dp * layout.cp
+    P, accumulating, replicas = st.per_device(tp), r.plan.grad_accum > 1, 1 if r.compressed else layout.reduce_ranks
     # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines: each
     # schedule run reduces).
     full_grads = r.shard > 1 and accumulating and not p.sharded_accumulation and not layout.pipelined
@@ -210,7 +210,7 @@ def _activations(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     """Stage `i`'s activations, for each activation-checkpointing mode (selective checkpoints the blocks whose
     global index is a multiple of parallel.ac_every)."""
     p, layout = r.cfg.parallel, r.plan.layout
-    kind = saved_activation_kind(r.c, 1 if r.compressed else layout.dp * layout.cp)
+    kind = saved_activation_kind(r.c, 1 if r.compressed else layout.reduce_ranks)
     saved, kept_input = r.spec.block_activations(r.args, r.tokens, kind, layout.tp,
                                                  layout.tp if p.sequence_parallel else 1, r.seq_len,
                                                  r.cfg.train.document_mask or layout.cp > 1, layout.cp)

@@ -273,8 +273,12 @@ class TrainStep:
     def _reduce(self, figures: torch.Tensor) -> None:
         """Sum this rank's share of the loss (and of the groups') over the ranks the batch is split over; tensor-
         parallel ranks hold the same (replicated) loss already."""
+        self._sum_over_replicas(figures)
+
+    def _sum_over_replicas(self, t: torch.Tensor) -> None:
+        """Sum `t` in place over `sum_mesh` (the ranks whose shares make the step's)."""
         if self.sum_mesh is not None and self.sum_mesh.size() > 1:
-            dist.all_reduce(figures, group=self.sum_mesh.get_group())
+            dist.all_reduce(t, group=self.sum_mesh.get_group())
 
     def _forward_backward(self, micro_batches: Iterable[torch.Tensor], n_tokens: int, loss_sum=None) -> torch.Tensor:
         """Accumulate the gradients of all micro-batches; return this rank's share of the loss. `loss_sum(batch)`:
@@ -334,8 +338,7 @@ class TrainStep:
 
     def _mean_over_replicas(self, total: torch.Tensor, n: int) -> float:
         both = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=total.device)])
-        if self.sum_mesh is not None and self.sum_mesh.size() > 1:
-            dist.all_reduce(both, group=self.sum_mesh.get_group())
+        self._sum_over_replicas(both)
         return (both[0] / both[1].clamp(min=1)).item()
 
 

@@ -294,7 +294,7 @@ class Llama(nn.Module):
         if docs is not None or positions is not None:  # one mask for every layer, in the dtype attention computes in
             kind = h.device.type
             dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
-            packed = Packing(self.document_mask(docs, dtype, positions), positions, docs)
+            packed = Packing(self.document_mask(docs, dtype, positions), positions)
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin, packed)
         if self.norm is not None:
