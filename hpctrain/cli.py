@@ -286,6 +286,7 @@ COMMANDS = {
     "eval": ("downstream tasks (lm-eval) on a run's checkpoints: eval RUN_DIR 'eval.tasks=[...]'",
              _tool("hpctrain.tools.evaluate")),
     "report": ("a sweep's table and plots: report SWEEP_DIR", _tool("hpctrain.launch.sweep", "report")),
+    "nodes": ("the bad-node list submissions leave out: nodes [clear [NODE ...]]", _tool("hpctrain.tools.nodes")),
     "bench": (f"throughput against a plain transformers loop; bench NAME: {', '.join(BENCHES)}", bench),
     "prep": (f"data preparation: prep {{{','.join(PREP)}}} ...", prep),
     "gpu-check": ("on a GPU node: the GPU tests and a throughput run in one table", _tool("hpctrain.tools.gpu_check")),

@@ -27,6 +27,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 register()
 
 
+@pytest.fixture(autouse=True)
+def _own_bad_node_list(tmp_path_factory, monkeypatch):
+    """Each test its own bad-node list (cluster.bad_nodes), never the user's: a node one test records (a killed
+    rank's) must not be left out of the next test's jobs. Jobs and ranks inherit it from the environment."""
+    monkeypatch.setenv("HPCTRAIN_BAD_NODES", str(tmp_path_factory.mktemp("bad-nodes") / "bad_nodes.json"))
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> str:
     from data_prep.demo import build_demo

@@ -412,6 +412,8 @@ CASES = [
     ("seq-len-negative", *_hp("train.seq_len=-5"), ["train.seq_len=-5"]),
     ("seq-len-zero", *_hp("train.seq_len=0"), ["train.seq_len=0", "null"]),
     ("ckpt-every-negative", *_hp("train.ckpt_every=-1"), ["train.ckpt_every=-1"]),
+    ("ckpt-every-word", *_hp("train.ckpt_every=often"), ["train.ckpt_every=often", "or auto"]),
+    ("node-mtbf-zero", *_hp("cluster.node_mtbf_h=0"), ["cluster.node_mtbf_h=0"]),
     ("eval-every-negative", *_hp("train.eval_every=-2"), ["train.eval_every=-2"]),
     ("grad-clip-negative", *_hp("optim.grad_clip=-1"), ["optim.grad_clip=-1"]),
     ("gpu-mem-negative", *_hp("cluster.gpu_mem_gb=-3"), ["cluster.gpu_mem_gb"]),

@@ -16,10 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+from unittest.mock import ANY
 
 import pytest
 from conftest import SMALL_MODEL
 from helpers import job_gone, last_step, losses, read, records, sbatch_run, until, wait_job
+
+from hpctrain.runtime import bad_nodes
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -53,10 +56,13 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, demo_data, tmp_path):
-    """SIGKILL rank 1 of a two-node job mid-run, at cluster.pg_timeout_s=600: the job ends within 10 s, and the
-    run's error (result.json, the log) names rank 1 and its node from its heartbeat, not gloo's 'Connection closed
-    by peer [address]'; srun's own line says what killed it."""
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, demo_data, tmp_path, victim):
+    """SIGKILL one rank of a two-node job mid-run, at cluster.pg_timeout_s=600: the job ends within 10 s, and the
+    run's error (result.json, the log) names that rank and its node, not gloo's 'Connection closed by peer
+    [address]': rank 1 from its heartbeat; rank 0 (whose process held the heartbeats' store, and writes result.json)
+    from the store that no longer answers, with rank 1 writing result.json. srun's own line says what killed it. The
+    node goes on the bad-node list, and the next submission leaves it out (--exclude)."""
     run = tmp_path / "job"
     cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
                     "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
@@ -70,24 +76,41 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
     slurm_jobs.append(job)
     until("a logged step", lambda: (run / "metrics.jsonl").exists() and '"step"' in read(run / "metrics.jsonl"), 120)
 
-    def rank_1() -> int | None:  # (the nodes are slurmds on this machine: rank 1's process is visible here)
+    def rank_of(rank: int) -> tuple[int, str] | None:  # (the nodes are slurmds on this machine: ranks are visible)
         for pid in subprocess.run(["pgrep", "-f", f"run_dir={run}"], capture_output=True, text=True).stdout.split():
             with contextlib.suppress(OSError):
-                if "SLURM_PROCID=1" in read(f"/proc/{pid}/environ").split("\0"):
-                    return int(pid)
+                env = read(f"/proc/{pid}/environ").split("\0")
+                python = read(f"/proc/{pid}/cmdline").split("\0")[0] == sys.executable  # (not the batch step's srun)
+                if python and f"SLURM_PROCID={rank}" in env:
+                    return int(pid), next(e for e in env if e.startswith("SLURMD_NODENAME=")).split("=")[1]
         return None
 
-    victim = until("rank 1's process", rank_1, 30)
+    pid, node = until(f"rank {victim}'s process", lambda: rank_of(victim), 30)
     t0 = time.time()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     until(f"job {job} to end", lambda: job_gone(job), 60, every=0.2)
     took = time.time() - t0
     result = json.loads(read(run / "result.json"))
     assert result["status"] == "failed", result
-    assert "lost its peer on rank 0 (node " in result["error"] and re.search(r"rank 1 \(node n\d", result["error"]), \
-        result["error"]
+    if victim == 1:
+        assert "lost its peer on rank 0 (node " in result["error"] and f"rank 1 (node {node}, " in result["error"], \
+            result["error"]
+    else:
+        assert "lost its peer on rank 1 (node " in result["error"] and f"the store on rank 0 ({node}) does not " \
+            "answer" in result["error"] and "rank 0 is likely the one that stopped" in result["error"], result["error"]
     assert took < 10, (took, read(out))
-    assert re.search(r"srun: error: n\d: task 1: Killed", read(out)), read(out)
+    assert re.search(rf"srun: error: {node}: task {victim}: Killed", read(out)), read(out)
+    assert bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72) == {node: ANY}
+    if victim == 0:
+        return
+    p = subprocess.run([sys.executable, "-m", "hpctrain", "hydra/launcher=slurm", f"run_dir={tmp_path / 'next'}",
+                        f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL, "train.max_steps=1",
+                        "cluster.num_threads=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and f"leaving out {node}: see python -m hpctrain nodes" in p.stdout, p.stdout + p.stderr
+    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
+    slurm_jobs.append(job)
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert f"ExcNodeList={node}" in shown, shown
 
 
 def _tree_digest(d) -> dict[str, str]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hpctrain.core.argparser import Parser
 from hpctrain.parallel import process_group
 from hpctrain.parallel.process_group import node_name
+from hpctrain.runtime import bad_nodes
 
 JOIN_KEY = "preflight/joined/{}"
 
@@ -38,6 +39,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds for every rank to join / each collective")
     p.add_argument("--ranks", type=int, default=1, help="local ranks to fork when not under srun/torchrun")
     p.add_argument("--out", help="write the per-rank results as JSON here (rank 0)")
+    p.add_argument("--bad-nodes", default=bad_nodes.default_path(),
+                   help="the bad-node list the slow or broken nodes are added to (cluster.bad_nodes; none: no list)")
     a = p.parse_args(argv)
     for name, ok in [("--size-mb", a.size_mb > 0), ("--gemm", a.gemm > 0), ("--iters", a.iters > 0),
                      ("--slow-frac", 0 <= a.slow_frac <= 1), ("--timeout", a.timeout > 0), ("--ranks", a.ranks > 0)]:
@@ -150,12 +153,17 @@ def check_p2p(numel: int, iters: int, env: process_group.Env) -> dict:
 
 def verdict(results: list[dict], slow_frac: float) -> tuple[str, str]:
     """Classify gathered per-rank results: ("ok" | "slow" | "broken", one-line message naming nodes)."""
+    return findings(results, slow_frac)[:2]
+
+
+def findings(results: list[dict], slow_frac: float) -> tuple[str, str, list[str]]:
+    """The verdict, with the nodes it names."""
     nodes = sorted({r["node"] for r in results})
     broken = [r for r in results if r.get("problem")]
     if broken:
-        names = ", ".join(sorted({r["node"] for r in broken}))
+        named = sorted({r["node"] for r in broken})
         why = "; ".join(f"rank {r['rank']}: {r['problem']}" for r in broken)
-        return "broken", f"preflight: BROKEN: {names} ({why})"
+        return "broken", f"preflight: BROKEN: {', '.join(named)} ({why})", named
     slow: list[tuple[dict, str]] = []
     gemm_med = statistics.median(r["gemm_tflops"] for r in results)
     for r in results:
@@ -180,11 +188,11 @@ def verdict(results: list[dict], slow_frac: float) -> tuple[str, str]:
                 slow.append((ra, f"link to rank {b} ({rb['node']}): p2p {links[a] / med:.1f}x the median"))
                 slow.append((rb, f"link to rank {a} ({ra['node']}): p2p {links[a] / med:.1f}x the median"))
     if slow:
-        names = ", ".join(sorted({r["node"] for r, _ in slow}))
+        named = sorted({r["node"] for r, _ in slow})
         why = "; ".join(f"rank {r['rank']}: {w}" for r, w in slow)
-        return "slow", f"preflight: SLOW: {names} ({why})"
+        return "slow", f"preflight: SLOW: {', '.join(named)} ({why})", named
     return "ok", (f"preflight: ok ({len(results)} rank{'s' * (len(results) != 1)} on {len(nodes)} "
-                  f"node{'s' * (len(nodes) != 1)})")
+                  f"node{'s' * (len(nodes) != 1)})"), []
 
 
 def render(results: list[dict], allreduce: dict, size_mb: float, status_of: dict[int, str]) -> str:
@@ -275,8 +283,10 @@ def _measure_and_report(args: argparse.Namespace, env: process_group.Env) -> int
     mine["problem"] = "; ".join(problems) or None
     results: list = [None] * env.world
     dist.all_gather_object(results, mine)
-    status, message = verdict(results, args.slow_frac)
+    status, message, named = findings(results, args.slow_frac)
     if env.is_main:
+        bad_nodes.record(None if args.bad_nodes == "none" else args.bad_nodes, named, "preflight", message,
+                         "preflight")
         slowest = max(results, key=lambda r: r["allreduce_s"])  # a collective is as fast as its slowest rank
         allreduce = {k: slowest[k] for k in ("allreduce_s", "algbw_gbps", "busbw_gbps")}
         print(render(results, allreduce, args.size_mb, _status_of(results, message, status)))

@@ -98,7 +98,9 @@ class Submitting:
         return executor
 
     def _shape(self) -> str:
-        return f"{self.params['nodes']} node(s) × {self.params['tasks_per_node']} task(s)"
+        left_out = self.params.get("exclude")  # the bad-node list's (cluster.bad_nodes)
+        return (f"{self.params['nodes']} node(s) × {self.params['tasks_per_node']} task(s)"
+                + (f", leaving out {left_out}: see python -m hpctrain nodes" if left_out else ""))
 
     def launch(self, job_overrides, initial_job_idx: int):
         if self._EXECUTOR == "slurm":

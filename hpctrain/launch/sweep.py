@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+from hpctrain.core.errors import ConfigError
 from hpctrain.core.files import read_evals, read_metrics, read_object, read_result, read_yaml
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
@@ -188,6 +189,24 @@ def _run_row(run_dir: str) -> dict:
         "curve": [(r["step"], r["loss"]) for r in train if isinstance(r.get("step"), (int, float))],
         "stragglers": _stragglers(res, records or []),
     }
+
+
+def bad_nodes_line(rows: list[dict]) -> str | None:
+    """The nodes the sweep's bad-node list (its runs' cluster.bad_nodes) leaves out of submissions now, and why."""
+    from hpctrain.runtime import bad_nodes
+
+    for row in rows:
+        try:
+            path, expiry_h = row["config"].cluster.bad_nodes, float(row["config"].cluster.bad_node_expiry_h)
+        except Exception:  # noqa: BLE001 - no config, or one from before the list existed
+            continue
+        try:
+            left_out = bad_nodes.excluded(path, expiry_h)
+        except ConfigError as e:
+            return f"bad nodes: {e}"
+        return (f"bad nodes, left out of submissions ({path}; python -m hpctrain nodes): "
+                + "; ".join(f"{n} ({why})" for n, why in sorted(left_out.items()))) if left_out else None
+    return None
 
 
 def _stragglers(result: dict, records: list) -> list[str]:
@@ -441,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         _, key = _best(rows)
         rows = sorted(rows, key=lambda r: (r[key] is None, r[key] or 0.0))
     print(format_table(rows))
+    left_out = bad_nodes_line(rows)
+    if left_out:
+        print(left_out)
     if not args.no_plot:
         path = args.plot or os.path.join(args.sweep_dir, "sweep_report.png")
         try:

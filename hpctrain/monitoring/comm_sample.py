@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.parallel.process_group import node_name
+from hpctrain.runtime import bad_nodes
 
 log = logging.getLogger("hpctrain")
 
@@ -88,10 +89,12 @@ class Sample:
     bytes: list[int]
     bytes_by_op: dict[str, int]  # rank 0's
 
-    def stragglers(self) -> list[str]:
+    def straggler_ranks(self) -> list[int]:
         median = statistics.median(self.compute_s)
-        return [f"rank {r} ({self.nodes[r]})" for r, c in enumerate(self.compute_s)
-                if c > (1 + self.straggler_frac) * median]
+        return [r for r, c in enumerate(self.compute_s) if c > (1 + self.straggler_frac) * median]
+
+    def stragglers(self) -> list[str]:
+        return [f"rank {r} ({self.nodes[r]})" for r in self.straggler_ranks()]
 
     def metrics(self) -> dict:
         overhead = min(100.0 * c / s for c, s in zip(self.comm_s, self.step_s) if s > 0)
@@ -100,14 +103,22 @@ class Sample:
                 "comm_bytes": max(self.bytes), "comm_bytes_by_op": self.bytes_by_op}
 
 
+# A node that straggled in this many sampled steps of a run is recorded on the bad-node list (which leaves it out
+# once two runs recorded it).
+STRAGGLED_SAMPLES = 3
+
+
 class CommSampler:
     """Profiles one step in `every` on every rank and gathers the figures (collective: every rank samples the same
     steps). `every=0`, or a single rank: nothing is measured. A step inside train.profile_steps is not sampled
     (one profiler at a time)."""
 
     def __init__(self, every: int, straggler_frac: float, world: int, device: torch.device,
-                 profile_window: tuple[int, int] | None):
+                 profile_window: tuple[int, int] | None, bad_nodes: str | None = None, run_dir: str = ""):
+        """`bad_nodes`: the bad-node list that a node straggling in STRAGGLED_SAMPLES sampled steps of the run is
+        added to, at the end (given on one rank)."""
         self.every, self.straggler_frac, self.device = every if world > 1 else 0, straggler_frac, device
+        self.bad_nodes, self.run_dir = bad_nodes, run_dir
         self.window = profile_window
         self.nodes = [node_name()]
         if self.every:
@@ -115,6 +126,7 @@ class CommSampler:
             dist.all_gather_object(self.nodes, node_name())
         self._prof = None
         self.straggled: dict[str, int] = {}  # "rank R (node)" -> the sampled steps it straggled in
+        self._straggled_nodes: dict[str, int] = {}  # the same by node
         # What sampling cost this rank: the profiler's start, stop and reading, the gather, and how much longer the
         # sampled steps took than the step before each (seconds; result.json's monitor_overhead_s).
         self.spent_s = 0.0
@@ -162,6 +174,8 @@ class CommSampler:
                         self.straggler_frac, [int(r[3]) for r in rows], by_op)
         for name in sample.stragglers():
             self.straggled[name] = self.straggled.get(name, 0) + 1
+        for node in {sample.nodes[r] for r in sample.straggler_ranks()}:
+            self._straggled_nodes[node] = self._straggled_nodes.get(node, 0) + 1
         self.spent_s += time.perf_counter() - t0
         return sample
 
@@ -169,3 +183,7 @@ class CommSampler:
         if self._prof is not None:
             self._prof.stop()
             self._prof = None
+        slow = sorted(n for n, count in self._straggled_nodes.items() if count >= STRAGGLED_SAMPLES)
+        bad_nodes.record(self.bad_nodes, slow, "straggler", f"straggled in {STRAGGLED_SAMPLES}+ sampled steps "
+                         f"(compute > {1 + self.straggler_frac:g} × the median)", self.run_dir)
+        self._straggled_nodes = {}

@@ -28,6 +28,7 @@ import traceback
 from datetime import timedelta
 
 from hpctrain.parallel.process_group import node_name
+from hpctrain.runtime import bad_nodes
 
 log = logging.getLogger("hpctrain")
 HANG_DIR = "hang"
@@ -97,10 +98,14 @@ def _store(timeout_s: float):
 class HangWatch:
     """The watchdog of one rank: `begin(step)` / `end()` around each loop iteration, `close()` at the end."""
 
-    def __init__(self, run_dir: str, rank: int, world: int, hang_s: float, beat_s: float):
+    def __init__(self, run_dir: str, rank: int, world: int, hang_s: float, beat_s: float,
+                 bad_nodes: str | None = None):
+        """`bad_nodes`: the bad-node list the nodes of ranks that stopped are added to (cluster.bad_nodes)."""
         self.run_dir, self.rank, self.world, self.hang_s, self.beat_s = run_dir, rank, world, hang_s, beat_s
+        self.bad_nodes = bad_nodes
         self.node = node_name()
         self.line: str | None = None  # the diagnosis, once made
+        self.lost_rank0 = False  # a peer was lost and rank 0's store no longer answers: rank 0 is gone
         self._step, self._since = 0, None
         self._lock, self._diagnosing, self._stop = threading.Lock(), threading.Lock(), threading.Event()
         try:
@@ -135,9 +140,9 @@ class HangWatch:
                 self.diagnose(f"step {step} has run for {_seconds(time.monotonic() - since)} s (monitor.hang_s="
                               f"{self.hang_s:g})")
 
-    def _others(self, stale_beats: float = STALE_BEATS) -> tuple[list[str], str | None]:
-        """(descriptions of the ranks whose heartbeat is older than `stale_beats` beats, why they could not be read
-        or None)."""
+    def _others(self, stale_beats: float = STALE_BEATS) -> tuple[list[tuple[str, str | None]], str | None]:
+        """(the ranks whose heartbeat is older than `stale_beats` beats, each (description, node or None), why they
+        could not be read or None)."""
         if self._store is None:
             return [], "no heartbeats in a single process" if self.world == 1 else "no store to read heartbeats"
         now, stale = time.time(), []
@@ -145,30 +150,38 @@ class HangWatch:
             for r in range(self.world):
                 key = _KEY.format(r)
                 if not self._store.check([key]):
-                    stale.append(f"rank {r} (never sent a heartbeat)")
+                    stale.append((f"rank {r} (never sent a heartbeat)", None))
                     continue
                 beat, node = self._store.get(key).decode().split(" ", 1)
                 if now - float(beat) > stale_beats * self.beat_s:
-                    stale.append(f"rank {r} (node {node}, last heartbeat {_seconds(now - float(beat))} s ago)")
+                    stale.append((f"rank {r} (node {node}, last heartbeat {_seconds(now - float(beat))} s ago)", node))
         except Exception as e:  # noqa: BLE001 - the store lives in rank 0's process
             return stale, (f"the store on rank 0 ({os.environ.get('MASTER_ADDR')}) does not answer ({type(e).__name__}):"
                            " rank 0 is likely the one that stopped")
         return stale, None
 
-    def diagnose(self, what: str, stale_beats: float = STALE_BEATS) -> str:
+    def diagnose(self, what: str, stale_beats: float = STALE_BEATS, reason: str = "hung") -> str:
         """Write this rank's stacks and work out who is stuck (ranks whose heartbeat is older than `stale_beats`
-        beats); return (and keep) the one-line diagnosis."""
+        beats: their nodes go on the bad-node list with `reason`); return (and keep) the one-line diagnosis."""
         with self._diagnosing:  # the watchdog and a failing main thread: one diagnosis
             if self.line is None:
-                self.line = self._diagnose(what, stale_beats)
+                self.line = self._diagnose(what, stale_beats, reason)
             return self.line
 
-    def _diagnose(self, what: str, stale_beats: float = STALE_BEATS) -> str:
+    def _diagnose(self, what: str, stale_beats: float, reason: str) -> str:
         stale, unreadable = self._others(stale_beats)
         if stale:
-            who = f"{', '.join(stale)} stopped responding"
+            who = f"{', '.join(d for d, _ in stale)} stopped responding"
+            bad_nodes.record(self.bad_nodes, [n for _, n in stale if n], reason,
+                             f"{what}: {who} (seen by rank {self.rank})", self.run_dir)
         elif unreadable:
             who = unreadable
+            if reason == "died" and self._store is not None:
+                self.lost_rank0 = True
+                addr = os.environ.get("MASTER_ADDR", "")
+                if addr and not addr.replace(".", "").isdigit() and addr != "localhost":  # a node's name
+                    bad_nodes.record(self.bad_nodes, [addr], reason, f"{what}: {who} (seen by rank {self.rank})",
+                                     self.run_dir)
         elif stale_beats < STALE_BEATS:  # a lost peer that still beats: its connection went, not (yet) its process
             who = f"every one of the {self.world} ranks still sends heartbeats (a connection between them broke)"
         else:
@@ -206,7 +219,7 @@ class HangWatch:
             if stale or unreadable:
                 break
             time.sleep(min(0.2, self.beat_s / 4))
-        return self.diagnose(f"a collective in step {step} lost its peer", LOST_BEATS)
+        return self.diagnose(f"a collective in step {step} lost its peer", LOST_BEATS, "died")
 
     def close(self) -> None:
         self._stop.set()

@@ -20,6 +20,10 @@ def _slurm(key: str, *, _root_: DictConfig):
 
     if key == "sbatch_extra":
         return {"requeue": True, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
+    if key == "exclude":  # the bad-node list's nodes (hpctrain.runtime.bad_nodes)
+        from hpctrain.runtime import bad_nodes
+
+        return ",".join(sorted(bad_nodes.excluded(_root_.cluster.bad_nodes, _root_.cluster.bad_node_expiry_h))) or None
     try:
         return job_shape(_root_.parallel, _root_.cluster)[key]
     except ConfigError:

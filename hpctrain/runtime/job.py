@@ -181,6 +181,11 @@ def _stopped_cleanly(run_dir: str, attempt_started: float) -> bool:
         return False
 
 
+def job_nodes() -> int:
+    """The nodes of this Slurm job (1 outside Slurm: one machine)."""
+    return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+
+
 def node_failures(run_dir: str) -> tuple[list[float], int] | None:
     """(wall times of this run's node failures, the job's node count), from <run_dir>/slurm.json; None outside
     Slurm."""
@@ -229,7 +234,7 @@ def record_attempt(run_dir: str, latest_step: int, max_stalled: int,
             failures.append(time.time())
     doc = {"job_id": e["SLURM_JOB_ID"], "array_job_id": e.get("SLURM_ARRAY_JOB_ID"),
            "array_task_id": e.get("SLURM_ARRAY_TASK_ID"), "nodelist": e.get("SLURM_JOB_NODELIST"),
-           "nodes": int(e.get("SLURM_JOB_NUM_NODES") or e.get("SLURM_NNODES") or 1), "restart_count": restarts,
+           "nodes": job_nodes(), "restart_count": restarts,
            "start_step": latest_step, "stalled_restarts": stalled, "started_at": time.time(),
            "node_failures": failures, "nccl": nccl or {}}
     write_json(path, doc)

@@ -23,6 +23,7 @@ from hpctrain.core.config import ClusterConfig, EvalConfig, EvalMode, ParallelCo
 from hpctrain.core.errors import ConfigError
 from hpctrain.core.files import read_evals, read_metrics
 from hpctrain.storage import checkpoint
+from hpctrain.training.cadence import AUTO
 
 log = logging.getLogger("hpctrain")
 POLL_S = 10.0  # at most this often a logged step asks Slurm about the jobs (sacct)
@@ -53,7 +54,7 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig) -
     if not checkpointing or tcfg.ckpt_async:
         raise ConfigError("eval.mode=job scores the checkpoints, written before each job is submitted: set "
                           "train.checkpointing=true and train.ckpt_async=false, or use eval.mode=loop")
-    if ecfg.every and (not tcfg.ckpt_every or ecfg.every % tcfg.ckpt_every):
+    if ecfg.every and (tcfg.ckpt_every == AUTO or not tcfg.ckpt_every or ecfg.every % tcfg.ckpt_every):
         raise ConfigError(f"eval.every={ecfg.every} with eval.mode=job must be a multiple of train.ckpt_every="
                           f"{tcfg.ckpt_every}: each evaluation scores a checkpoint")
     if not shutil.which("sbatch"):

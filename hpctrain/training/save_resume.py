@@ -18,6 +18,7 @@ from hpctrain.core.errors import TrainingError
 from hpctrain.parallel.norms import all_finite
 from hpctrain.parallel.vote import OverlappedVote, any_rank
 from hpctrain.storage import checkpoint
+from hpctrain.training.cadence import Cadence
 from hpctrain.training.optimizer import Schedule, hyperparameters, reapply
 from hpctrain.training.precision import AgreedGradScaler
 from hpctrain.training.spikes import LossSpikeGuard
@@ -64,11 +65,13 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str, t: TrainConfig, model, optimizer, parts: dict, optional: dict | None = None,
-                 timeout_s: float = 600.0, expected: dict | None = None):
+                 timeout_s: float = 600.0, expected: dict | None = None, mtbf_s: float | None = None):
         """`t`: the run's `train` config (ckpt_every, ckpt_keep, max_steps, checkpointing, ckpt_async,
         ckpt_write_threads); `timeout_s`: the background writes' group timeout; `expected`: the whole model's
-        weights (ModelSpec.weights), which a checkpoint must hold exactly to be loaded."""
-        self.run_dir, self.every, self.keep, self.last_step = run_dir, t.ckpt_every, t.ckpt_keep, t.max_steps
+        weights (ModelSpec.weights), which a checkpoint must hold exactly to be loaded; `mtbf_s`: the job's mean
+        time between failures (for ckpt_every=auto)."""
+        self.run_dir, self.keep, self.last_step = run_dir, t.ckpt_keep, t.max_steps
+        self.cadence = Cadence(t.ckpt_every, mtbf_s)
         self.enabled, self.threads = t.checkpointing, t.ckpt_write_threads
         self.asynchronous = t.ckpt_async and t.checkpointing
         self.model, self.optimizer, self.timeout_s = model, optimizer, timeout_s
@@ -88,7 +91,7 @@ class Checkpointer:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint")
 
     def due(self, step: int, stopping: bool = False) -> bool:
-        return bool(stopping or (self.every and step % self.every == 0) or step == self.last_step)
+        return bool(stopping or self.cadence.due(step) or step == self.last_step)
 
     def save(self, step: int) -> None:
         """Checkpoint `step` (collective). Asynchronous: after the previous write has finished."""
@@ -110,11 +113,12 @@ class Checkpointer:
             self.stall_s.append(time.perf_counter() - t0)
             log.info("checkpoint step %d: training held %.2f s (copy to host memory); writing in the background",
                      step, self.stall_s[-1])
-            return
-        path = checkpoint.save(self.run_dir, step, self.model, self.optimizer, doc, self.keep, self.threads)
-        self.stall_s.append(time.perf_counter() - t0)
-        self.write_s.append(self.stall_s[-1])
-        log.info("checkpoint %s written in %.2f s", path, self.write_s[-1])
+        else:
+            path = checkpoint.save(self.run_dir, step, self.model, self.optimizer, doc, self.keep, self.threads)
+            self.stall_s.append(time.perf_counter() - t0)
+            self.write_s.append(self.stall_s[-1])
+            log.info("checkpoint %s written in %.2f s", path, self.write_s[-1])
+        self.cadence.saved(step, self.stall_s[-1])
 
     def _write(self, staged: dict, tmp: str, step: int, trainer_state: dict) -> float:
         """The background thread: the host copy's weights checked finite on every rank, then written; rank 0
@@ -193,7 +197,8 @@ class Checkpointer:
     def summary(self) -> dict:
         """For result.json: each save's stall and write time, in seconds."""
         return {"async": self.asynchronous, "stall_s": [round(s, 3) for s in self.stall_s],
-                "write_s": [round(s, 3) for s in self.write_s]}
+                "write_s": [round(s, 3) for s in self.write_s], **({"cadence": self.cadence.summary()}
+                                                                    if self.cadence.auto else {})}
 
     def restore(self, start: str | None) -> str | None:
         """Load `start` ("auto": the run dir's newest loadable checkpoint; None: nothing); return what was loaded."""

@@ -70,7 +70,8 @@ class Trainer:
         self.signals = job.StopSignals(cfg.cluster.signal)
         # last: its thread is stopped by fit(); a rank lost before its first heartbeat is named so
         m = cfg.monitor
-        self.hang = HangWatch(run_dir, env.rank, env.world, m.hang_s or 0.9 * cfg.cluster.pg_timeout_s, m.heartbeat_s)
+        self.hang = HangWatch(run_dir, env.rank, env.world, m.hang_s or 0.9 * cfg.cluster.pg_timeout_s, m.heartbeat_s,
+                              cfg.cluster.bad_nodes)
         self.memory.reset()
         self._log_start(prepared.seq_len)
 
@@ -109,7 +110,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.train, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
                                          {"scaler": self.precision.scaler, "loss_spike": self.spikes},
-                                         self.cfg.cluster.pg_timeout_s, spec.weights(spec.args(self.cfg.model)))
+                                         self.cfg.cluster.pg_timeout_s, spec.weights(spec.args(self.cfg.model)),
+                                         self.cfg.cluster.node_mtbf_h * 3600 / job.job_nodes())
         self._start_weights(start)
 
     def _build_monitoring(self, prepared) -> None:
@@ -119,7 +121,8 @@ class Trainer:
         self.peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
         throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.peak.flops, env.world, env.device)
         self.sampler = CommSampler(m.sample_every, m.straggler_frac, env.world, env.device,
-                                   t.profile_steps and tuple(t.profile_steps))
+                                   t.profile_steps and tuple(t.profile_steps),
+                                   cfg.cluster.bad_nodes if env.is_main else None, self.run_dir)
         ctx = Context(env.device, env.world, self.sampler.every,
                       job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s)
         sinks, self.alerts = run_sinks(cfg.logging, m, self.run_dir, self.state.step, t.max_steps, ctx,
@@ -325,7 +328,7 @@ class Trainer:
                   "data_corrupt_shards": self.feed.corrupt_shards,
                   "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
                   "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary()}
-        if self.env.is_main:
+        if self._writes_result():
             try:
                 write_json(os.path.join(self.run_dir, RESULT_FILE), result)
             except OSError as e:  # a full disk: the run's own error, if any, is the one to report
@@ -333,6 +336,12 @@ class Trainer:
                     raise
                 log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status.value)
         return result
+
+    def _writes_result(self) -> bool:
+        """Rank 0; when rank 0 was lost, the ranks that could be on rank 0's node or the next one's first (one of them
+        survives a node's loss; each writes the same verdict)."""
+        env = self.env
+        return env.is_main or (self.hang.lost_rank0 and 1 <= env.rank <= max(1, env.world // job.job_nodes()))
 
     def _stopped(self, stop: Stop):
         log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
