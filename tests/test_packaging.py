@@ -112,5 +112,5 @@ def test_console_script_has_every_command(fresh):
     p = _run([script, "trian"], empty)
     assert p.returncode == 2 and p.stderr.strip() == (
         "hpctrain: error: unknown command 'trian': use one of train, plan, preflight, check, generate, export-hf, summary, "
-        "eval, report, bench, prep, gpu-check (hpctrain --help)")
+        "eval, report, nodes, bench, prep, gpu-check (hpctrain --help)")
 

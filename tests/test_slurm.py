@@ -312,6 +312,61 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
     assert fired and fired[0]["value"] == 50.0, alerts
 
 
+def _job_processes(job: str, rank: int | None = None) -> list[tuple[int, str]]:
+    """(pid, node) of the job's Python ranks (rank `rank` only, when given): the nodes are slurmds on this machine."""
+    found = []
+    for pid in subprocess.run(["pgrep", "-f", "hpctrain"], capture_output=True, text=True).stdout.split():
+        with contextlib.suppress(OSError, StopIteration):
+            env = read(f"/proc/{pid}/environ").split("\0")
+            if read(f"/proc/{pid}/cmdline").split("\0")[0] == sys.executable and f"SLURM_JOB_ID={job}" in env \
+                    and "SLURM_PROCID" in {e.split("=")[0] for e in env} and "SLURM_STEP_ID=" in "\0".join(env) \
+                    and (rank is None or f"SLURM_PROCID={rank}" in env):
+                found.append((int(pid), next(e for e in env if e.startswith("SLURMD_NODENAME=")).split("=")[1]))
+    return found
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_restarts_the_run_on_the_spare_inside_the_job(slurm, data_env, make_cfg, tmp_path, slurm_jobs):
+    """cluster.spare_nodes=1: a two-node run gets three nodes; SIGKILL the rank on one of them mid-run and the job
+    restarts the training on the other two (the spare) from the latest checkpoint, in the same job id (no requeue),
+    the losses of every step equal to an uninterrupted run's; restarts.jsonl names the node, which is on the
+    bad-node list. The time from the kill to the next finished step is printed (-s)."""
+    steps, run = 300, tmp_path / "run"
+    job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=20", "cluster.spare_nodes=1",
+                          "train.log_every=1"))
+    slurm_jobs.append(job)
+    until("step 30 of the job", lambda: last_step(run) >= 30, 150, every=0.1)
+    pid, node = until("rank 1's process", lambda: (_job_processes(job, 1) or [None])[0], 30)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+
+    def resumed() -> bool:
+        found = re.search(r"resumed from \S+ at step (\d+)", read(run / "train.log"))
+        return bool(found) and last_step(run) > int(found.group(1))
+
+    until("a step after the restart", resumed, 120, every=0.1)
+    print(f"kill -> next finished step: {time.time() - killed:.1f} s")
+    ref = _reference(make_cfg, tmp_path, steps)
+    until("the job to end", lambda: job_gone(job), 200, every=1)
+    restarts = [json.loads(line) for line in read(run / "restarts.jsonl").splitlines()]
+    assert [(r["job"], r["failed_nodes"]) for r in restarts] == [(job, [node])], restarts
+    assert json.loads(read(run / "slurm.json"))["restart_count"] == 0  # never requeued
+    _assert_same_run(run, ref, steps)
+    assert losses(run) == ref  # bit for bit
+    assert set(bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72)) == {node}
+
+
+def test_spare_nodes_in_a_sweep_is_one_line_before_anything_is_submitted(slurm, data_env, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "hydra/launcher=slurm", "cluster.spare_nodes=1",
+                        f"data.path={os.environ['HPCTRAIN_TEST_DATA']}", "data.prepare_demo=false", *SMALL_MODEL,
+                        f"hydra.sweep.dir={tmp_path / 'run'}", "optim.lr=1e-3,1e-2"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "hpctrain: error: cluster.spare_nodes restarts one run inside its allocation: submit runs one at a time (no "
+        "-m), or drop it for a sweep"], p.stderr
+    assert not (tmp_path / "run" / ".submitit").exists()  # nothing submitted
+
+
 @pytest.mark.timeout(300)
 def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path):
     """`python -m hpctrain -m optim.lr=… train.global_batch=… hydra/launcher=slurm`: one job array; the

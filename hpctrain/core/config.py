@@ -417,6 +417,10 @@ class ClusterConfig:
     # the next submissions for this long; `hpctrain nodes` lists and clears them. null: no list.
     bad_nodes: str | None = "${oc.env:HPCTRAIN_BAD_NODES,'~/.hpctrain/bad_nodes.json'}"
     bad_node_expiry_h: float = 72.0
+    # Nodes asked for beyond the layout's: when a rank dies or a node is lost the run restarts inside the allocation
+    # on the others plus a spare, from the latest checkpoint, instead of requeueing (hpctrain.launch.supervise).
+    spare_nodes: int = 0
+    max_restarts: int = 3  # such restarts per job before it fails
 
 
 class EvalMode(str, Enum):
@@ -523,6 +527,7 @@ _RANGES = {
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
+                     "cluster.spare_nodes", "cluster.max_restarts",
                      "monitor.loss_spike.max_rollbacks", "monitor.sample_every",
                      "parallel.compression_start_step", "model.moe.num_experts", "model.moe.shared_experts",
                      "model.moe.aux_loss_coef", "model.moe.z_loss_coef", "model.moe.bias_update_rate"), _AT_LEAST_0),

@@ -105,6 +105,9 @@ class Submitting:
     def launch(self, job_overrides, initial_job_idx: int):
         if self._EXECUTOR == "slurm":
             check_array_size(initial_job_idx + len(job_overrides))
+            if self.config.cluster.spare_nodes:
+                fail("cluster.spare_nodes restarts one run inside its allocation: submit runs one at a time (no -m), "
+                     "or drop it for a sweep")
         configs = []
         progress = Progress(len(job_overrides))
         for i, o in enumerate(job_overrides):
@@ -150,8 +153,17 @@ class Submitting:
             with rundir.claimed(run_dir, probe=True):  # marked a run's; not while another run lives there
                 executor = self.executor(folder, cfg.cluster)
                 rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
-            job = _orfail(lambda: executor.submit(RunJob(OmegaConf.to_container(cfg, resolve=True), run_dir,
-                                                          job_logging)))
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+            if cfg.cluster.spare_nodes and self._EXECUTOR == "slurm":  # a supervisor runs the training as srun steps
+                from hpctrain.launch.supervise import SupervisedRun
+
+                executor.update_parameters(slurm_use_srun=False)
+                shape = job_shape(cfg.parallel, cfg.cluster)
+                fn = SupervisedRun(resolved, run_dir, job_logging, shape["nodes"], shape["tasks_per_node"],
+                                   cfg.cluster.max_restarts)
+            else:
+                fn = RunJob(resolved, run_dir, job_logging)
+            job = _orfail(lambda: executor.submit(fn))
         except _BAD_INPUT as e:
             rundir.remove_if_fresh(run_dir, started)
             fail(str(e))

@@ -106,6 +106,7 @@ class HangWatch:
         self.node = node_name()
         self.line: str | None = None  # the diagnosis, once made
         self.lost_rank0 = False  # a peer was lost and rank 0's store no longer answers: rank 0 is gone
+        self.lost: list[dict] = []  # the ranks the diagnosis found gone or stopped: rank, node, reason
         self._step, self._since = 0, None
         self._lock, self._diagnosing, self._stop = threading.Lock(), threading.Lock(), threading.Event()
         try:
@@ -140,9 +141,9 @@ class HangWatch:
                 self.diagnose(f"step {step} has run for {_seconds(time.monotonic() - since)} s (monitor.hang_s="
                               f"{self.hang_s:g})")
 
-    def _others(self, stale_beats: float = STALE_BEATS) -> tuple[list[tuple[str, str | None]], str | None]:
-        """(the ranks whose heartbeat is older than `stale_beats` beats, each (description, node or None), why they
-        could not be read or None)."""
+    def _others(self, stale_beats: float = STALE_BEATS) -> tuple[list[tuple[str, int, str | None]], str | None]:
+        """(the ranks whose heartbeat is older than `stale_beats` beats, each (description, rank, node or None), why
+        they could not be read or None)."""
         if self._store is None:
             return [], "no heartbeats in a single process" if self.world == 1 else "no store to read heartbeats"
         now, stale = time.time(), []
@@ -150,11 +151,12 @@ class HangWatch:
             for r in range(self.world):
                 key = _KEY.format(r)
                 if not self._store.check([key]):
-                    stale.append((f"rank {r} (never sent a heartbeat)", None))
+                    stale.append((f"rank {r} (never sent a heartbeat)", r, None))
                     continue
                 beat, node = self._store.get(key).decode().split(" ", 1)
                 if now - float(beat) > stale_beats * self.beat_s:
-                    stale.append((f"rank {r} (node {node}, last heartbeat {_seconds(now - float(beat))} s ago)", node))
+                    stale.append((f"rank {r} (node {node}, last heartbeat {_seconds(now - float(beat))} s ago)", r,
+                                  node))
         except Exception as e:  # noqa: BLE001 - the store lives in rank 0's process
             return stale, (f"the store on rank 0 ({os.environ.get('MASTER_ADDR')}) does not answer ({type(e).__name__}):"
                            " rank 0 is likely the one that stopped")
@@ -171,17 +173,19 @@ class HangWatch:
     def _diagnose(self, what: str, stale_beats: float, reason: str) -> str:
         stale, unreadable = self._others(stale_beats)
         if stale:
-            who = f"{', '.join(d for d, _ in stale)} stopped responding"
-            bad_nodes.record(self.bad_nodes, [n for _, n in stale if n], reason,
+            who = f"{', '.join(d for d, _, _ in stale)} stopped responding"
+            self.lost = [{"rank": r, "node": n, "reason": reason} for _, r, n in stale]
+            bad_nodes.record(self.bad_nodes, [n for _, _, n in stale if n], reason,
                              f"{what}: {who} (seen by rank {self.rank})", self.run_dir)
         elif unreadable:
             who = unreadable
             if reason == "died" and self._store is not None:
                 self.lost_rank0 = True
                 addr = os.environ.get("MASTER_ADDR", "")
-                if addr and not addr.replace(".", "").isdigit() and addr != "localhost":  # a node's name
-                    bad_nodes.record(self.bad_nodes, [addr], reason, f"{what}: {who} (seen by rank {self.rank})",
-                                     self.run_dir)
+                node = addr if addr and not addr.replace(".", "").isdigit() and addr != "localhost" else None
+                self.lost = [{"rank": 0, "node": node, "reason": reason}]  # (the store's host: rank 0's node)
+                bad_nodes.record(self.bad_nodes, [node] if node else [], reason,
+                                 f"{what}: {who} (seen by rank {self.rank})", self.run_dir)
         elif stale_beats < STALE_BEATS:  # a lost peer that still beats: its connection went, not (yet) its process
             who = f"every one of the {self.world} ranks still sends heartbeats (a connection between them broke)"
         else:

@@ -18,16 +18,18 @@ def _slurm(key: str, *, _root_: DictConfig):
     be placed is reported by the launcher's checks, with its fix, before anything is submitted)."""
     from hpctrain.parallel.layout import job_shape
 
-    if key == "sbatch_extra":
-        return {"requeue": True, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
+    if key == "sbatch_extra":  # --no-kill with spare nodes: a lost node must not end the job the spares are for
+        spare = {"no_kill": True} if _root_.cluster.spare_nodes else {}
+        return {"requeue": True, **spare, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
     if key == "exclude":  # the bad-node list's nodes (hpctrain.runtime.bad_nodes)
         from hpctrain.runtime import bad_nodes
 
         return ",".join(sorted(bad_nodes.excluded(_root_.cluster.bad_nodes, _root_.cluster.bad_node_expiry_h))) or None
     try:
-        return job_shape(_root_.parallel, _root_.cluster)[key]
+        shape = job_shape(_root_.parallel, _root_.cluster)
     except ConfigError:
         return 1
+    return shape[key] + (_root_.cluster.spare_nodes or 0) if key == "nodes" else shape[key]
 
 
 def _demo_data_dir() -> str:

@@ -327,7 +327,7 @@ class Trainer:
                   "monitor_overhead_s": round(self.sampler.spent_s, 4), "stopped_by": self.signals.alert,
                   "data_corrupt_shards": self.feed.corrupt_shards,
                   "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
-                  "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary()}
+                  "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary(), "lost": self.hang.lost}
         if self._writes_result():
             try:
                 write_json(os.path.join(self.run_dir, RESULT_FILE), result)

@@ -1,0 +1,144 @@
+"""cluster.spare_nodes=k: restart inside the allocation instead of going back to the queue.
+
+The job asks for k nodes more than the layout needs and runs this supervisor in its batch step (it is no rank). The
+supervisor starts the training as one `srun` step on the healthy nodes; when the step fails because a rank died or
+stopped responding (the ranks name it, with its node, in result.json's `lost`) or a node went down, it leaves those
+nodes out and starts the step again on the others plus a spare, from the latest checkpoint: no requeue, no queue
+wait, the same job id. Every restart is a line of <run_dir>/restarts.jsonl. Requeueing stays the fallback: too few
+healthy nodes left, more than cluster.max_restarts restarts, or a preemption (the step's exit code 75).
+`python -m hpctrain.launch.supervise RUN_DIR` is the step's command on each task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.config
+import os
+import subprocess
+import sys
+import time
+
+from hpctrain.core.files import read_json, read_result, write_json
+from hpctrain.runtime.job import EXIT_PREEMPTED
+
+log = logging.getLogger("hpctrain")
+
+RESTARTS_FILE = "restarts.jsonl"
+STEP_FILE = "supervised.json"  # the run's resolved config and logging, which every step starts from
+_DOWN = ("down", "drain", "fail", "not_responding", "no_respond")
+
+
+def _hostnames(nodelist: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    return out.stdout.split()
+
+
+def _down(nodes: list[str]) -> list[str]:
+    """The nodes Slurm no longer counts on (down, drained, not responding)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"], capture_output=True, text=True,
+                         timeout=60).stdout
+    return sorted({n for n, state in (line.split() for line in out.splitlines() if len(line.split()) == 2)
+                   if any(d in state.lower() for d in _DOWN)})
+
+
+class SupervisedRun:
+    """The callable a job with spare nodes runs once, in its batch step (submitit with use_srun=False)."""
+
+    def __init__(self, cfg: dict, run_dir: str, job_logging: dict | None, nodes: int, tasks_per_node: int,
+                 max_restarts: int):
+        self.cfg, self.run_dir, self.job_logging = cfg, run_dir, job_logging
+        self.nodes, self.tasks_per_node, self.max_restarts = nodes, tasks_per_node, max_restarts
+
+    def __call__(self) -> dict | None:
+        logging.basicConfig(level=logging.INFO, format="supervisor: %(message)s", stream=sys.stdout, force=True)
+        write_json(os.path.join(self.run_dir, STEP_FILE), {"cfg": self.cfg, "job_logging": self.job_logging})
+        allocated = _hostnames(os.environ["SLURM_JOB_NODELIST"])
+        job = os.environ["SLURM_JOB_ID"]
+        left_out: set[str] = set()
+        restarts = 0
+        while True:
+            healthy = [n for n in allocated if n not in left_out]
+            if len(healthy) < self.nodes:
+                return self._requeue(job, left_out, f"{len(healthy)} healthy node(s) left of {len(allocated)}, "
+                                                    f"{self.nodes} needed")
+            picked = healthy[:self.nodes]
+            started = time.time()
+            log.info("step %d on %s (spare: %s)", restarts, ",".join(picked),
+                     ",".join(healthy[self.nodes:]) or "none")
+            code = self._step(job, picked, restarts)
+            ended = time.time()
+            if code == 0:
+                return read_result(self.run_dir)
+            if code == EXIT_PREEMPTED:  # stopped on purpose, checkpoint written: the allocation is being taken back
+                return self._requeue(job, set(), "preempted")
+            result = read_result(self.run_dir) if os.path.exists(os.path.join(self.run_dir, "result.json")) else None
+            fresh = result if result and os.path.getmtime(os.path.join(self.run_dir, "result.json")) >= started else {}
+            failed = sorted({lost["node"] for lost in fresh.get("lost") or [] if lost.get("node") in picked}
+                            | set(_down(picked)))
+            record = {"restart": restarts + 1, "job": job, "step_started": started, "step_ended": ended,
+                      "exit_code": code, "failed_nodes": failed, "error": (fresh.get("error") or "")[:500],
+                      "step": fresh.get("steps")}
+            if not failed:  # a failure no node explains (a bug, a bad config) would fail again anywhere
+                log.info("the step failed (exit code %d) and no node is to blame: not restarting", code)
+                sys.exit(code)
+            restarts += 1
+            if restarts > self.max_restarts:
+                log.info("%d restarts (cluster.max_restarts=%d): not restarting", restarts - 1, self.max_restarts)
+                sys.exit(code)
+            left_out |= set(failed)
+            with open(os.path.join(self.run_dir, RESTARTS_FILE), "a") as f:
+                f.write(json.dumps(record) + "\n")
+            log.info("step failed on %s (exit code %d, %s): restarting without it from the latest checkpoint",
+                     ",".join(failed), code, record["error"][:200] or "no result")
+
+    def _step(self, job: str, nodes: list[str], attempt: int) -> int:
+        """One srun step of the training on `nodes`; its exit code."""
+        env = dict(os.environ, MASTER_PORT=str(20000 + (int(job) * 8 + attempt) % 20000))  # a fresh store per step
+        env.pop("MASTER_ADDR", None)  # the step's first node (hpctrain.parallel.process_group)
+        cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tasks_per_node}",
+               f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
+               sys.executable, "-m", "hpctrain.launch.supervise", self.run_dir]
+        cpus = self.cfg.get("cluster", {}).get("cpus_per_task")
+        if cpus:
+            cmd.insert(1, f"--cpus-per-task={cpus}")
+        return subprocess.run(cmd, env=env).returncode
+
+    def _requeue(self, job: str, left_out: set[str], why: str) -> None:
+        """Back to the queue, leaving out the nodes that failed here."""
+        log.info("requeueing job %s (%s)%s", job, why, f", leaving out {','.join(sorted(left_out))}" if left_out else "")
+        if left_out:
+            subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(left_out))}"],
+                           timeout=60)
+        subprocess.run(["scontrol", "requeue", job], timeout=60)
+        sys.exit(EXIT_PREEMPTED)
+
+    def checkpoint(self):  # submitit on preemption: the steps checkpoint themselves; rerun the supervisor
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def main(argv: list[str]) -> int:
+    """One task of a supervised step: the run's saved config trained in RUN_DIR."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.core.config import Config
+    from hpctrain.runtime.job import Stopped, quiet_other_ranks
+    from hpctrain.training.run import train
+
+    run_dir = argv[0]
+    doc = read_json(os.path.join(run_dir, STEP_FILE))
+    if doc.get("job_logging"):
+        logging.config.dictConfig(doc["job_logging"])
+    quiet_other_ranks()
+    try:
+        train(OmegaConf.merge(OmegaConf.structured(Config), doc["cfg"]), run_dir)
+    except Stopped as e:
+        log.warning("%s", e)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
