@@ -368,22 +368,34 @@ def test_spare_nodes_in_a_sweep_is_one_line_before_anything_is_submitted(slurm, 
 
 
 @pytest.mark.timeout(300)
-def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["array", "packed"])
+def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path, packed):
     """`python -m hpctrain -m optim.lr=… train.global_batch=… hydra/launcher=slurm`: one job array; the
-    report lists every point with its final losses and writes the plot."""
+    report lists every point with its final losses and writes the plot. `packed` (cluster.pack=4, nodes of two
+    ranks): the four points are four srun steps of one job (two nodes), each in its own run directory, and the
+    report is the same."""
     from hpctrain.launch.sweep import report
 
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "train.global_batch=8,16",
            "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}", f"data.path={demo_data}", "data.prepare_demo=false",
            *SMALL_MODEL, "train.micro_batch=4", "train.max_steps=8", "train.eval_every=8", "train.eval_batches=2",
-           "train.ckpt_every=0", "optim.warmup_steps=2", "cluster.cpus_per_task=1", "cluster.wait=true"]
+           "train.ckpt_every=0", "optim.warmup_steps=2", "cluster.cpus_per_task=1", "cluster.wait=true",
+           *(["cluster.pack=4", "cluster.tasks_per_node=2"] if packed else [])]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     turnaround = time.time() - t0
     assert p.returncode == 0, p.stdout + p.stderr
-    array = p.stdout.split("array ")[1].split()[0]
-    print(f"2x2 sweep on the local cluster: submit -> all 4 points done in {turnaround:.1f}s (array {array})")
+    if packed:
+        job = re.search(r"submitted 1 job\(s\) (\d+) \(4 points each", p.stdout).group(1)
+        steps = subprocess.run(["sacct", "-j", job, "-n", "-P", "-o", "JobID,NodeList,State"], capture_output=True,
+                               text=True, timeout=60).stdout.split()
+        assert sorted(s.split("|")[0] for s in steps if re.fullmatch(r"\d+\.\d+", s.split("|")[0])) == [
+            f"{job}.{i}" for i in range(4)], steps
+        print(f"2x2 sweep packed in one job: submit -> all 4 points done in {turnaround:.1f}s (job {job}: {steps})")
+    else:
+        array = p.stdout.split("array ")[1].split()[0]
+        print(f"2x2 sweep on the local cluster: submit -> all 4 points done in {turnaround:.1f}s (array {array})")
     rows = report(str(sweep))
     assert [r["status"] for r in rows] == ["completed"] * 4, rows
     assert {(r["params"]["optim.lr"], r["params"]["train.global_batch"]) for r in rows} == {
@@ -391,7 +403,8 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path)
     for r in rows:
         result = json.loads(read(os.path.join(r["dir"], "result.json")))
         assert r["final_val_loss"] == result["final_val_loss"] and result["steps"] == 8
-        assert json.loads(read(os.path.join(r["dir"], "slurm.json")))["array_job_id"] == array
+        slurm_doc = json.loads(read(os.path.join(r["dir"], "slurm.json")))
+        assert slurm_doc["job_id"] == job if packed else slurm_doc["array_job_id"] == array
         # No cluster.num_threads: torch threads per rank = the task's CPUs (OMP_NUM_THREADS from the job).
         assert "1 CPU threads/rank" in read(os.path.join(r["dir"], "train.log"))
     out = subprocess.run([sys.executable, "-m", "hpctrain.launch.sweep", "report", str(sweep)], capture_output=True,

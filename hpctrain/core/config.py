@@ -421,6 +421,9 @@ class ClusterConfig:
     # on the others plus a spare, from the latest checkpoint, instead of requeueing (hpctrain.launch.supervise).
     spare_nodes: int = 0
     max_restarts: int = 3  # such restarts per job before it fails
+    # hydra/launcher=slurm sweeps: this many points per job, each an srun step of its own inside the one allocation
+    # (small trials packed onto large nodes), each in its own run directory (hpctrain.launch.supervise.PackedRuns)
+    pack: int = 1
 
 
 class EvalMode(str, Enum):
@@ -523,7 +526,7 @@ _RANGES = {
                      "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",
                      "train.ckpt_write_threads", "monitor.loss_spike.window",
                      "cluster.tasks_per_node", "cluster.nodes", "cluster.cpus_per_task", "cluster.num_threads",
-                     "cluster.mem_gb", "cluster.time_min"), _AT_LEAST_1),
+                     "cluster.mem_gb", "cluster.time_min", "cluster.pack"), _AT_LEAST_1),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",

@@ -124,6 +124,8 @@ class Submitting:
                 fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
             progress.tick(i + 1)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        if self._EXECUTOR == "slurm" and self.config.cluster.pack > 1:
+            return self._launch_packed(job_overrides, initial_job_idx, configs, sweep_dir)
         args = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
                  plugin.Singleton.get_state()) for i, o in enumerate(job_overrides)]
         try:
@@ -139,6 +141,65 @@ class Submitting:
         return [JobReturn(overrides=list(o), cfg=c, _return_value=j.job_id, working_dir=str(sweep_dir),
                           task_name="hpctrain", status=JobStatus.COMPLETED)
                 for o, c, j in zip(job_overrides, configs, jobs)]
+
+    def _launch_packed(self, job_overrides, first: int, configs: list, sweep_dir: Path) -> list[JobReturn]:
+        """cluster.pack=N: N points per job, each an srun step of its own in its own run directory (PackedRuns)."""
+        import math
+
+        from hpctrain.launch.supervise import PackedRuns
+
+        cluster, pack = self.config.cluster, self.config.cluster.pack
+        shape = job_shape(self.config.parallel, cluster)  # one point's
+        tasks = shape["nodes"] * shape["tasks_per_node"]
+        per_node = max(cluster.gpus_per_node or cluster.tasks_per_node, shape["tasks_per_node"])
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            points = [(self._packed_point(sweep_dir, first + i, list(o), cfg), shape["nodes"], tasks)
+                      for i, (o, cfg) in enumerate(zip(job_overrides, configs))]
+            jobs = []
+            for start in range(0, len(points), pack):
+                chunk = points[start:start + pack]
+                executor = self.executor(self.params["submitit_folder"], cluster)
+                # whole nodes for a point of several nodes; points of one node share nodes
+                nodes = len(chunk) * shape["nodes"] if shape["nodes"] > 1 else math.ceil(len(chunk) * tasks / per_node)
+                executor.update_parameters(slurm_use_srun=False, nodes=nodes,
+                                           tasks_per_node=min(per_node, math.ceil(len(chunk) * tasks / nodes)))
+                jobs.append(_orfail(lambda c=chunk, e=executor: e.submit(PackedRuns(c, cluster.cpus_per_task))))
+        except _BAD_INPUT as e:
+            fail(str(e))
+        print(f"hpctrain: submitted {len(jobs)} job(s) {' '.join(j.job_id for j in jobs)} ({pack} points each, one "
+              f"srun step per point) -> {sweep_dir}\nhpctrain: progress: python -m hpctrain report {sweep_dir}",
+              flush=True)
+        if cluster.wait:
+            _wait(jobs, str(sweep_dir), batch_only=True)
+        return [JobReturn(overrides=list(o), cfg=c, _return_value=jobs[i // pack].job_id, working_dir=str(sweep_dir),
+                          task_name="hpctrain", status=JobStatus.COMPLETED)
+                for i, (o, c) in enumerate(zip(job_overrides, configs))]
+
+    @staticmethod
+    def _packed_point(sweep_dir: Path, num: int, overrides: list[str], cfg) -> str:
+        """A packed point's run directory, made and recorded as the job of an unpacked point would (its config and
+        overrides under .hydra/, which the report reads), with what its steps train from."""
+        from omegaconf import open_dict
+
+        from hpctrain.launch.supervise import write_step_file
+        from hpctrain.runs import rundir
+
+        run_dir = str(sweep_dir / str(num))
+        with open_dict(cfg):
+            cfg.hydra.job.num = num
+            cfg.hydra.runtime.output_dir = run_dir
+            cfg.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        run_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        with rundir.claimed(run_dir, probe=True):
+            rundir.start_over(run_dir, run_cfg)
+        os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
+        OmegaConf.save(run_cfg, os.path.join(run_dir, ".hydra", "config.yaml"))
+        OmegaConf.save(OmegaConf.create(overrides), os.path.join(run_dir, ".hydra", "overrides.yaml"))
+        write_step_file(run_dir, OmegaConf.to_container(run_cfg, resolve=True),
+                        OmegaConf.to_container(cfg.hydra.job_logging, resolve=True))
+        return run_dir
 
     def submit_run(self, cfg: DictConfig, run_dir: str, job_logging: dict | None,
                    started: float = float("inf")) -> None:
@@ -172,7 +233,7 @@ class Submitting:
               f"hpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
               f"python -m hpctrain report {run_dir}", flush=True)
         if cfg.cluster.wait:
-            _wait([job], run_dir)
+            _wait([job], run_dir, batch_only=bool(cfg.cluster.spare_nodes) and self._EXECUTOR == "slurm")
 
 
 class Progress:
@@ -228,8 +289,9 @@ def _ids(jobs) -> str:
     return f"array {first}" if "_" in jobs[0].job_id else ", ".join(j.job_id for j in jobs)
 
 
-def _wait(jobs, where: str) -> None:
-    """Block until every job ends; report the ones that ended without a result by their Slurm state."""
+def _wait(jobs, where: str, batch_only: bool = False) -> None:
+    """Block until every job ends; report the ones that ended without a result by their Slurm state. `batch_only`:
+    jobs whose callable ran once, in the batch step (use_srun=False: a supervisor, packed points), the one result."""
     import submitit
 
     from hpctrain.launch.sweep import sacct_state
@@ -243,7 +305,7 @@ def _wait(jobs, where: str) -> None:
             bad.append(f"job {job.job_id} {state}")
             continue
         try:
-            job.results()
+            job.task(0).results() if batch_only else job.results()
         except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as e:
             state = state or (job.state.split() or ["unknown"])[0].lower()
             bad.append(f"job {job.job_id} {state}")

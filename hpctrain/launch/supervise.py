@@ -6,7 +6,8 @@ stopped responding (the ranks name it, with its node, in result.json's `lost`) o
 nodes out and starts the step again on the others plus a spare, from the latest checkpoint: no requeue, no queue
 wait, the same job id. Every restart is a line of <run_dir>/restarts.jsonl. Requeueing stays the fallback: too few
 healthy nodes left, more than cluster.max_restarts restarts, or a preemption (the step's exit code 75).
-`python -m hpctrain.launch.supervise RUN_DIR` is the step's command on each task.
+`python -m hpctrain.launch.supervise RUN_DIR` is the step's command on each task. The same steps run the points of
+a packed sweep (cluster.pack, `PackedRuns`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class SupervisedRun:
 
     def __call__(self) -> dict | None:
         logging.basicConfig(level=logging.INFO, format="supervisor: %(message)s", stream=sys.stdout, force=True)
-        write_json(os.path.join(self.run_dir, STEP_FILE), {"cfg": self.cfg, "job_logging": self.job_logging})
+        write_step_file(self.run_dir, self.cfg, self.job_logging)
         allocated = _hostnames(os.environ["SLURM_JOB_NODELIST"])
         job = os.environ["SLURM_JOB_ID"]
         left_out: set[str] = set()
@@ -119,11 +120,51 @@ class SupervisedRun:
         return submitit.helpers.DelayedSubmission(self)
 
 
+def write_step_file(run_dir: str, cfg: dict, job_logging: dict | None) -> None:
+    """What every step of a run trains from (this module's main): the resolved config and the logging."""
+    write_json(os.path.join(run_dir, STEP_FILE), {"cfg": cfg, "job_logging": job_logging})
+
+
+class PackedRuns:
+    """cluster.pack=N: the callable a job of N sweep points runs once, in its batch step: each point an `srun`
+    step of its own (`--exact`: its own CPUs/GPUs of the allocation), all at once, each in its own run directory.
+    A point that was preempted (exit code 75) requeues the job: on the rerun every point resumes, a finished one
+    ends at once."""
+
+    def __init__(self, points: list[tuple[str, int, int]], cpus_per_task: int | None):
+        self.points, self.cpus_per_task = points, cpus_per_task  # (run dir, nodes, tasks) of each point
+
+    def __call__(self) -> list[dict | None]:
+        logging.basicConfig(level=logging.INFO, format="packed: %(message)s", stream=sys.stdout, force=True)
+        job = os.environ["SLURM_JOB_ID"]
+        steps = []
+        for i, (run_dir, nodes, tasks) in enumerate(self.points):
+            env = dict(os.environ, MASTER_PORT=str(20000 + (int(job) * 64 + i) % 20000))
+            env.pop("MASTER_ADDR", None)
+            cmd = ["srun", "--exact", f"--nodes={nodes}", f"--ntasks={tasks}",
+                   *([f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []),
+                   sys.executable, "-m", "hpctrain.launch.supervise", run_dir]
+            log.info("point %d: %s", i, run_dir)
+            steps.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait() for p in steps]
+        log.info("exit codes %s", codes)
+        if EXIT_PREEMPTED in codes:
+            subprocess.run(["scontrol", "requeue", job], timeout=60)
+            sys.exit(EXIT_PREEMPTED)
+        return [read_result(run_dir) for run_dir, _, _ in self.points]
+
+    def checkpoint(self):  # submitit on preemption: the steps checkpoint themselves; rerun every point
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)
+
+
 def main(argv: list[str]) -> int:
     """One task of a supervised step: the run's saved config trained in RUN_DIR."""
     from omegaconf import OmegaConf
 
     from hpctrain.core.config import Config
+    from hpctrain.runs import rundir
     from hpctrain.runtime.job import Stopped, quiet_other_ranks
     from hpctrain.training.run import train
 
@@ -133,7 +174,8 @@ def main(argv: list[str]) -> int:
         logging.config.dictConfig(doc["job_logging"])
     quiet_other_ranks()
     try:
-        train(OmegaConf.merge(OmegaConf.structured(Config), doc["cfg"]), run_dir)
+        with rundir.claimed(run_dir):  # one run at a time in the directory (rank 0 holds it)
+            train(OmegaConf.merge(OmegaConf.structured(Config), doc["cfg"]), run_dir)
     except Stopped as e:
         log.warning("%s", e)
         return e.exit_code
