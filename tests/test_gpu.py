@@ -51,6 +51,17 @@ def test_compiled_blocks_match_eager_on_cuda(make_cfg, tmp_path, precision, fuse
     assert dl < tol and dg < 10 * tol, (dl, dg)
 
 
+def test_energy_per_token_from_the_gpus_counter(make_cfg, tmp_path):
+    """NVML's energy counter, summed over the ranks at each logged step and for the run, with its cost."""
+    pytest.importorskip("pynvml", reason="NVML's Python binding is not installed (pip install nvidia-ml-py)")
+    run_layout(make_cfg, tmp_path / "run", "monitor.energy_price_per_kwh=0.2")
+    energy = json.loads((tmp_path / "run" / "result.json").read_text())["energy"]
+    assert energy["source"] == "nvml" and energy["joules"] > 0 and energy["joules_per_token"] > 0, energy
+    assert energy["cost"] == pytest.approx(energy["kwh"] * 0.2)
+    logged = [r["energy_j"] for r in records(tmp_path / "run") if "energy_j" in r]
+    assert logged == sorted(logged) and logged[-1] == pytest.approx(energy["joules"]), logged
+
+
 def test_fused_loss_on_cuda_equals_the_logits_path(make_cfg, tmp_path):
     ref = run_layout(make_cfg, tmp_path / "plain", "precision=bf16")
     got = run_layout(make_cfg, tmp_path / "fused", "precision=bf16", "train.fused_loss=true")

@@ -33,6 +33,23 @@ def test_a_rule_fires_and_clears_with_the_metric(make_cfg, tmp_path):
     assert got == want and len(want) >= 2, (got, losses)
 
 
+def test_energy_where_the_host_reports_it_and_otherwise_its_absence_named(make_cfg, tmp_path):
+    """monitor: RAPL's package counters on a CPU host that exposes them (energy per logged step and for the run,
+    with its cost); elsewhere (this machine: no /sys/class/powercap) result.json names what is missing and no record
+    carries an invented figure. The GPU's counter (NVML): tests/test_gpu.py."""
+    from hpctrain.monitoring.energy import RAPL, _rapl_reader
+
+    result = train(make_cfg("train.max_steps=4", "train.log_every=2", "train.eval_every=0", "train.ckpt_every=0",
+                            "monitor.energy_price_per_kwh=0.3"), str(tmp_path))
+    energy, logged = result["energy"], [r["energy_j"] for r in records(tmp_path) if "energy_j" in r]
+    if callable(_rapl_reader(0)):
+        assert energy["source"] == "rapl" and energy["joules"] > 0 and energy["joules_per_token"] > 0, energy
+        assert energy["cost"] == pytest.approx(energy["kwh"] * 0.3) and logged[-1] == pytest.approx(energy["joules"])
+    else:
+        assert energy == {"source": None, "absent": _rapl_reader(0)} and RAPL in energy["absent"], energy
+        assert logged == []
+
+
 def test_a_rule_fires_only_after_its_duration(make_cfg, tmp_path):
     """Past the threshold from step 1: fires at the first logged step 0.05 s of wall time later (60 steps take
     longer than that even on a fast machine: 30 took under 0.3 s here); a 1e6 s rule never fires; the metrics

@@ -121,6 +121,27 @@ def test_report_reads_no_device_or_fifo_as_a_config(sweep_copy, capsys):
     assert "4 points: 4 completed" in capsys.readouterr().out
 
 
+def test_report_shows_energy_per_token_and_the_bad_nodes_where_there_are_some(sweep_copy, capsys):
+    """A run that measured its energy (result.json's energy, as NVML or RAPL give it) gets a J/token column; the
+    sweep's bad-node list (its runs' cluster.bad_nodes) is printed under the table. Neither appears without them."""
+    from hpctrain.runtime import bad_nodes
+
+    assert main(["report", sweep_copy, "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "J/token" not in out and "bad nodes" not in out
+    path = os.path.join(sweep_copy, "1", "result.json")
+    with open(path) as f:
+        result = json.load(f)
+    with open(path, "w") as f:
+        json.dump(result | {"energy": {"source": "nvml", "joules": 20.0, "kwh": 20 / 3.6e6, "joules_per_token": 0.25}},
+                  f)
+    bad_nodes.record(os.environ["HPCTRAIN_BAD_NODES"], ["n7"], "died", "lost its peer")
+    assert main(["report", sweep_copy, "--no-plot"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "J/token" and lines[2].split()[-1] == "0.25" and lines[1].split()[-1] == "-"
+    assert lines[-1].startswith("bad nodes, left out of submissions (") and lines[-1].endswith("n7 (died: lost its peer)")
+
+
 @pytest.mark.timeout(300)
 def test_slurm_state_from_sacct(sweep_copy, tmp_path, monkeypatch):
     # A stand-in sacct: job 100 was requeued after preemption, the never-started array task 200_2 is pending.

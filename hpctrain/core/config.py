@@ -351,6 +351,9 @@ class MonitorConfig:
     sample_every: int = 100
     straggler_frac: float = 0.2
     failure_window_s: float = 3600.0  # node_failure_rate counts the node failures of this much time
+    # Energy (hpctrain.monitoring.energy, where NVML or RAPL reports it): the run's cost and CO₂ in result.json
+    energy_price_per_kwh: float | None = None
+    co2_g_per_kwh: float | None = None
     # A Prometheus scrape target on the main rank (hpctrain.monitoring.prometheus): null off, 0 any free port.
     prometheus_port: int | None = None
     prometheus_addr: str = "0.0.0.0"
@@ -540,7 +543,7 @@ _RANGES = {
                      "optim.eps", "optim.max_trust", "optim.rho", "cluster.pg_timeout_s", "cluster.peak_tflops",
                      "cluster.gpu_mem_gb", "cluster.node_mtbf_h", "cluster.bad_node_expiry_h",
                      "monitor.hang_s", "monitor.heartbeat_s", "monitor.straggler_frac",
-                     "monitor.failure_window_s"), _POSITIVE),
+                     "monitor.failure_window_s", "monitor.energy_price_per_kwh", "monitor.co2_g_per_kwh"), _POSITIVE),
     **dict.fromkeys(("optim.beta1", "optim.beta2", "optim.momentum"), _FRACTION),
     "optim.min_lr_ratio": (0, True, 1, True),
     "monitor.prometheus_port": (0, True, 65535, True),

@@ -188,6 +188,9 @@ def _run_row(run_dir: str) -> dict:
         else max((r["step"] for r in train + val if isinstance(r.get("step"), int)), default=None),
         "curve": [(r["step"], r["loss"]) for r in train if isinstance(r.get("step"), (int, float))],
         "stragglers": _stragglers(res, records or []),
+        # energy where the run measured it (hpctrain.monitoring.energy): joules per token over the run
+        "joules_per_token": _num((res.get("energy") or {}).get("joules_per_token")
+                                 if isinstance(res.get("energy"), dict) else None),
     }
 
 
@@ -196,10 +199,9 @@ def bad_nodes_line(rows: list[dict]) -> str | None:
     from hpctrain.runtime import bad_nodes
 
     for row in rows:
-        try:
-            path, expiry_h = row["config"].cluster.bad_nodes, float(row["config"].cluster.bad_node_expiry_h)
-        except Exception:  # noqa: BLE001 - no config, or one from before the list existed
+        if not row.get("bad_node_list"):
             continue
+        path, expiry_h = row["bad_node_list"]
         try:
             left_out = bad_nodes.excluded(path, expiry_h)
         except ConfigError as e:
@@ -304,6 +306,11 @@ def _finish(row: dict, job: int | None, keys: list[str], planned: list[str]) -> 
     for key in list(keys) + [k for k in HEATMAP_KEYS if k not in keys]:
         value = OmegaConf.select(cfg, key.lstrip("+~"), default=None) if cfg is not None else None
         params[key] = value if isinstance(value, (int, float, str, bool)) else typed.get(key)
+    try:  # the run's bad-node list (a config from before the list existed has none)
+        row["bad_node_list"] = (cfg.cluster.bad_nodes, float(cfg.cluster.bad_node_expiry_h)) if cfg is not None \
+            else None
+    except Exception:  # noqa: BLE001 - an unreadable value: no list shown
+        row["bad_node_list"] = None
     result = row.pop("result")
     status = point_status(result, row["slurm_job_id"], row.pop("has_metrics"), row["dir"] is not None)
     return {"job": job, "overrides": shown, "status": status, **row, "params": params}
@@ -350,8 +357,13 @@ def format_table(rows: list[dict]) -> str:
             head.insert(at, name)
             for line, r in zip(body, rows):
                 line.insert(at, " ".join(f"{k} {v:.4f}" for k, v in (r.get(key) or {}).items()) or "-")
+    if any(r.get("joules_per_token") is not None for r in rows):
+        head.append("J/token")
+        for line, r in zip(body, rows):
+            line.append("-" if r.get("joules_per_token") is None else f"{r['joules_per_token']:.3g}")
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    numeric = {i for i, name in enumerate(head) if name in ("job", "loss", "val_loss", "tokens/s", "wall", "steps")}
+    numeric = {i for i, name in enumerate(head)
+               if name in ("job", "loss", "val_loss", "tokens/s", "wall", "steps", "J/token")}
     lines = ["  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
              .rstrip() for line in [head] + body]
     counts = {}

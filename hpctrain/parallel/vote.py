@@ -48,10 +48,10 @@ def any_rank(flag: bool, group=None) -> bool:
     return bool(vote.collect()[0])
 
 
-def agreed_max(values: list[float], group=None) -> list[float]:
-    """The element-wise MAX over the ranks of `group` of a few floats (collective when distributed): a decision
-    every rank takes from the same numbers."""
+def all_reduced(values: list[float], op: str = "max", group=None) -> list[float]:
+    """The element-wise MAX (or SUM) over the ranks of `group` of a few floats (collective when distributed): a
+    decision every rank takes from the same numbers, or a total."""
     t = torch.tensor(values, dtype=torch.float64)  # a CPU tensor, like the votes
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}[op], group=group)
     return t.tolist()

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-from hpctrain.parallel.vote import agreed_max
+from hpctrain.parallel.vote import all_reduced
 
 log = logging.getLogger("hpctrain")
 
@@ -85,7 +85,7 @@ class Cadence:
             return
         mark_step, mark_t = self._mark
         step_s = (now - stall_s - mark_t) / (step - mark_step)
-        stall_s, step_s = agreed_max([stall_s, step_s])
+        stall_s, step_s = all_reduced([stall_s, step_s], "max")
         interval = daly_interval(stall_s, self.mtbf_s)
         every = max(1, round(interval / step_s)) if step_s > 0 else 1
         d = Decision(step, stall_s, step_s, self.mtbf_s, interval, every, (every * step_s + stall_s) / 2)

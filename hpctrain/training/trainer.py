@@ -23,6 +23,7 @@ from hpctrain.data.loader import DataError, read_manifest
 from hpctrain.models import spec_of
 from hpctrain.models.packing import DocumentMask
 from hpctrain.monitoring.comm_sample import CommSampler
+from hpctrain.monitoring.energy import EnergyMeter
 from hpctrain.monitoring.hang import HangWatch
 from hpctrain.monitoring.memory import MemoryProbe, Peaks
 from hpctrain.monitoring.metrics import Metrics, Throughput, peak_flops, run_sinks
@@ -120,6 +121,8 @@ class Trainer:
         self.flops_per_token = spec.flops_per_token(spec.args(cfg.model), prepared.seq_len)
         self.peak = peak_flops(env.device, PrecisionName(cfg.precision.name).value, cfg.cluster.peak_tflops)
         throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.peak.flops, env.world, env.device)
+        self.energy = EnergyMeter(env.device, env.local_rank, self.state.tokens, m.energy_price_per_kwh,
+                                  m.co2_g_per_kwh)
         self.sampler = CommSampler(m.sample_every, m.straggler_frac, env.world, env.device,
                                    t.profile_steps and tuple(t.profile_steps),
                                    cfg.cluster.bad_nodes if env.is_main else None, self.run_dir)
@@ -216,6 +219,7 @@ class Trainer:
         rollback = self._account(result)
         if self.state.step == self.peaks.at_step:
             self.peaks.report(self.memory.peak(), self.env.world)
+        self.metrics.note(self.energy.after_step(self.state.tokens, self.metrics.due(self.state.step)))
         self.metrics.after_step(self.state, result, self.scheduler.get_last_lr()[0], step_time, self.feed.take_wait())
         for rule, action in self.alerts.take_actions() if self.alerts else ():
             log.warning("alert %s: %s", rule, "a checkpoint at the next step boundary" if action == "checkpoint"
@@ -327,7 +331,8 @@ class Trainer:
                   "monitor_overhead_s": round(self.sampler.spent_s, 4), "stopped_by": self.signals.alert,
                   "data_corrupt_shards": self.feed.corrupt_shards,
                   "wall_time_s": s.elapsed_s(), "params": self.n_params, "world": self.env.world,
-                  "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary(), "lost": self.hang.lost}
+                  "memory": self.peaks.gathered, "checkpoints": self.checkpointer.summary(), "lost": self.hang.lost,
+                  "energy": self.energy.summary()}
         if self._writes_result():
             try:
                 write_json(os.path.join(self.run_dir, RESULT_FILE), result)
