@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ DEMO_KW = dict(max_bytes=400_000, vocab_size=512, seq_len=64, shard_mb=0.05)
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 register()
+# Never the user's bad-node list (cluster.bad_nodes): one of the session's for what captures the environment at import
+# (a module's sbatch environment), each test's own beside it (below).
+os.environ["HPCTRAIN_BAD_NODES"] = os.path.join(tempfile.mkdtemp(prefix="hpctrain-bad-nodes-"), "bad_nodes.json")
 
 
 @pytest.fixture(autouse=True)

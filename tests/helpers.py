@@ -76,6 +76,21 @@ def wait_job(job: str, timeout: float = 240) -> str:
     return until(f"sacct to record the end of job {job}", lambda: (s := sacct_state(job)) not in active and s, 30)
 
 
+def list_unused_node(job: str, bad_node_list: str) -> str:
+    """Put a node of the local cluster that `job` does not run on on the bad-node list; return its name."""
+    from hpctrain.runtime import bad_nodes
+
+    def hostnames(nodelist: str) -> set[str]:
+        return set(subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                  text=True).stdout.split())
+
+    used = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    every = ",".join(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split())
+    free = sorted(hostnames(every) - hostnames(used))[0]
+    bad_nodes.record(bad_node_list, [free], "died", "(recorded by the test)")
+    return free
+
+
 def sbatch_run(args: list[str], cwd, env=None, timeout: float = 240) -> tuple[str, str]:
     """Submit a batch job and wait for it to end: (job id, final state as `wait_job` returns it)."""
     p = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)

@@ -15,7 +15,9 @@ import uuid
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import job_gone, last_step, losses, read, records, sbatch_run, until, wait_job
+from helpers import job_gone, last_step, list_unused_node, losses, read, records, sbatch_run, until, wait_job
+
+from hpctrain.runtime import bad_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -71,8 +73,12 @@ def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg,
     job = p.stdout.strip().split(";")[0]
     slurm_jobs.append(job)
     until("step 10 of the job", lambda: last_step(run) >= 10, 180, every=0.2)
+    free = list_unused_node(job, ENV["HPCTRAIN_BAD_NODES"])  # the requeued job must leave it out
     subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
     until("the job to be requeued", lambda: "restart 1" in _logs(run) or job_gone(job), 120)
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    bad_nodes.clear(ENV["HPCTRAIN_BAD_NODES"])
+    assert f"ExcNodeList={free}" in shown, shown
     # The reference while the requeued job runs: 2 local ranks, since 2 ranks and 1 process drift apart by
     # float summation order alone (~1e-5 over 100+ steps), which would hide what a resume gets wrong.
     train(make_cfg(*TINY, f"train.max_steps={steps}", "train.ckpt_every=0", "data.lanes=2", "parallel=ddp",

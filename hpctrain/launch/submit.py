@@ -167,8 +167,9 @@ class Submitting:
                 jobs.append(_orfail(lambda c=chunk, e=executor: e.submit(PackedRuns(c, cluster.cpus_per_task))))
         except _BAD_INPUT as e:
             fail(str(e))
-        print(f"hpctrain: submitted {len(jobs)} job(s) {' '.join(j.job_id for j in jobs)} ({pack} points each, one "
-              f"srun step per point) -> {sweep_dir}\nhpctrain: progress: python -m hpctrain report {sweep_dir}",
+        print(f"hpctrain: submitted {len(jobs)} job(s) {' '.join(j.job_id for j in jobs)} ({min(pack, len(points))} "
+              f"points each, one srun step per point) -> {sweep_dir}\nhpctrain: progress: python -m hpctrain report "
+              f"{sweep_dir}",
               flush=True)
         if cluster.wait:
             _wait(jobs, str(sweep_dir), batch_only=True)
@@ -185,9 +186,9 @@ class Submitting:
         from hpctrain.launch.supervise import write_step_file
         from hpctrain.runs import rundir
 
-        run_dir = str(sweep_dir / str(num))
         with open_dict(cfg):
             cfg.hydra.job.num = num
+            run_dir = str(sweep_dir / str(cfg.hydra.sweep.subdir))  # where Hydra would put the point
             cfg.hydra.runtime.output_dir = run_dir
             cfg.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)

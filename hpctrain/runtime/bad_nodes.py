@@ -124,6 +124,15 @@ def excluded(path: str | None, expiry_h: float, now: float | None = None) -> dic
     return out
 
 
+def leave_out(path: str | None, expiry_h: float) -> list[str]:
+    """The nodes to leave out, for a run that is stopping: never raises (a list it cannot read is said in the log)."""
+    try:
+        return sorted(excluded(path, expiry_h))
+    except ConfigError as e:
+        log.error("%s", e)
+        return []
+
+
 def clear(path: str, nodes: list[str] | None = None) -> int:
     """Forget `nodes` (every node when None); how many records went."""
     path = _path(path)

@@ -127,14 +127,20 @@ class StopSignals:
         self.checkpoint = 0
         return Stop.NONE
 
-    def requeue(self) -> None:
+    def requeue(self, exclude: list[str] = ()) -> None:
         """Rank 0, after the checkpoint: put the job back in the queue (under submitit, its own handler does
-        that and counts time-limit requeues against max_num_timeout; it exits the process)."""
+        that and counts time-limit requeues against max_num_timeout; it exits the process), leaving out the nodes
+        in `exclude` (the bad-node list's) when it runs again (Slurm takes a job's ExcNodeList only while it is
+        pending: after the requeue)."""
+        job = os.environ.get("SLURM_JOB_ID")
         prev = self._previous.get(self.preempt_sig)
         if callable(prev) and getattr(prev, "__module__", "").startswith("submitit"):
-            prev(self.preempt_sig, None)
+            try:
+                prev(self.preempt_sig, None)
+            finally:  # (it requeues, then exits)
+                if exclude and job:
+                    exclude_nodes(job, exclude)
             return
-        job = os.environ.get("SLURM_JOB_ID")
         if not job:
             return
         # Requeueing cancels this job step: Slurm's SIGTERM can arrive before scontrol returns and would cut off
@@ -144,6 +150,8 @@ class StopSignals:
         p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
         if p.returncode == 0:
             log.info("requeued Slurm job %s", job)
+            if exclude:
+                exclude_nodes(job, exclude)
         else:
             log.error("could not requeue Slurm job %s (%s): resubmit it to resume", job, p.stderr.strip())
 
@@ -153,6 +161,22 @@ class StopSignals:
         self._vote.drop(drain)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
+
+
+def exclude_nodes(job: str, nodes: list[str]) -> None:
+    """Add `nodes` to the job's ExcNodeList (kept by a requeue), beside what it already leaves out."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60).stdout
+    current = next((w.split("=", 1)[1] for w in shown.split() if w.startswith("ExcNodeList=")), "(null)")
+    have = set() if current == "(null)" else set(subprocess.run(
+        ["scontrol", "show", "hostnames", current], capture_output=True, text=True, timeout=60).stdout.split())
+    if set(nodes) <= have:
+        return
+    p = subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(have | set(nodes)))}"],
+                       capture_output=True, text=True, timeout=60)
+    if p.returncode == 0:
+        log.info("job %s leaves out %s when it runs again (bad-node list)", job, ",".join(sorted(nodes)))
+    else:
+        log.error("could not leave out %s in job %s (%s)", ",".join(sorted(nodes)), job, p.stderr.strip())
 
 
 def quiet_other_ranks() -> None:

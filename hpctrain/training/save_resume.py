@@ -71,7 +71,8 @@ class Checkpointer:
         weights (ModelSpec.weights), which a checkpoint must hold exactly to be loaded; `mtbf_s`: the job's mean
         time between failures (for ckpt_every=auto)."""
         self.run_dir, self.keep, self.last_step = run_dir, t.ckpt_keep, t.max_steps
-        self.cadence = Cadence(t.ckpt_every, mtbf_s)
+        # (auto without checkpoints has no save to measure: the weights are then checked at the end only)
+        self.cadence = Cadence(t.ckpt_every if t.checkpointing or t.ckpt_every != "auto" else 0, mtbf_s)
         self.enabled, self.threads = t.checkpointing, t.ckpt_write_threads
         self.asynchronous = t.ckpt_async and t.checkpointing
         self.model, self.optimizer, self.timeout_s = model, optimizer, timeout_s

@@ -31,7 +31,7 @@ from hpctrain.monitoring.monitor import Context
 from hpctrain.monitoring.profiling import MemorySnapshot, StepProfiler
 from hpctrain.monitoring.trackers import resolved_config
 from hpctrain.runs.resolve import scaled_lr
-from hpctrain.runtime import job
+from hpctrain.runtime import bad_nodes, job
 from hpctrain.runtime.job import RunStatus, Stop
 from hpctrain.storage import checkpoint
 from hpctrain.training.downstream import DownstreamEval
@@ -352,7 +352,7 @@ class Trainer:
         log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
                     "checkpoint written" if self.checkpointer.enabled else "no checkpoint (train.checkpointing=false)")
         if stop == Stop.PREEMPT and self.env.is_main:
-            self.signals.requeue()
+            self.signals.requeue(bad_nodes.leave_out(self.cfg.cluster.bad_nodes, self.cfg.cluster.bad_node_expiry_h))
         raise job.Stopped(stop, self.state.step, self.signals.name(stop))
 
     def _log_start(self, seq_len: int) -> None:
