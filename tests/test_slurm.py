@@ -353,6 +353,7 @@ def test_a_lost_node_restarts_the_run_on_the_spare_inside_the_job(slurm, data_en
     until("the job to end", lambda: job_gone(job), 200, every=1)
     restarts = [json.loads(line) for line in read(run / "restarts.jsonl").splitlines()]
     assert [(r["job"], r["failed_nodes"]) for r in restarts] == [(job, [node])], restarts
+    assert f"srun: error: {node}: task 1: Killed" in restarts[0]["cause"], restarts  # srun's word for how it ended
     assert json.loads(read(run / "slurm.json"))["restart_count"] == 0  # never requeued
     _assert_same_run(run, ref, steps)
     assert losses(run) == ref  # bit for bit

@@ -67,7 +67,7 @@ class SupervisedRun:
             started = time.time()
             log.info("step %d on %s (spare: %s)", restarts, ",".join(picked),
                      ",".join(healthy[self.nodes:]) or "none")
-            code = self._step(job, picked, restarts)
+            code, srun_said = self._step(job, picked, restarts)
             ended = time.time()
             if code == 0:
                 return read_result(self.run_dir)
@@ -79,7 +79,7 @@ class SupervisedRun:
                             | set(_down(picked)))
             record = {"restart": restarts + 1, "job": job, "step_started": started, "step_ended": ended,
                       "exit_code": code, "failed_nodes": failed, "error": (fresh.get("error") or "")[:500],
-                      "step": fresh.get("steps")}
+                      "cause": srun_said, "step": fresh.get("steps")}
             if not failed:  # a failure no node explains (a bug, a bad config) would fail again anywhere
                 log.info("the step failed (exit code %d) and no node is to blame: not restarting", code)
                 sys.exit(code)
@@ -93,8 +93,9 @@ class SupervisedRun:
             log.info("step failed on %s (exit code %d, %s): restarting without it from the latest checkpoint",
                      ",".join(failed), code, record["error"][:200] or "no result")
 
-    def _step(self, job: str, nodes: list[str], attempt: int) -> int:
-        """One srun step of the training on `nodes`; its exit code."""
+    def _step(self, job: str, nodes: list[str], attempt: int) -> tuple[int, list[str]]:
+        """One srun step of the training on `nodes`: its exit code, and srun's lines on how its tasks ended
+        (`srun: error: n2: task 1: Killed`, an out-of-memory kill), which only srun knows."""
         env = dict(os.environ, MASTER_PORT=str(20000 + (int(job) * 8 + attempt) % 20000))  # a fresh store per step
         env.pop("MASTER_ADDR", None)  # the step's first node (hpctrain.parallel.process_group)
         cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tasks_per_node}",
@@ -103,7 +104,13 @@ class SupervisedRun:
         cpus = self.cfg.get("cluster", {}).get("cpus_per_task")
         if cpus:
             cmd.insert(1, f"--cpus-per-task={cpus}")
-        return subprocess.run(cmd, env=env).returncode
+        said = []
+        with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as p:
+            for line in p.stderr:  # passed on to the job's log as it comes
+                sys.stderr.write(line)
+                if line.startswith("srun: error:") and "task" in line or "oom" in line.lower():
+                    said.append(line.strip()[:300])
+        return p.returncode, said[:20]
 
     def _requeue(self, job: str, left_out: set[str], why: str) -> None:
         """Back to the queue, leaving out the nodes that failed here."""
