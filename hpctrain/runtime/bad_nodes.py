@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -49,10 +50,15 @@ def _path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+# A node's name as Slurm and hosts spell it: the names go into `#SBATCH --exclude=` lines and scontrol arguments.
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def _valid(doc) -> bool:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("records"), list):
         return False
-    return all(isinstance(r, dict) and isinstance(r.get("node"), str) and r.get("reason") in REPEATS
+    return all(isinstance(r, dict) and isinstance(r.get("node"), str) and _NODE.fullmatch(r["node"])
+               and r.get("reason") in REPEATS
                and isinstance(r.get("detail"), str) and type(r.get("at")) in (int, float) for r in doc["records"])
 
 
@@ -92,6 +98,7 @@ def _write(path: str, records: list[Record]) -> None:
 def record(path: str | None, nodes: list[str], reason: str, detail: str, run: str = "") -> None:
     """Add `nodes` with `reason` to the list (none when `path` is None). Never raises: a list that cannot be
     written is said in the log, and the failure being recorded stays the run's error."""
+    nodes = [n for n in nodes if _NODE.fullmatch(n)]  # (a heartbeat's text is not trusted into a job script)
     if not path or not nodes:
         return
     path = _path(path)
