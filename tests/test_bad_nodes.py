@@ -50,10 +50,10 @@ def test_a_file_hpctrain_did_not_write_is_never_overwritten(tmp_path):
     # A node name that would open a new line in a job script (#SBATCH --exclude=...) is no node of a list.
     crafted = tmp_path / "crafted.json"
     crafted.write_text(json.dumps({"format": bad_nodes.FORMAT, "records": [
-        {"node": "n1\nrm -rf ~", "reason": "died", "detail": "x", "at": time.time()}]}))
+        {"node": "n1\necho injected", "reason": "died", "detail": "x", "at": time.time()}]}))
     with pytest.raises(ConfigError):
         bad_nodes.excluded(str(crafted), 72)
-    bad_nodes.record(str(tmp_path / "list.json"), ["n1\nrm -rf ~", "n2"], "died", "lost")
+    bad_nodes.record(str(tmp_path / "list.json"), ["n1\necho injected", "n2"], "died", "lost")
     assert [r.node for r in bad_nodes.read(str(tmp_path / "list.json"))] == ["n2"]
 
 

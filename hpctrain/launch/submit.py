@@ -9,9 +9,8 @@
 
 from __future__ import annotations
 
-import logging.config
+import logging
 import os
-import sys
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -45,19 +44,9 @@ class RunJob:
         self.cfg, self.run_dir, self.job_logging = cfg, run_dir, job_logging
 
     def __call__(self) -> dict:
-        from hpctrain.core.config import Config
-        from hpctrain.runtime.job import Stopped, quiet_other_ranks
-        from hpctrain.training.run import train
+        from hpctrain.launch.supervise import run_job
 
-        if self.job_logging:
-            logging.config.dictConfig(self.job_logging)  # train.log in the run dir, as in a local run
-        quiet_other_ranks()
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), self.cfg)
-        try:
-            return train(cfg, self.run_dir)
-        except Stopped as e:  # not a failure: no result for submitit to collect, the job is requeued or over
-            log.warning("%s", e)
-            sys.exit(e.exit_code)
+        return run_job(self.cfg, self.run_dir, self.job_logging)
 
     def checkpoint(self):  # called by submitit on preemption: rerun as is; train() resumes from the run dir
         import submitit

@@ -20,19 +20,14 @@ import subprocess
 import sys
 import time
 
-from hpctrain.core.files import read_json, read_result, write_json
-from hpctrain.runtime.job import EXIT_PREEMPTED
+from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
+from hpctrain.runtime.job import EXIT_PREEMPTED, hostnames, requeue_job
 
 log = logging.getLogger("hpctrain")
 
 RESTARTS_FILE = "restarts.jsonl"
 STEP_FILE = "supervised.json"  # the run's resolved config and logging, which every step starts from
 _DOWN = ("down", "drain", "fail", "not_responding", "no_respond")
-
-
-def _hostnames(nodelist: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
-    return out.stdout.split()
 
 
 def _down(nodes: list[str]) -> list[str]:
@@ -54,15 +49,14 @@ class SupervisedRun:
     def __call__(self) -> dict | None:
         logging.basicConfig(level=logging.INFO, format="supervisor: %(message)s", stream=sys.stdout, force=True)
         write_step_file(self.run_dir, self.cfg, self.job_logging)
-        allocated = _hostnames(os.environ["SLURM_JOB_NODELIST"])
+        allocated = hostnames(os.environ["SLURM_JOB_NODELIST"])
         job = os.environ["SLURM_JOB_ID"]
         left_out: set[str] = set()
         restarts = 0
         while True:
             healthy = [n for n in allocated if n not in left_out]
             if len(healthy) < self.nodes:
-                return self._requeue(job, left_out, f"{len(healthy)} healthy node(s) left of {len(allocated)}, "
-                                                    f"{self.nodes} needed")
+                _requeue(job, left_out, f"{len(healthy)} healthy node(s) left of {len(allocated)}, {self.nodes} needed")
             picked = healthy[:self.nodes]
             started = time.time()
             log.info("step %d on %s (spare: %s)", restarts, ",".join(picked),
@@ -72,9 +66,10 @@ class SupervisedRun:
             if code == 0:
                 return read_result(self.run_dir)
             if code == EXIT_PREEMPTED:  # stopped on purpose, checkpoint written: the allocation is being taken back
-                return self._requeue(job, set(), "preempted")
-            result = read_result(self.run_dir) if os.path.exists(os.path.join(self.run_dir, "result.json")) else None
-            fresh = result if result and os.path.getmtime(os.path.join(self.run_dir, "result.json")) >= started else {}
+                _requeue(job, set(), "preempted")
+            result = os.path.join(self.run_dir, RESULT_FILE)  # this step's, if it wrote one
+            fresh = (read_result(self.run_dir) or {}) if os.path.exists(result) and os.path.getmtime(result) >= started \
+                else {}
             failed = sorted({lost["node"] for lost in fresh.get("lost") or [] if lost.get("node") in picked}
                             | set(_down(picked)))
             record = {"restart": restarts + 1, "job": job, "step_started": started, "step_ended": ended,
@@ -112,19 +107,36 @@ class SupervisedRun:
                     said.append(line.strip()[:300])
         return p.returncode, said[:20]
 
-    def _requeue(self, job: str, left_out: set[str], why: str) -> None:
-        """Back to the queue, leaving out the nodes that failed here."""
-        log.info("requeueing job %s (%s)%s", job, why, f", leaving out {','.join(sorted(left_out))}" if left_out else "")
-        if left_out:
-            subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(left_out))}"],
-                           timeout=60)
-        subprocess.run(["scontrol", "requeue", job], timeout=60)
-        sys.exit(EXIT_PREEMPTED)
-
     def checkpoint(self):  # submitit on preemption: the steps checkpoint themselves; rerun the supervisor
         import submitit
 
         return submitit.helpers.DelayedSubmission(self)
+
+
+def _requeue(job: str, left_out: set[str], why: str) -> None:
+    """Back to the queue, leaving out the nodes that failed here; the supervisor's process ends."""
+    log.info("requeueing job %s (%s)%s", job, why, f", leaving out {','.join(sorted(left_out))}" if left_out else "")
+    requeue_job(job, sorted(left_out))
+    sys.exit(EXIT_PREEMPTED)
+
+
+def run_job(cfg: dict, run_dir: str, job_logging: dict | None) -> dict:
+    """One rank of a submitted run (a job's task, a supervised step's): logging as in a local run, the resolved
+    config trained in `run_dir`; a deliberate stop (preemption) exits with its code, no result for submitit."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.core.config import Config
+    from hpctrain.runtime.job import Stopped, quiet_other_ranks
+    from hpctrain.training.run import train
+
+    if job_logging:
+        logging.config.dictConfig(job_logging)  # train.log in the run dir, as in a local run
+    quiet_other_ranks()
+    try:
+        return train(OmegaConf.merge(OmegaConf.structured(Config), cfg), run_dir)
+    except Stopped as e:
+        log.warning("%s", e)
+        sys.exit(e.exit_code)
 
 
 def write_step_file(run_dir: str, cfg: dict, job_logging: dict | None) -> None:
@@ -156,8 +168,7 @@ class PackedRuns:
         codes = [p.wait() for p in steps]
         log.info("exit codes %s", codes)
         if EXIT_PREEMPTED in codes:
-            subprocess.run(["scontrol", "requeue", job], timeout=60)
-            sys.exit(EXIT_PREEMPTED)
+            _requeue(job, set(), "preempted")
         return [read_result(run_dir) for run_dir, _, _ in self.points]
 
     def checkpoint(self):  # submitit on preemption: the steps checkpoint themselves; rerun every point
@@ -168,24 +179,12 @@ class PackedRuns:
 
 def main(argv: list[str]) -> int:
     """One task of a supervised step: the run's saved config trained in RUN_DIR."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.core.config import Config
     from hpctrain.runs import rundir
-    from hpctrain.runtime.job import Stopped, quiet_other_ranks
-    from hpctrain.training.run import train
 
     run_dir = argv[0]
     doc = read_json(os.path.join(run_dir, STEP_FILE))
-    if doc.get("job_logging"):
-        logging.config.dictConfig(doc["job_logging"])
-    quiet_other_ranks()
-    try:
-        with rundir.claimed(run_dir):  # one run at a time in the directory (rank 0 holds it)
-            train(OmegaConf.merge(OmegaConf.structured(Config), doc["cfg"]), run_dir)
-    except Stopped as e:
-        log.warning("%s", e)
-        return e.exit_code
+    with rundir.claimed(run_dir):  # one run at a time in the directory (rank 0 holds it)
+        run_job(doc["cfg"], run_dir, doc.get("job_logging"))
     return 0
 
 

@@ -122,12 +122,14 @@ def excluded(path: str | None, expiry_h: float, now: float | None = None) -> dic
     if not path:
         return {}
     now = time.time() if now is None else now
-    live = [r for r in read(path) if now - r.at <= expiry_h * 3600]
+    same: dict[tuple[str, str], list[Record]] = {}  # (node, reason) -> its live records, oldest first
+    for r in read(path):
+        if now - r.at <= expiry_h * 3600:
+            same.setdefault((r.node, r.reason), []).append(r)
     out = {}
-    for r in live:
-        same = [x for x in live if x.node == r.node and x.reason == r.reason]
-        if len(same) >= REPEATS[r.reason] and r.node not in out:
-            out[r.node] = f"{r.reason}: {same[-1].detail}" + (f" ({len(same)} times)" if len(same) > 1 else "")
+    for (node, reason), rs in same.items():
+        if len(rs) >= REPEATS[reason] and node not in out:
+            out[node] = f"{reason}: {rs[-1].detail}" + (f" ({len(rs)} times)" if len(rs) > 1 else "")
     return out
 
 

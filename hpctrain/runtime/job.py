@@ -147,13 +147,7 @@ class StopSignals:
         # the line saying what happened. This process is stopping anyway (it exits right after, well within
         # KillWait), so the signal is ignored from here on.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-        if p.returncode == 0:
-            log.info("requeued Slurm job %s", job)
-            if exclude:
-                exclude_nodes(job, exclude)
-        else:
-            log.error("could not requeue Slurm job %s (%s): resubmit it to resume", job, p.stderr.strip())
+        requeue_job(job, exclude)
 
     def restore(self, drain: bool = True) -> None:
         """Put the previous handlers back. `drain`: first collect the vote in flight, so that no collective is left
@@ -163,12 +157,29 @@ class StopSignals:
             signal.signal(sig, prev)
 
 
+def hostnames(nodelist: str) -> list[str]:
+    """Slurm's node list (`n[1-3]`) as names."""
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          timeout=60).stdout.split()
+
+
+def requeue_job(job: str, exclude: list[str] = ()) -> bool:
+    """`scontrol requeue`, then `exclude` added to the job's ExcNodeList (Slurm takes it only from a pending job)."""
+    p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        log.error("could not requeue Slurm job %s (%s): resubmit it to resume", job, p.stderr.strip())
+        return False
+    log.info("requeued Slurm job %s", job)
+    if exclude:
+        exclude_nodes(job, exclude)
+    return True
+
+
 def exclude_nodes(job: str, nodes: list[str]) -> None:
     """Add `nodes` to the job's ExcNodeList (kept by a requeue), beside what it already leaves out."""
     shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60).stdout
     current = next((w.split("=", 1)[1] for w in shown.split() if w.startswith("ExcNodeList=")), "(null)")
-    have = set() if current == "(null)" else set(subprocess.run(
-        ["scontrol", "show", "hostnames", current], capture_output=True, text=True, timeout=60).stdout.split())
+    have = set() if current == "(null)" else set(hostnames(current))
     if set(nodes) <= have:
         return
     p = subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(have | set(nodes)))}"],
