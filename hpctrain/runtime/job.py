@@ -133,6 +133,12 @@ class StopSignals:
         in `exclude` (the bad-node list's) when it runs again (Slurm takes a job's ExcNodeList only while it is
         pending: after the requeue)."""
         job = os.environ.get("SLURM_JOB_ID")
+        # Requeueing cancels this job step: Slurm's SIGTERM can arrive before scontrol returns and would cut off
+        # the line saying what happened, or kill the scontrol that sets ExcNodeList after the requeue (measured:
+        # killed, empty stderr). This process is stopping anyway (it exits right after, well within KillWait), so
+        # the signal is ignored from here on, by it and by the scontrol processes it starts.
+        if job:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         prev = self._previous.get(self.preempt_sig)
         if callable(prev) and getattr(prev, "__module__", "").startswith("submitit"):
             try:
@@ -141,13 +147,8 @@ class StopSignals:
                 if exclude and job:
                     exclude_nodes(job, exclude)
             return
-        if not job:
-            return
-        # Requeueing cancels this job step: Slurm's SIGTERM can arrive before scontrol returns and would cut off
-        # the line saying what happened. This process is stopping anyway (it exits right after, well within
-        # KillWait), so the signal is ignored from here on.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        requeue_job(job, exclude)
+        if job:
+            requeue_job(job, exclude)
 
     def restore(self, drain: bool = True) -> None:
         """Put the previous handlers back. `drain`: first collect the vote in flight, so that no collective is left
