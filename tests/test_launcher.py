@@ -124,6 +124,16 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
     assert max(abs(got[s] - ref[s]) for s in ref) <= 1e-5
 
 
+def test_only_the_main_rank_reports_a_deliberate_stop_in_its_exit_code():
+    """srun --kill-on-bad-exit=1 would kill rank 0 while it requeues if another rank ended non-zero first."""
+    from hpctrain.runtime.job import EXIT_PREEMPTED, EXIT_TERMINATED, SRUN_ARGS, Stop, Stopped
+
+    assert "--kill-on-bad-exit=1" in SRUN_ARGS
+    for kind, code in ((Stop.PREEMPT, EXIT_PREEMPTED), (Stop.TERMINATE, EXIT_TERMINATED), (Stop.ALERT, EXIT_TERMINATED)):
+        assert Stopped(kind, 3, "SIGUSR2").exit_code == code
+        assert Stopped(kind, 3, "SIGUSR2", main=False).exit_code == 0
+
+
 def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
     """A job requeued again and again without reaching a new checkpoint gives up after max_stalled_restarts."""
     from hpctrain.runtime.job import record_attempt

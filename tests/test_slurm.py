@@ -43,7 +43,7 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
     # (Submitted without what the in-process reference run exported into this process.)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "TORCH_NCCL_"))}
     _, state = sbatch_run(["-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(tmp_path / "slurm-%j.out"),
-                           "--export=ALL,NCCL_IB_TIMEOUT=20", "--wrap", f"srun {cmd}"], cwd=ROOT, env=env)
+                           "--export=ALL,NCCL_IB_TIMEOUT=20", "--wrap", f"srun --kill-on-bad-exit=1 {cmd}"], cwd=ROOT, env=env)
     assert state == "completed", read(glob.glob(str(tmp_path / "slurm-*.out"))[0])
     assert json.loads(read(run / "slurm.json"))["nccl"] == {
         "NCCL_IB_TIMEOUT": "20 (environment)", "NCCL_SOCKET_IFNAME": "ib0 (cluster.nccl)",
@@ -70,7 +70,7 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
                     "train.ckpt_every=0", "cluster.num_threads=1", "data.lanes=2", "train.log_every=1"])
     out = tmp_path / "slurm.out"
     p = subprocess.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(out),
-                        "--wrap", f"srun {cmd}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                        "--wrap", f"srun --kill-on-bad-exit=1 {cmd}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     job = p.stdout.strip().split(";")[0]
     slurm_jobs.append(job)
@@ -111,6 +111,8 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
     slurm_jobs.append(job)
     shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     assert f"ExcNodeList={node}" in shown, shown
+    script = read(re.search(r"Command=(\S+)", shown).group(1))  # submitit's: its ranks fail fast as the ones above
+    assert re.search(r"^srun .*--kill-on-bad-exit=1", script, re.M), script
 
 
 def _tree_digest(d) -> dict[str, str]:

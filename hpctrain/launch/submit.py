@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from hpctrain.core.config import ConfigError
 from hpctrain.core.errors import BAD_INPUT, fail
 from hpctrain.parallel.layout import job_shape
+from hpctrain.runtime.job import SRUN_ARGS
 
 log = logging.getLogger("hpctrain")
 _INIT_KEYS = {"submitit_folder", "max_num_timeout"}
@@ -84,6 +85,8 @@ class Submitting:
         base = set(OmegaConf.structured(plugin.BaseQueueConf).keys())
         executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v
                                       for k, v in self.params.items() if k not in _INIT_KEYS})
+        if self._EXECUTOR == "slurm":  # one task that dies ends the step (KILL_ON_BAD_EXIT)
+            executor.update_parameters(slurm_srun_args=list(SRUN_ARGS))
         return executor
 
     def _shape(self) -> str:

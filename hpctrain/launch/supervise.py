@@ -21,7 +21,7 @@ import sys
 import time
 
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
-from hpctrain.runtime.job import EXIT_PREEMPTED, hostnames, requeue_job
+from hpctrain.runtime.job import EXIT_PREEMPTED, SRUN_ARGS, hostnames, requeue_job
 
 log = logging.getLogger("hpctrain")
 
@@ -93,7 +93,7 @@ class SupervisedRun:
         (`srun: error: n2: task 1: Killed`, an out-of-memory kill), which only srun knows."""
         env = dict(os.environ, MASTER_PORT=str(20000 + (int(job) * 8 + attempt) % 20000))  # a fresh store per step
         env.pop("MASTER_ADDR", None)  # the step's first node (hpctrain.parallel.process_group)
-        cmd = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tasks_per_node}",
+        cmd = ["srun", *SRUN_ARGS, f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tasks_per_node}",
                f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
                sys.executable, "-m", "hpctrain.launch.supervise", self.run_dir]
         cpus = self.cfg.get("cluster", {}).get("cpus_per_task")
@@ -160,7 +160,7 @@ class PackedRuns:
         for i, (run_dir, nodes, tasks) in enumerate(self.points):
             env = dict(os.environ, MASTER_PORT=str(20000 + (int(job) * 64 + i) % 20000))
             env.pop("MASTER_ADDR", None)
-            cmd = ["srun", "--exact", f"--nodes={nodes}", f"--ntasks={tasks}",
+            cmd = ["srun", *SRUN_ARGS, "--exact", f"--nodes={nodes}", f"--ntasks={tasks}",
                    *([f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []),
                    sys.executable, "-m", "hpctrain.launch.supervise", run_dir]
             log.info("point %d: %s", i, run_dir)

@@ -57,17 +57,27 @@ _STOP_STATUS = {Stop.NONE: RunStatus.completed, Stop.PREEMPT: RunStatus.preempte
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, run the same command again to resume
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
+# Every srun that starts ranks: a task that dies (crash, OOM kill, lost node) ends the whole step at once —
+# the others get SIGTERM, then SIGKILL after Slurm's KillWait — instead of waiting in a collective until
+# cluster.pg_timeout_s (NCCL). On gloo the survivors still name the dead rank first: their collective fails
+# within ~3 s, and a deliberate stop ends the non-main ranks with 0 (Stopped.exit_code).
+SRUN_ARGS = ("--kill-on-bad-exit=1",)
+
 
 class Stopped(RuntimeError):
     """The run stopped at a step boundary on a signal, after writing a checkpoint."""
 
-    def __init__(self, kind: Stop, step: int, signame: str):
-        self.kind, self.step = kind, step
+    def __init__(self, kind: Stop, step: int, signame: str, main: bool = True):
+        self.kind, self.step, self.main = kind, step, main
         then = "the job was requeued" if kind == Stop.PREEMPT and in_slurm_job() else "rerun the same command to resume"
         super().__init__(f"stopped by {signame} after step {step}; checkpoint written; {then}")
 
     @property
     def exit_code(self) -> int:
+        """The run's verdict is the main rank's: the others did their part (the checkpoint) and end with 0, so that
+        srun's --kill-on-bad-exit does not kill the main rank while it requeues the job."""
+        if not self.main:
+            return 0
         return EXIT_PREEMPTED if self.kind == Stop.PREEMPT else EXIT_TERMINATED
 
 

@@ -321,7 +321,9 @@ class Trainer:
         self.eval_jobs.poll()
 
     def _finish(self, status: RunStatus, error: str | None) -> dict:
-        self.signals.restore(drain=status not in (RunStatus.failed, RunStatus.interrupted))
+        failed = status in (RunStatus.failed, RunStatus.interrupted)
+        if not failed:
+            self.signals.restore()
         self.metrics.close()
         s = self.state
         result = {"status": status.value, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
@@ -340,6 +342,8 @@ class Trainer:
                 if status == RunStatus.completed:
                     raise
                 log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status.value)
+        if failed:  # only now: when a peer died, srun's SIGTERM (--kill-on-bad-exit) must not cut off result.json
+            self.signals.restore(drain=False)
         return result
 
     def _writes_result(self) -> bool:
@@ -353,7 +357,7 @@ class Trainer:
                     "checkpoint written" if self.checkpointer.enabled else "no checkpoint (train.checkpointing=false)")
         if stop == Stop.PREEMPT and self.env.is_main:
             self.signals.requeue(bad_nodes.leave_out(self.cfg.cluster.bad_nodes, self.cfg.cluster.bad_node_expiry_h))
-        raise job.Stopped(stop, self.state.step, self.signals.name(stop))
+        raise job.Stopped(stop, self.state.step, self.signals.name(stop), main=self.env.is_main)
 
     def _log_start(self, seq_len: int) -> None:
         if self.resumed_from:
