@@ -177,16 +177,57 @@ def _announce_sweep(argv: list[str]) -> None:
 
 
 def plan(argv: list[str]) -> int:
-    """Compose the same config as a run (no run directory, no logging setup) and print its layout plan."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(f"usage: {PROG} plan [hydra overrides], e.g. model=llama_70b parallel.dp=8 parallel.tp=8 "
-              "parallel.pp=4 cluster.gpu_mem_gb=80\nprints the layer-to-stage map, per-device memory, pipeline "
-              "bubble and FLOPs per step of that layout, without allocating the model")
+    """Compose the same config as a run (no run directory, no logging setup) and print its layout plan; with
+    --search, the fastest layouts of the model on --gpus N that fit; with --validate, the step-time model against
+    published runs."""
+    from hpctrain.core.argparser import Parser
+
+    parser = Parser(prog=f"{PROG} plan", description="the layer-to-stage map, per-device memory, pipeline bubble, "
+                    "FLOPs and predicted step time of a layout (nothing is allocated)",
+                    epilog="e.g. model=llama_70b parallel.dp=8 parallel.tp=8 parallel.pp=4 cluster.gpu_mem_gb=80 "
+                    "cluster.gpu_type=H100")
+    parser.add_argument("--search", action="store_true", help="the fastest layouts of --gpus GPUs that fit memory "
+                        "(needs cluster.gpu_type, cluster.gpu_mem_gb, train.global_batch, train.seq_len)")
+    parser.add_argument("--gpus", type=int, help="GPUs to search layouts for")
+    parser.add_argument("--top", type=int, default=5, help="layouts shown (default 5)")
+    parser.add_argument("--write", metavar="FILE", help="write the fastest as a parallel= config file (a new file)")
+    parser.add_argument("--validate", action="store_true",
+                        help="the step-time model against published runs (with --search: what the search picks)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for a run")
+    args = parser.parse_args(argv)
+    if args.validate:
+        from hpctrain.training import published
+
+        print(published.table())
+        if args.search:
+            print("\n" + published.search_table())
         return 0
+    if (args.gpus or args.write) and not args.search:
+        parser.error("--gpus and --write go with --search")
+    if args.search and (not args.gpus or args.gpus < 1 or args.top < 1):
+        parser.error("--search needs --gpus N (N >= 1) and --top >= 1")
     try:
-        cfg = compose(argv)
+        cfg = compose(args.overrides)
     except (HydraException, OmegaConfBaseException) as e:
         fail(hydra_error_line(e))
+    if args.search:
+        from hpctrain.training import layout_search
+
+        try:
+            text, found = layout_search.report(cfg, args.gpus, args.top)
+        except BAD_INPUT as e:
+            fail(str(e))
+        print(text)
+        if args.write and found:
+            try:
+                layout_search.write_parallel(args.write, found[0])
+            except FileExistsError:
+                fail(f"{args.write} exists: --write makes a new file, choose another name")
+            except OSError as e:
+                fail(f"cannot write {args.write} ({e.strerror}): choose a writable path")
+            print(f"wrote {args.write}: use it as parallel={os.path.splitext(os.path.basename(args.write))[0]} (in "
+                  f"conf/parallel/) with train.micro_batch={found[0].candidate.micro_batch}")
+        return 0
     from hpctrain.training.planner import main as plan_main
 
     return plan_main(cfg)

@@ -233,7 +233,8 @@ def test_the_code_map_names_every_module():
 # Where the whole config may go (a plan, a check or a record of a whole run); everything else gets its group.
 WHOLE_CONFIG = ("hpctrain.cli", "hpctrain.core.config", "hpctrain.runs", "hpctrain.launch", "hpctrain.training.run",
                 "hpctrain.training.checkpoint_eval", "hpctrain.tools.evaluate.configured",
-                "hpctrain.training.planner", "hpctrain.training.trainer.Trainer.__init__",
+                "hpctrain.training.planner", "hpctrain.training.layout_search",
+                "hpctrain.training.trainer.Trainer.__init__",
                 "hpctrain.monitoring.trackers.resolved_config")
 
 

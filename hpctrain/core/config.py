@@ -413,6 +413,13 @@ class ClusterConfig:
     nccl: dict[str, str | None] = field(default_factory=_nccl_defaults)
     peak_tflops: float | None = None  # per device; for MFU where the device is not in the table
     gpu_mem_gb: float | None = None
+    # The GPU type `hpctrain plan` predicts step time for (A100, H100, H200: hpctrain.training.step_time), and what
+    # `hpctrain preflight` measured on the cluster in place of the type's defaults: GEMM TFLOP/s, all-reduce bus
+    # bandwidth inside a node and per GPU across nodes (GB/s).
+    gpu_type: str | None = None
+    gemm_tflops: float | None = None
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
     # A node's mean time between failures, for train.ckpt_every=auto (the job's is this over its node count). The
     # default is Llama 3's 405B training: 419 unexpected interruptions in 54 days on 2,048 nodes of 8 H100s.
     node_mtbf_h: float = 6335.0

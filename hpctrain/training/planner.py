@@ -27,7 +27,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from omegaconf import OmegaConf
 
 from hpctrain.core.config import ActCkpt, ConfigError, GradCompression, OptimName, PrecisionName, SpikeAction
 from hpctrain.core.memory import Term, merge, peak
@@ -48,7 +47,7 @@ from hpctrain.parallel.parallelize import (
 )
 from hpctrain.parallel.process_group import local_device_count
 from hpctrain.runs.resolve import RunShape, resolve
-from hpctrain.training import optimizer
+from hpctrain.training import optimizer, step_time
 from hpctrain.training.save_resume import host_copy_bytes
 
 GiB = 2**30
@@ -284,9 +283,18 @@ def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
 def _peak_tflops(cfg) -> float | None:
     if cfg.cluster.peak_tflops:
         return cfg.cluster.peak_tflops
-    gpu = OmegaConf.select(cfg, "gpu")  # optional `+gpu=H100`
-    table = PEAK_TFLOPS.get(str(gpu)) if gpu else None
+    gpu = cfg.cluster.gpu_type
+    table = PEAK_TFLOPS.get(str(gpu).upper()) if gpu else None
     return table[str(PrecisionName(cfg.precision.name).value)] if table else None
+
+
+def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
+    """The step-time model's `predicted:` line and breakdown (training/step_time.py), for cluster.gpu_type."""
+    hw = step_time.hardware_of(cfg.cluster, cfg.precision.name)
+    if hw is None:
+        return ["predicted: no step time without a GPU type: set cluster.gpu_type (A100, H100, H200)"]
+    got = step_time.predict(step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, seq_len), hw)
+    return [got.line(), got.breakdown(), f"  hardware {hw.describe()}"]
 
 
 def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
@@ -311,10 +319,11 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     out += _expert_exchange(plan, e, seq_len, mode) + _context_exchange(plan, e, seq_len, mode)
     line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
     peak = _peak_tflops(cfg)
-    if peak:
+    if peak and not cfg.cluster.gpu_type:
         line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
                  f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")
     out.append(line)
+    out += _step_time(cfg, plan, seq_len)
     worst = {k: max(total(r, k) for r in rows) for k in ("none", "full", mode)}
     cap = cfg.cluster.gpu_mem_gb
     if not cap:

@@ -1,0 +1,202 @@
+"""`hpctrain plan --search --gpus N`: the layouts of a model on N GPUs that fit memory, fastest first.
+
+Every combination of tp (inside a node), pp (with its schedules), cp, ep, the ZeRO stage, the micro-batch and
+activation checkpointing that splits the config's global batch is timed by the step-time model (step_time.py, a
+few microseconds each); then, fastest first, each is checked as a run would be (runs/resolve: what hpctrain can run)
+and against memory (the planner's estimate, the worst stage against 90 % of cluster.gpu_mem_gb) until `top` fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, replace
+
+from omegaconf import OmegaConf
+
+from hpctrain.core.config import ActCkpt, ConfigError
+from hpctrain.parallel.layout import Layout
+from hpctrain.training import step_time
+
+ZERO_STAGES = (0, 2, 3)
+MICRO_BATCHES = (1, 2, 4, 8)
+CHECKPOINTING = (("none", 1), ("selective", 2), ("full", 1))  # (mode, ac_every): selective = every 2nd block
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    zero_stage: int
+    micro_batch: int
+    grad_accum: int
+    ac: str
+    ac_every: int = 1
+
+    def overrides(self) -> list[str]:
+        lay = self.layout
+        return [f"parallel.dp={lay.dp}", f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}",
+                f"parallel.ep={lay.ep}", f"parallel.pp_schedule={lay.pp_schedule}",
+                f"parallel.pp_virtual_stages={lay.pp_virtual_stages}", f"parallel.zero_stage={self.zero_stage}",
+                f"parallel.sequence_parallel={str(lay.tp > 1).lower()}",
+                f"parallel.activation_checkpointing={self.ac}", f"parallel.ac_every={self.ac_every}",
+                f"train.micro_batch={self.micro_batch}",
+                "train.grad_accum=null"]
+
+    def describe(self) -> str:
+        lay = self.layout
+        sched = "" if lay.pp == 1 else f" {lay.pp_schedule}" + (f"×{lay.pp_virtual_stages}" if lay.pp_virtual_stages
+                                                                  > 1 else "")
+        return (f"{lay.describe()}{sched} zero{self.zero_stage} mb{self.micro_batch}×{self.grad_accum} "
+                f"ckpt={self.ac}" + (f"/{self.ac_every}" if self.ac_every > 1 else ""))
+
+
+def _divisors(n: int, up_to: int) -> list[int]:
+    return [d for d in range(1, min(n, up_to) + 1) if n % d == 0]
+
+
+def candidates(args, gpus: int, global_batch: int, seq_len: int, gpus_per_node: int):
+    """Every layout of `gpus` ranks that splits `global_batch` (no memory check yet)."""
+    experts = getattr(getattr(args, "moe", None), "num_experts", 0) or 0
+    kv = getattr(args, "kv_heads", args.n_heads)
+    for tp in _divisors(gpus, gpus_per_node):
+        if kv % tp or args.n_heads % tp or seq_len % tp:
+            continue
+        for pp in _divisors(gpus // tp, args.n_layers):
+            for cp in _divisors(gpus // (tp * pp), 16):
+                if seq_len % (2 * cp) and cp > 1:
+                    continue
+                dp = gpus // (tp * pp * cp)
+                for ep in [e for e in _divisors(dp, dp) if experts and experts % e == 0] or [1]:
+                    for (sched, v), zero, mb, (ac, every) in itertools.product(
+                            SCHEDULES if pp > 1 else (("1f1b", 1),), ZERO_STAGES, MICRO_BATCHES, CHECKPOINTING):
+                        if global_batch % (mb * dp) or (zero and dp * cp == 1) or args.n_layers % (pp * v):
+                            continue
+                        accum = global_batch // (mb * dp)
+                        if pp > 1 and (accum < pp or (v > 1 and accum % pp)):
+                            continue
+                        yield Candidate(Layout(pp=pp, dp=dp, tp=tp, pp_schedule=sched, pp_virtual_stages=v, ep=ep,
+                                               cp=cp), zero, mb, accum, ac, every)
+
+
+@dataclass
+class Found:
+    candidate: Candidate
+    prediction: step_time.Prediction
+    memory_gib: float
+
+
+class Searcher:
+    """The search over one model, GPU count, batch and cluster (a composed config)."""
+
+    def __init__(self, cfg, gpus: int):
+        from hpctrain.runs.compose import typed
+        from hpctrain.training import planner
+
+        self.hw = step_time.hardware_of(cfg.cluster, cfg.precision.name)
+        if self.hw is None or not cfg.cluster.gpu_mem_gb:
+            raise ConfigError("plan --search needs cluster.gpu_type (A100, H100, H200) and cluster.gpu_mem_gb")
+        if cfg.train.global_batch is None or cfg.train.seq_len is None:
+            raise ConfigError("plan --search needs train.global_batch and train.seq_len (the batch every layout "
+                              "splits)")
+        self.cfg, self.gpus = cfg, gpus
+        self.base = step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, _single(cfg), cfg.train.seq_len)
+        self.typed = typed(cfg)  # (the schema's dataclasses: the memory estimate reads them ten times faster)
+        self.usable = cfg.cluster.gpu_mem_gb * planner.HEADROOM * planner.GiB
+        self._stages = {}
+
+    def predict(self, c: Candidate) -> step_time.Prediction:
+        x = replace(self.base, layout=c.layout, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
+                    zero_stage=c.zero_stage, sequence_parallel=c.layout.tp > 1, ac=c.ac, ac_every=c.ac_every)
+        return step_time.predict(x, self.hw)
+
+    def check(self, c: Candidate) -> tuple[float | None, str]:
+        """(GiB per GPU, "") when hpctrain can run `c` and it fits; else (None, why not)."""
+        from hpctrain.runs.resolve import RunShape, resolve
+        from hpctrain.training import planner
+
+        lay, base = c.layout, self.base
+        try:  # the layout rules a run checks first (runs/resolve), then all of them for one that fits
+            base.spec.check_layout(base.args, lay, lay.tp > 1)
+            lay.check_microbatches(c.grad_accum)
+        except ConfigError as e:
+            return None, str(e)
+        key = (lay.pp, lay.pp_virtual_stages, lay.ep)
+        if key not in self._stages:
+            self._stages[key] = planner.stage_params(base.args, lay.pp, lay.pp_virtual_stages, base.spec, lay.ep)
+        seq_len = self.cfg.train.seq_len
+        plan = RunShape(lay, self.cfg.train.global_batch, c.micro_batch, c.grad_accum, seq_len)
+        rows = planner.estimate(_with(self.typed, c), plan, seq_len, self._stages[key])["rows"]
+        worst = max(planner.total(r, c.ac) for r in rows)
+        if worst > self.usable:
+            return None, f"needs {worst / planner.GiB:.1f} GiB per GPU, over {self.usable / planner.GiB:.1f} usable"
+        try:
+            resolve(OmegaConf.merge(self.cfg, OmegaConf.from_dotlist(c.overrides())), self.gpus)
+        except ConfigError as e:
+            return None, str(e)
+        return worst / planner.GiB, ""
+
+    def search(self, top: int = 5) -> tuple[list[Found], int, int, float]:
+        """The `top` fastest layouts that hpctrain can run and that fit memory; (found, candidates timed, checked,
+        seconds taken)."""
+        started = time.perf_counter()
+        timed = sorted(((self.predict(c), c) for c in candidates(
+            self.base.args, self.gpus, self.cfg.train.global_batch, self.cfg.train.seq_len, self.hw.gpus_per_node)),
+            key=lambda t: t[0].step_s)
+        found, checked = [], 0
+        for prediction, c in timed:
+            if len(found) == top:
+                break
+            checked += 1
+            gib, _ = self.check(c)
+            if gib is not None:
+                found.append(Found(c, prediction, gib))
+        return found, len(timed), checked, time.perf_counter() - started
+
+
+def search(cfg, gpus: int, top: int = 5) -> tuple[list[Found], int, int, float]:
+    return Searcher(cfg, gpus).search(top)
+
+
+def _with(cfg, c: Candidate):
+    """The typed config with the candidate's layout and batch split."""
+    lay = c.layout
+    parallel = replace(cfg.parallel, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, pp_schedule=lay.pp_schedule,
+                       pp_virtual_stages=lay.pp_virtual_stages, zero_stage=c.zero_stage,
+                       sequence_parallel=lay.tp > 1, activation_checkpointing=ActCkpt(c.ac), ac_every=c.ac_every)
+    return replace(cfg, parallel=parallel, train=replace(cfg.train, micro_batch=c.micro_batch, grad_accum=None))
+
+
+def _single(cfg):
+    """A one-rank RunShape: StepInputs' model part (the layout is replaced per candidate)."""
+    from hpctrain.runs.resolve import RunShape
+
+    return RunShape(Layout(), cfg.train.global_batch, cfg.train.global_batch, 1, cfg.train.seq_len)
+
+
+def report(cfg, gpus: int, top: int = 5) -> tuple[str, list[Found]]:
+    found, timed, checked, took = search(cfg, gpus, top)
+    out = [f"search: {timed} layouts of {gpus} GPUs timed, {checked} checked against hpctrain's rules and "
+           f"{cfg.cluster.gpu_mem_gb:g} GB per GPU in {took:.1f} s; the fastest that fit:"]
+    if not found:
+        out.append("  none fits: more GPUs, a smaller train.global_batch per GPU, or a larger cluster.gpu_mem_gb")
+    for i, f in enumerate(found, 1):
+        p = f.prediction
+        out.append(f"{i}. {f.candidate.describe()}: {p.step_s:.3g} s/step, {p.tokens_per_s_per_gpu:,.0f} tokens/s "
+                   f"per GPU, MFU {p.mfu:.1%}, {f.memory_gib:.1f} GiB per GPU")
+        out.append("  " + p.breakdown().strip())
+        out.append("  overrides: " + " ".join(f.candidate.overrides()[:-1]))
+    return "\n".join(out), found
+
+
+def write_parallel(path: str, found: Found) -> None:
+    """The chosen layout as a `parallel=` config file (a new file: an existing one is never overwritten)."""
+    c = found.candidate
+    keys = {o.split("=", 1)[0].split(".", 1)[1]: o.split("=", 1)[1] for o in c.overrides()
+            if o.startswith("parallel.")}
+    text = (f"# hpctrain plan --search: {c.describe()} ({found.prediction.line().removeprefix('predicted: ')})\n"
+            f"# with train.micro_batch={c.micro_batch}\nname: {os.path.splitext(os.path.basename(path))[0]}\n"
+            + "".join(f"{k}: {v}\n" for k, v in keys.items()))
+    with open(path, "x") as f:
+        f.write(text)

@@ -1,0 +1,173 @@
+"""The step-time model (training/step_time.py), `plan --search` and the validation table against published runs."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hpctrain import cli
+from hpctrain.core.config import ConfigError, ModelConfig
+from hpctrain.models import get_spec
+from hpctrain.parallel.layout import Layout
+from hpctrain.runs.compose import compose
+from hpctrain.training import published, step_time
+from hpctrain.training.step_time import HARDWARE, StepInputs, all_reduce_s, gather_s, predict
+
+ROOT = Path(__file__).resolve().parents[1]
+A100, H100 = HARDWARE["A100"], HARDWARE["H100"]
+SPEC = get_spec("llama")
+ARGS_7B = SPEC.args(ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008, vocab_size=32000,
+                                max_seq_len=4096))
+
+
+def _inputs(layout: Layout | None = None, **kw) -> StepInputs:
+    return StepInputs(ARGS_7B, SPEC, layout or Layout(), kw.pop("micro_batch", 1), kw.pop("grad_accum", 1), 4096, c=2, **kw)
+
+
+def test_collectives_follow_the_link_they_cross():
+    """All-reduce inside a node: 2(n−1)/n·S over NVLink; one rank per node: the same over the NIC; an all-gather
+    moves half an all-reduce's bytes, one latency step per rank of its ring."""
+    S = 1e9
+    lat = A100.latency_us * 1e-6
+    assert all_reduce_s(S, 8, 1, A100) == pytest.approx(2 * S * 7 / 8 / 230e9 + 2 * 7 * lat)
+    assert all_reduce_s(S, 1, 16, A100) == pytest.approx(2 * S * 15 / 16 / 23e9 + 2 * 4 * lat)
+    assert gather_s(S, 8, 4, A100) == pytest.approx(S * 7 / 8 / 230e9 + S * 3 / 4 / (8 * 23e9) + 31 * lat)
+    assert all_reduce_s(S, 1, 1, A100) == gather_s(S, 1, 1, A100) == 0.0
+
+
+def test_one_gpu_is_its_flops_at_the_gemm_rate_plus_memory_bound_work():
+    """No communication on one GPU: the matmuls' 6·N FLOPs per token at the shape-scaled GEMM rate, flash
+    attention's half of 12·L·H·Q·T at attn_frac of it, the elementwise bytes and the optimizer's pass."""
+    x = _inputs(micro_batch=2, grad_accum=3)
+    got = predict(x, A100)
+    tokens = 2 * 3 * 4096
+    rate = 228e12 * 4096 / (4096 + 128)
+    attn = 12 * 32 * 4096 * 4096
+    assert got.parts["compute"] == pytest.approx((SPEC.flops_per_token(ARGS_7B, 4096) - attn) * tokens / rate)
+    assert got.parts["attention"] == pytest.approx(attn / 2 * tokens / (rate * 0.75))
+    assert {k for k, v in got.parts.items() if v} == {"compute", "attention", "elementwise", "optimizer"}
+    assert got.step_s == pytest.approx(sum(got.parts.values()))
+    assert got.tokens_per_s_per_gpu == pytest.approx(tokens / got.step_s)
+    assert got.mfu == pytest.approx(SPEC.flops_per_token(ARGS_7B, 4096) * tokens / got.step_s / 312e12)
+    # fused kernels (parallel.compile) read and write a quarter of the eager bytes
+    assert predict(replace(x, compiled=True), A100).parts["elementwise"] == pytest.approx(got.parts["elementwise"] / 4)
+
+
+def test_each_layout_pays_its_own_communication():
+    one = predict(_inputs(grad_accum=8), H100)
+    tp = predict(_inputs(Layout(tp=8), grad_accum=8), H100)
+    # an 8th of the matmuls each, on matrices 8 times narrower (a lower rate)
+    shape = (4096 / (4096 + 128)) / (512 / (512 + 128))
+    assert tp.parts["tp"] > 0 and tp.parts["compute"] == pytest.approx(one.parts["compute"] / 8 * shape)
+    pp = predict(_inputs(Layout(pp=4), grad_accum=8), H100)
+    assert pp.parts["bubble"] == pytest.approx((pp.step_s - pp.parts["bubble"] - pp.parts["optimizer"])
+                                               * Layout(pp=4).bubble(8) / (1 - Layout(pp=4).bubble(8)), rel=1e-6)
+    ddp = predict(_inputs(Layout(dp=64), grad_accum=8), H100)  # 8 nodes: the reduction crosses the network
+    z3 = predict(_inputs(Layout(dp=64), grad_accum=8, zero_stage=3), H100)
+    assert ddp.parts["dp"] > 0 and z3.parts["fsdp"] > 0 and not z3.parts["dp"]
+    # ZeRO-3 gathers again for every micro-batch: more micro-batches, more exposed traffic
+    assert predict(_inputs(Layout(dp=64), grad_accum=32, zero_stage=3), H100).parts["fsdp"] > z3.parts["fsdp"]
+    # recomputation costs one more forward of the blocks
+    full = predict(_inputs(grad_accum=8, ac="full"), H100)
+    assert full.parts["compute"] > one.parts["compute"] * 1.2
+
+
+def test_the_validation_table_is_within_20_percent_of_every_published_figure():
+    """Megatron-LM's Table 1, Llama 3's Table 4 and torchtitan's bf16 rows: one set of hardware numbers per GPU
+    type, every row within ±20 % of what was published."""
+    rows = published.rows()
+    assert len(rows) >= 18 and {r.source for r in rows} == {published.MEGATRON, published.LLAMA3, published.TITAN}
+    errors = {}
+    for row in rows:
+        value, _ = published.predicted(row)
+        errors[row.name] = value / row.published - 1
+    assert max(abs(e) for e in errors.values()) <= 0.20, errors
+    assert {r.gpu for r in rows} <= set(HARDWARE)
+
+
+def test_the_docs_show_the_table_the_model_computes():
+    page = (ROOT / "docs" / "choosing-a-layout.md").read_text()
+    assert published.table() in page, "docs/choosing-a-layout.md: paste `python -m hpctrain plan --validate` again"
+
+
+@pytest.mark.parametrize("name", ["GPT 1.7B", "GPT 1008B", "Llama 3 405B, 8,192 GPUs, seq 8,192"])
+def test_search_beats_the_published_layout_or_says_why(name):
+    """For the published model, GPU count and batch, --search's best is predicted at least as fast as the published
+    layout run by hpctrain, or hpctrain cannot run the published one and says why."""
+    row = next(r for r in published.rows() if r.name == name)
+    best, theirs, why = published.search_row(row)
+    assert best is not None
+    assert best.prediction.tokens_per_s_per_gpu >= theirs.tokens_per_s_per_gpu or why, (best, theirs)
+    if name.startswith("Llama 3 405B"):  # 126 layers do not split over 16 stages in hpctrain
+        assert "not divisible by parallel.pp" in why
+
+
+def test_search_prints_the_fastest_that_fit_and_writes_a_parallel_file(tmp_path, capsys):
+    overrides = ["model=llama_7b", "train.global_batch=256", "train.seq_len=4096", "precision=bf16",
+                 "cluster.gpu_type=A100", "cluster.gpu_mem_gb=80"]
+    out = tmp_path / "fast.yaml"
+    assert cli.plan(["--search", "--gpus", "64", "--top", "3", "--write", str(out), *overrides]) == 0
+    text = capsys.readouterr().out
+    timed = int(re.search(r"search: (\d+) layouts of 64 GPUs timed", text).group(1))
+    assert timed >= 1000
+    shown = re.findall(r"^\d\. .*: ([\d.]+) s/step, .* ([\d.]+) GiB per GPU$", text, re.M)
+    assert len(shown) == 3 and [float(s) for s, _ in shown] == sorted(float(s) for s, _ in shown)
+    assert all(float(g) <= 80 * 0.9 * 1e9 / 2**30 / (1e9 / 2**30) for _, g in shown)
+    # the file is a parallel= group whose run the planner predicts as the search did
+    keys = dict(line.split(": ", 1) for line in out.read_text().splitlines() if not line.startswith("#"))
+    mb = re.search(r"train.micro_batch=(\d+)", out.read_text()).group(1)
+    cfg = compose([*overrides, *(f"parallel.{k}={v}" for k, v in keys.items() if k != "name"),
+                   f"train.micro_batch={mb}"])
+    from hpctrain.runs.resolve import resolve
+
+    plan = resolve(cfg, 64)
+    again = predict(StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, 4096),
+                    step_time.hardware_of(cfg.cluster, "bf16"))
+    assert f"{again.step_s:.3g} s/step" in text.splitlines()[1]
+    with pytest.raises(SystemExit):  # never overwritten
+        cli.plan(["--search", "--gpus", "64", "--write", str(out), *overrides])
+    assert "exists: --write makes a new file" in capsys.readouterr().err
+
+
+def test_plan_prints_the_predicted_line(capsys):
+    assert cli.plan(["model=llama_7b", "parallel.dp=8", "parallel.tp=8", "train.global_batch=64",
+                     "train.micro_batch=1", "train.seq_len=4096", "precision=bf16", "cluster.gpu_type=H100"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("predicted:"))
+    assert re.match(r"predicted: [\d.]+ s per step, [\d,]+ tokens/s per GPU, MFU [\d.]+% \(\d+ TFLOP/s per GPU\)",
+                    line), line
+    assert re.search(r"^  compute .* tp .*$", out, re.M)
+    assert cli.plan(["model=llama_7b"]) == 0
+    assert "predicted: no step time without a GPU type: set cluster.gpu_type" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--search"], "--search needs --gpus N"),
+    (["--gpus", "8"], "--gpus and --write go with --search"),
+])
+def test_bad_plan_usage_is_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.plan(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_search_without_a_gpu_type_or_a_known_one_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.plan(["--search", "--gpus", "8", "model=llama_7b", "train.global_batch=64", "train.seq_len=2048"])
+    assert e.value.code == 2 and "needs cluster.gpu_type" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="cluster.gpu_type=Z9 has no default rates"):
+        step_time.hardware_of(compose(["cluster.gpu_type=Z9"]).cluster, "bf16")
+
+
+def test_preflight_measurements_replace_the_defaults():
+    cluster = compose(["cluster.gpu_type=h100", "cluster.gemm_tflops=500", "cluster.inter_node_gbps=20",
+                       "cluster.gpus_per_node=4"]).cluster
+    hw = step_time.hardware_of(cluster, "bf16")
+    assert (hw.gemm_tflops, hw.inter_gbps, hw.gpus_per_node, hw.intra_gbps) == (500, 20, 4, H100.intra_gbps)
+    assert math.isclose(step_time.hardware_of(compose(["cluster.gpu_type=A100"]).cluster, "fp32").gemm_tflops,
+                        228 * 19.5 / 312)
