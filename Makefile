@@ -32,7 +32,7 @@ given = $(strip $(value $(1)))
 # $(call need,VAR...): the shell command true when every VAR is non-blank, else false.
 need = $(if $(strip $(foreach v,$(1),$(if $(call given,$(v)),,missing))),false,true)
 
-.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-comm bench-eval bench-moe bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
+.PHONY: install demo demo-data test lint bench bench-data bench-host bench-scale bench-ckpt bench-monitor bench-comm bench-eval bench-moe bench-world bench-gpu gpu-check tokenizer shards shards-slurm slurm-up slurm-down clean
 
 # torch is installed pinned and first: an unpinned requirement would pull a newer CUDA build.
 $(STAMP): pyproject.toml
@@ -92,6 +92,11 @@ bench-eval: install
 # An MoE layer's tokens/s with grouped GEMM against the per-expert loop, and expert parallelism's all-to-all bytes:
 bench-moe: install
 	$(PY) -m hpctrain bench moe
+
+# One rank of an 8- to 8,192-rank job under PyTorch's fake process group: start-up, the stop vote, the peaks'
+# gather, the checkpoint's save plans and metadata, as the world grows (~2 min):
+bench-world: install
+	$(PY) -m hpctrain bench world
 
 # Training stall per checkpoint, sync vs train.ckpt_async=true, against the disk's O_DIRECT write speed:
 # llama_350m (4.2 GB checkpoints), ~11 GiB memory and ~9 GB free disk under outputs/, ~2 min.

@@ -284,7 +284,7 @@ BENCHES = {"data": ("data_prep.bench", "hpctrain.tools.bench_data"), "host": ("h
            "scale": ("hpctrain.tools.bench_scale",), "ckpt": ("hpctrain.tools.bench_ckpt",),
            "monitor": ("hpctrain.tools.bench_monitor",), "comm": ("hpctrain.tools.bench_comm",),
            "gpu": ("hpctrain.tools.bench_gpu",), "eval": ("hpctrain.tools.bench_eval",),
-           "moe": ("hpctrain.tools.bench_moe",)}
+           "moe": ("hpctrain.tools.bench_moe",), "world": ("hpctrain.tools.fake_world",)}
 
 
 def prep(argv: list[str]) -> int:

@@ -223,7 +223,9 @@ def test_train_sbatch_run_dir_with_space_and_quote(tmp_path, run_dir, path):
     assert os.listdir(submit) == [path.split("/")[0]]
     log = submit / path / "slurm-7.out"
     assert f"run_dir={path}" in log.read_text()
-    assert _calls(bin_dir) == [[sys.executable, "-m", "hpctrain", run_dir, f"x=`touch {marker}`"]]
+    # (one rank that dies ends the step at once: --kill-on-bad-exit)
+    assert _calls(bin_dir) == [["--kill-on-bad-exit=1", sys.executable, "-m", "hpctrain", run_dir,
+                                f"x=`touch {marker}`"]]
 
 
 def test_make_tests_workers_keep_a_group_on_one_worker(tmp_path):

@@ -1,0 +1,40 @@
+"""One rank of an 8- to 8,192-rank job under PyTorch's fake process group (hpctrain.tools.fake_world): start-up,
+a step's host-side control flow and the checkpoint's save planning run at every size, and what grows with the
+world grows no faster than the world."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctrain.tools import fake_world
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    # 8 and 1,024 ranks with every rank's save plan and DCP's global plan; 8,192 with rank 0's own (deriving
+    # 8,192 plans takes the harness a minute: `make bench-world` does it)
+    return {**{r["world"]: r for r in fake_world.measure((8, 1024))},
+            **{r["world"]: r for r in fake_world.measure((8192,), global_plan=False)}}
+
+
+def test_a_rank_of_8192_starts_votes_gathers_and_plans_its_save_in_this_machines_memory(worlds):
+    big = worlds[8192]
+    assert (big["dp"], big["tp"], big["pp"]) == (128, 8, 8)
+    assert big["local_items"] > 0 and big["rss_mb"] < 4096, big
+    assert big["vote_ms_per_step"] >= 0 and big["peaks_gather_s"] >= 0
+
+
+def test_checkpoint_metadata_grows_with_the_shards_not_faster(worlds):
+    """DCP's metadata holds a chunk per shard of each tensor: 128 times the ranks, 8 times the pipeline stages: the
+    shards per stage grow 128/8 = 16 times (dp×tp 4 → 128 per tensor, 75 tensors), and so may the bytes, no more."""
+    small, large = worlds[8], worlds[1024]
+    assert large["plans"] == 1024 and small["plans"] == 8
+    assert large["chunks"] <= small["chunks"] * 1024 / 8
+    assert large["metadata_bytes"] / large["chunks"] <= 1.2 * small["metadata_bytes"] / small["chunks"]
+
+
+def test_bad_worlds_are_one_line(capsys):
+    for bad in ("8,x", "12"):
+        with pytest.raises(SystemExit) as e:
+            fake_world.main(["--worlds", bad])
+        assert e.value.code == 2 and "--worlds" in capsys.readouterr().err
