@@ -38,3 +38,21 @@ def test_bad_worlds_are_one_line(capsys):
         with pytest.raises(SystemExit) as e:
             fake_world.main(["--worlds", bad])
         assert e.value.code == 2 and "--worlds" in capsys.readouterr().err
+
+
+def test_the_memory_line_names_the_largest_peaks_not_every_rank():
+    """Every rank's peaks go to result.json; the log line names the 16 largest step peaks of a large world."""
+    import subprocess
+    import sys
+
+    code = ("import logging, torch.distributed as dist\n"
+            "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+            "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=64)\n"
+            "from hpctrain.monitoring.memory import Peaks\n"
+            "p = Peaks(0, 2**30, 2)\np.report(3 * 2**30, 64)\nprint(len(p.gathered['step_gib']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stderr.splitlines() if ln.startswith("memory per rank"))
+    assert line.count("/3.00/1.00") == 16 and "(the 16 largest step peaks of 64 ranks; all in result.json)" in line
+    assert p.stdout.split() == ["64"]

@@ -72,6 +72,9 @@ class MemoryProbe:
         return None if kib is None else kib * 1024 - self.baseline
 
 
+SHOWN_RANKS = 16  # ranks the memory line names; result.json keeps every rank's
+
+
 @dataclass
 class Peaks:
     """This rank's start-up peak (model, optimizer and restored state) and the planner's estimate for its device.
@@ -92,10 +95,15 @@ class Peaks:
             dist.all_gather_object(ranks, mine)
         keys = ("startup_gib", "step_gib", "planned_gib")
         self.gathered = {key: [_gib(r[i]) for r in ranks] for i, key in enumerate(keys)}
-        shown = ", ".join(f"r{i} " + "/".join("n/a" if v is None else f"{v:.2f}" for v in values)
-                          for i, values in enumerate(zip(*self.gathered.values())))
+        shown = [(i, "/".join("n/a" if v is None else f"{v:.2f}" for v in values))
+                 for i, values in enumerate(zip(*self.gathered.values()))]
+        if len(shown) > SHOWN_RANKS:  # (an 8,192-rank line would be 200 KB): the largest step peaks, and how many
+            by_peak = sorted(range(len(shown)), key=lambda i: -(self.gathered["step_gib"][i] or 0))
+            shown = [shown[i] for i in sorted(by_peak[:SHOWN_RANKS])]
         log.info("memory per rank over its size before the model, GiB (start-up peak / peak up to step %d / "
-                 "planner): %s", self.at_step, shown)
+                 "planner): %s%s", self.at_step, ", ".join(f"r{i} {v}" for i, v in shown),
+                 f" (the {SHOWN_RANKS} largest step peaks of {len(ranks)} ranks; all in result.json)"
+                 if len(ranks) > SHOWN_RANKS else "")
 
 
 def _gib(nbytes: float | None) -> float | None:
