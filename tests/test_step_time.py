@@ -102,8 +102,6 @@ def test_search_beats_the_published_layout_or_says_why(name):
     best, theirs, why = published.search_row(row)
     assert best is not None
     assert best.prediction.tokens_per_s_per_gpu >= theirs.tokens_per_s_per_gpu or why, (best, theirs)
-    if name.startswith("Llama 3 405B"):  # 126 layers do not split over 16 stages in hpctrain
-        assert "not divisible by parallel.pp" in why
 
 
 def test_search_prints_the_fastest_that_fit_and_writes_a_parallel_file(tmp_path, capsys):

@@ -34,6 +34,15 @@ PP_SCHEDULES = {"gpipe": ("ScheduleGPipe", False), "1f1b": ("Schedule1F1B", Fals
                 "zero_bubble": ("ScheduleInterleavedZeroBubble", True)}
 
 
+def stage_layers(n_layers: int, n_stages: int) -> list[range]:
+    """The consecutive layers of each pipeline stage (model chunk): as even as can be, the first n_layers % n_stages
+    one layer longer (the last stages, which also hold the output head, the shorter: 126 layers over 16 stages are
+    14 of 8 and 2 of 7)."""
+    sizes = [n_layers // n_stages + (i < n_layers % n_stages) for i in range(n_stages)]
+    starts = [sum(sizes[:i]) for i in range(n_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
 @dataclass(frozen=True)
 class Layout:
     pp: int = 1

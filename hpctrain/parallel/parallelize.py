@@ -30,7 +30,7 @@ from hpctrain.models.moe import MoE
 from hpctrain.parallel.compression import apply_grad_compression
 from hpctrain.parallel.context import apply_cp
 from hpctrain.parallel.experts import apply_experts, expert_modules, moe_tp_style
-from hpctrain.parallel.layout import Layout
+from hpctrain.parallel.layout import Layout, stage_layers
 
 # parallel.grad_reduce_dtype
 REDUCE_DTYPES = {ReduceDtype.fp32: torch.float32, ReduceDtype.bf16: torch.bfloat16, ReduceDtype.fp16: torch.float16}
@@ -143,7 +143,8 @@ def end_stages_group(mesh: DeviceMesh):
 
 def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, virtual_stages: int,
                          spec: ModelSpec) -> list[nn.Module]:
-    """Manual split into pp × virtual_stages stages of consecutive layers; returns this rank's chunks.
+    """Manual split into pp × virtual_stages stages of consecutive layers (layout.stage_layers: as even as can be);
+    returns this rank's chunks.
 
     A chunk is a copy of the (meta) model keeping only its stage's layers; the first stage keeps the
     spec's first-stage modules (the embedding), the last its last-stage ones (final norm, output head).
@@ -156,11 +157,11 @@ def apply_pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, virtual_stages: 
 
     n_stages = pp * virtual_stages
     names = list(model.layers.keys())
-    per = len(names) // n_stages
+    layers = stage_layers(len(names), n_stages)
     chunks = []
     for s in stage_ids(pp_mesh.get_local_rank(), pp, virtual_stages):
         chunk = copy.deepcopy(model)
-        keep = set(names[s * per:(s + 1) * per])
+        keep = {names[i] for i in layers[s]}
         for name in names:
             if name not in keep:
                 del chunk.layers[name]

@@ -101,7 +101,6 @@ def one_world(world: int, global_plan: bool = True) -> dict:
     `global_plan` only rank 0's own save plan is made (deriving 8,192 ranks' plans takes this harness a minute)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hpctrain.core.config import ModelConfig, ParallelConfig
@@ -133,17 +132,24 @@ def one_world(world: int, global_plan: bool = True) -> dict:
     Peaks(1, 1.0, 2).report(2, world)
     times["peaks_gather_s"] = time.perf_counter() - t
     out["startup_s"] = times["process_group_s"] + times["mesh_s"] + times["model_s"]
+    out.update(_save_plans(model, parallel, layout, mesh, world, times, global_plan))
+    out["rss_mb"] = _rss_mb()
+    return {**out, **{k: round(v, 4) for k, v in times.items()}}
+
+
+def _save_plans(model, parallel, layout, mesh, world: int, times: dict, global_plan: bool) -> dict:
+    """Rank 0's DCP save plan; with `global_plan`, every rank's and the coordinator's global plan and metadata."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    t = time.perf_counter()
     if not global_plan:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        t = time.perf_counter()
         planner = DefaultSavePlanner()
         planner.set_up_planner(get_model_state_dict(model), is_coordinator=True)
-        out["local_items"] = len(planner.create_local_plan().items)
+        items = len(planner.create_local_plan().items)
         times["local_plans_s"] = time.perf_counter() - t
-        out["rss_mb"] = _rss_mb()
-        return {**out, **{k: round(v, 4) for k, v in times.items()}}
-    t = time.perf_counter()
+        return {"local_items": items}
     plans = []
     for stage in range(layout.pp):  # one real rank per stage; the others of its stage derived from it
         staged = _stage_model(parallel, layout, mesh, stage * world // layout.pp, world)
@@ -152,11 +158,8 @@ def one_world(world: int, global_plan: bool = True) -> dict:
     t = time.perf_counter()
     _, metadata = DefaultSavePlanner().create_global_plan(plans)
     times["global_plan_s"] = time.perf_counter() - t
-    out["plans"] = len(plans)
-    out["metadata_bytes"] = len(pickle.dumps(metadata))
-    out["chunks"] = sum(len(m.chunks) for m in metadata.state_dict_metadata.values() if hasattr(m, "chunks"))
-    out["rss_mb"] = _rss_mb()
-    return {**out, **{k: round(v, 4) for k, v in times.items()}}
+    return {"plans": len(plans), "metadata_bytes": len(pickle.dumps(metadata)),
+            "chunks": sum(len(m.chunks) for m in metadata.state_dict_metadata.values() if hasattr(m, "chunks"))}
 
 
 def measure(worlds=WORLDS, timeout_s: float = 600, global_plan: bool = True) -> list[dict]:

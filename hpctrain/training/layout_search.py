@@ -71,7 +71,7 @@ def candidates(args, gpus: int, global_batch: int, seq_len: int, gpus_per_node: 
                 for ep in [e for e in _divisors(dp, dp) if experts and experts % e == 0] or [1]:
                     for (sched, v), zero, mb, (ac, every) in itertools.product(
                             SCHEDULES if pp > 1 else (("1f1b", 1),), ZERO_STAGES, MICRO_BATCHES, CHECKPOINTING):
-                        if global_batch % (mb * dp) or (zero and dp * cp == 1) or args.n_layers % (pp * v):
+                        if global_batch % (mb * dp) or (zero and dp * cp == 1) or args.n_layers < pp * v:
                             continue
                         accum = global_batch // (mb * dp)
                         if pp > 1 and (accum < pp or (v > 1 and accum % pp)):

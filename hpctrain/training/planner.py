@@ -37,7 +37,7 @@ from hpctrain.models.packing import mask_bytes
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel import compression
 from hpctrain.parallel.context import cp_mask_bytes, gathered_bytes
-from hpctrain.parallel.layout import world_of
+from hpctrain.parallel.layout import stage_layers, world_of
 from hpctrain.parallel.parallelize import (
     checkpointed_activations,
     gathered_copies,
@@ -60,11 +60,8 @@ def layer_map(n_layers: int, pp: int, v: int = 1) -> list[list[range]]:
 
     Chunks split the layers evenly; the first n_layers % (pp·v) chunks get one layer more.
     """
-    n = pp * v
-    sizes = [n_layers // n + (i < n_layers % n) for i in range(n)]
-    starts = [sum(sizes[:i]) for i in range(n)]
-    return [[range(starts[r * pp + s], starts[r * pp + s] + sizes[r * pp + s]) for r in range(v)]
-            for s in range(pp)]
+    chunks = stage_layers(n_layers, pp * v)
+    return [[chunks[r * pp + s] for r in range(v)] for s in range(pp)]
 
 
 @dataclass

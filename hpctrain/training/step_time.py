@@ -37,7 +37,7 @@ from hpctrain.core.config import ActCkpt, ConfigError, PrecisionName, ReduceDtyp
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel.context import gathered_bytes
 from hpctrain.parallel.experts import all_to_all_bytes
-from hpctrain.parallel.layout import Layout
+from hpctrain.parallel.layout import Layout, stage_layers
 
 # dim-wide values a block's memory-bound kernels read or write per token in its forward pass. Fused (torch.compile,
 # Megatron's fused kernels): the norms, residual adds, RoPE and the SwiGLU product each read and write once, ~20.
@@ -217,9 +217,8 @@ def _exposed(comm: float, compute: float, units: int) -> float:
 
 def _stage_layers(n_layers: int, pp: int, v: int) -> int:
     """The layers the busiest pipeline rank holds (every chunk a layer more on the first L % (pp·v) chunks)."""
-    n = pp * v
-    sizes = [n_layers // n + (i < n_layers % n) for i in range(n)]
-    return max(sum(sizes[r * pp + s] for r in range(v)) for s in range(pp))
+    chunks = stage_layers(n_layers, pp * v)
+    return max(sum(len(chunks[r * pp + s]) for r in range(v)) for s in range(pp))
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,10 @@ def check_layout(args, layout, sequence_parallel: bool) -> None:
         raise ConfigError("model.rope_scaling.high_freq_factor must exceed low_freq_factor (llama3 RoPE scaling)")
     if layout.pipelined:
         stages, pp, v = layout.pp_stages, layout.pp, layout.pp_virtual_stages
-        if args.n_layers % stages:
-            raise ConfigError(f"model.n_layers={args.n_layers} is not divisible by parallel.pp×pp_virtual_stages="
-                              f"{pp}×{v}={stages} pipeline stages: choose pp and virtual stages that divide the layers")
+        if args.n_layers < stages:
+            raise ConfigError(f"model.n_layers={args.n_layers} is fewer than parallel.pp×pp_virtual_stages="
+                              f"{pp}×{v}={stages} pipeline stages: each stage needs a layer; lower pp or the "
+                              "virtual stages")
     for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", kv), ("model.vocab_size", args.vocab_size),
                     ("model.ffn_hidden", args.ffn_hidden)):
         if n % layout.tp:
