@@ -88,9 +88,13 @@ def test_hpctrain_nodes_lists_and_clears(tmp_path):
     rows = {line.split()[0]: line.split() for line in p.out.splitlines()[2:]}
     assert rows["n2"][1:3] == ["died", "1"] and "yes" in rows["n2"] and "lost its peer" in p.out
     assert rows["n3"][1:3] == ["straggler", "1"] and "no" in rows["n3"]  # one run: not yet left out
+    p = run_forked(cli.main, ["nodes", "--sbatch", f"cluster.bad_nodes={path}"], cwd=tmp_path)
+    assert p.code == 0 and p.out.split() == ["--exclude=n2"], p.out + p.err  # (n3: not yet)
     p = run_forked(cli.main, ["nodes", "clear", "n2", f"cluster.bad_nodes={path}"], cwd=tmp_path)
     assert p.code == 0 and "cleared 1 record" in p.out, p.err
     assert [r.node for r in bad_nodes.read(str(path))] == ["n3"]
+    p = run_forked(cli.main, ["nodes", "--sbatch", f"cluster.bad_nodes={path}"], cwd=tmp_path)
+    assert p.code == 0 and p.out.strip() == "", p.out  # nothing to leave out: no option at all
     p = run_forked(cli.main, ["nodes", "drop", f"cluster.bad_nodes={path}"], cwd=tmp_path)
     assert p.code == 2 and p.err_lines == ["hpctrain: error: nodes 'drop' is not an action: use `nodes` to list or "
                                            "`nodes clear [NODE ...]`"], p.err

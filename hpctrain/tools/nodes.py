@@ -1,5 +1,7 @@
-"""`python -m hpctrain nodes [clear [NODE ...]] [--all] [cluster.bad_nodes=PATH cluster.bad_node_expiry_h=H]`: the
-bad-node list (hpctrain.runtime.bad_nodes) — which nodes the next submissions leave out and why — and clearing it."""
+"""`python -m hpctrain nodes [clear [NODE ...]] [--all] [--sbatch] [cluster.bad_nodes=PATH cluster.bad_node_expiry_h=H]`:
+the bad-node list (hpctrain.runtime.bad_nodes) — which nodes the next submissions leave out and why — and clearing
+it. `--sbatch` prints sbatch's option for them (`--exclude=n2,n7`, or nothing), for a template submitted by hand:
+`sbatch $(python -m hpctrain nodes --sbatch) sbatch/train.sbatch ...`."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                            "which submissions leave out (--exclude) until their records expire.")
     p.add_argument("words", nargs="*", help="`clear [NODE ...]` (every node without names); cluster.* overrides")
     p.add_argument("--all", action="store_true", help="also the expired records")
+    p.add_argument("--sbatch", action="store_true",
+                   help="print sbatch's --exclude= option for the listed nodes (nothing when none)")
     a = p.parse_args(argv)
     overrides = [w for w in a.words if "=" in w]
     words = [w for w in a.words if "=" not in w]
@@ -53,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if not cluster.bad_nodes:
         fail("cluster.bad_nodes is null: there is no bad-node list to show")
     try:
-        if words:
+        if a.sbatch:  # (names are checked to look like node names: safe to split unquoted)
+            nodes = sorted(bad_nodes.excluded(cluster.bad_nodes, cluster.bad_node_expiry_h))
+            print(f"--exclude={','.join(nodes)}" if nodes else "")
+        elif words:
             n = bad_nodes.clear(cluster.bad_nodes, words[1:] or None)
             print(f"hpctrain: cleared {n} record{'s' * (n != 1)} from {cluster.bad_nodes}")
         else:
