@@ -55,3 +55,30 @@ def test_auto_saves_at_the_steps_the_rule_gives_for_the_measured_inputs(make_cfg
     logged = [r["step_time_s"] for r in records(tmp_path) if "step_time_s" in r and r["step"] > FIRST_AUTO_STEP]
     for d in decisions[1:]:
         assert 0.5 <= d["step_s"] / statistics.median(logged) <= 5
+
+
+def test_the_mtbf_is_learned_from_the_bad_node_list(make_cfg, tmp_path, monkeypatch):
+    """cluster.learn_mtbf: the list's node failures over its runs' node-hours, cluster.node_mtbf_h as one prior
+    failure; the run (a Slurm job) adds its own node-hours to the list."""
+    from hpctrain.runtime import bad_nodes
+
+    path = str(tmp_path / "list.json")
+    assert bad_nodes.node_mtbf_h(path, 5.0)[0] == 5.0  # nothing seen yet: the prior
+    bad_nodes.add_node_hours(path, 0.0004)
+    bad_nodes.record(path, ["n2"], "died", "lost", "runs/a")
+    bad_nodes.record(path, ["n3"], "straggler", "slow", "runs/a")  # not a failure
+    learned, how = bad_nodes.node_mtbf_h(path, 0.0002)
+    assert learned == pytest.approx((0.0004 + 0.0002) / 2) and "1 node failure(s) in 0.0004 node-hours" in how
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # a Slurm run adds its node-hours
+    result = train(make_cfg("train.ckpt_every=auto", "cluster.node_mtbf_h=0.0002", f"cluster.bad_nodes={path}",
+                            "train.max_steps=6", "train.eval_every=0"), str(tmp_path / "run"))
+    assert result["status"] == "completed"
+    assert [d["mtbf_s"] for d in result["checkpoints"]["cadence"]] == pytest.approx([learned * 3600] * len(
+        result["checkpoints"]["cadence"])) and result["checkpoints"]["cadence"]
+    hours = bad_nodes._read(path)[1]
+    assert hours == pytest.approx(0.0004 + result["wall_time_s"] / 3600, abs=2e-4)
+    assert bad_nodes.clear(path) == 2 and bad_nodes._read(path)[1] == pytest.approx(hours)  # clearing keeps them
+    off = train(make_cfg("train.ckpt_every=auto", "cluster.node_mtbf_h=0.0002", f"cluster.bad_nodes={path}",
+                         "cluster.learn_mtbf=false", "train.max_steps=4", "train.eval_every=0"), str(tmp_path / "off"))
+    assert [d["mtbf_s"] for d in off["checkpoints"]["cadence"]] == pytest.approx([0.0002 * 3600] * len(
+        off["checkpoints"]["cadence"])) and off["checkpoints"]["cadence"]

@@ -423,6 +423,9 @@ class ClusterConfig:
     # A node's mean time between failures, for train.ckpt_every=auto (the job's is this over its node count). The
     # default is Llama 3's 405B training: 419 unexpected interruptions in 54 days on 2,048 nodes of 8 H100s.
     node_mtbf_h: float = 6335.0
+    # Learn it from the bad-node list (cluster.bad_nodes): the nodes that died or hung in its runs over the node-hours
+    # they trained, node_mtbf_h counting as one prior failure (hpctrain.runtime.bad_nodes.node_mtbf_h).
+    learn_mtbf: bool = True
     # Nodes that lost a rank, hung, failed preflight or straggled in two runs (hpctrain.runtime.bad_nodes): left out of
     # the next submissions for this long; `hpctrain nodes` lists and clears them. null: no list.
     bad_nodes: str | None = "${oc.env:HPCTRAIN_BAD_NODES,'~/.hpctrain/bad_nodes.json'}"

@@ -57,6 +57,9 @@ _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 def _valid(doc) -> bool:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("records"), list):
         return False
+    hours = doc.get("node_hours", 0.0)
+    if type(hours) not in (int, float) or not 0 <= hours < float("inf"):
+        return False
     return all(isinstance(r, dict) and isinstance(r.get("node"), str) and _NODE.fullmatch(r["node"])
                and r.get("reason") in REPEATS
                and isinstance(r.get("detail"), str) and type(r.get("at")) in (int, float) for r in doc["records"])
@@ -65,9 +68,14 @@ def _valid(doc) -> bool:
 def read(path: str) -> list[Record]:
     """Every record of the list at `path` ([] when there is none); ConfigError for a file this module did not
     write."""
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[list[Record], float]:
+    """(the records, the node-hours the list's runs trained: its exposure)."""
     path = _path(path)
     if not os.path.lexists(path):
-        return []
+        return [], 0.0
     try:
         doc = read_json(path)
     except (OSError, ValueError) as e:
@@ -77,7 +85,7 @@ def read(path: str) -> list[Record]:
         raise ConfigError(f"cluster.bad_nodes={path} is not a bad-node list written by hpctrain: point "
                           "cluster.bad_nodes at another file (hpctrain never overwrites a file it did not write)")
     return [Record(r["node"], r["reason"], r["detail"], float(r["at"]), str(r.get("run", "")), str(r.get("job", "")))
-            for r in doc["records"]]
+            for r in doc["records"]], float(doc.get("node_hours", 0.0))
 
 
 @contextmanager
@@ -91,8 +99,9 @@ def _locked(path: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _write(path: str, records: list[Record]) -> None:
-    write_json(path, {"format": FORMAT, "records": [asdict(r) for r in records[-MAX_RECORDS:]]})
+def _write(path: str, records: list[Record], node_hours: float) -> None:
+    write_json(path, {"format": FORMAT, "records": [asdict(r) for r in records[-MAX_RECORDS:]],
+                      "node_hours": round(node_hours, 4)})
 
 
 def record(path: str | None, nodes: list[str], reason: str, detail: str, run: str = "") -> None:
@@ -105,13 +114,13 @@ def record(path: str | None, nodes: list[str], reason: str, detail: str, run: st
     job = os.environ.get("SLURM_JOB_ID", "")
     try:
         with _locked(path):
-            records = read(path)
+            records, hours = _read(path)
             now = time.time()  # several ranks report the same loss: one record
             seen = {(r.node, r.reason, r.run, r.job) for r in records if now - r.at < SAME_EVENT_S}
             new = [Record(n, reason, detail, now, run, job) for n in dict.fromkeys(nodes)
                    if (n, reason, run, job) not in seen]
             if new:
-                _write(path, records + new)
+                _write(path, records + new, hours)
                 log.warning("bad-node list %s: %s (%s)", path, ", ".join(r.node for r in new), reason)
     except (OSError, ConfigError) as e:
         log.error("the bad-node list could not record %s (%s): %s", ", ".join(nodes), reason, e)
@@ -146,9 +155,44 @@ def clear(path: str, nodes: list[str] | None = None) -> int:
     """Forget `nodes` (every node when None); how many records went."""
     path = _path(path)
     with _locked(path):
-        records = read(path)
+        records, hours = _read(path)
         if not records:
             return 0
         kept = [r for r in records if nodes is not None and r.node not in nodes]
-        _write(path, kept)
+        _write(path, kept, hours)
         return len(records) - len(kept)
+
+
+FAILURES = ("died", "hung")  # what a node's mean time between failures counts (not preflight, not stragglers)
+
+
+def add_node_hours(path: str | None, node_hours: float) -> None:
+    """A finished (or failed) Slurm run's nodes × hours, the exposure its failures are counted against. Never
+    raises (said in the log)."""
+    if not path or not node_hours > 0:
+        return
+    path = _path(path)
+    try:
+        with _locked(path):
+            records, hours = _read(path)
+            _write(path, records, hours + node_hours)
+    except (OSError, ConfigError) as e:
+        log.error("the bad-node list could not add this run's %.3g node-hours: %s", node_hours, e)
+
+
+def node_mtbf_h(path: str | None, prior_h: float) -> tuple[float, str]:
+    """A node's mean time between failures, learned from the list: its runs' node-hours over the nodes that died or
+    hung in them, with cluster.node_mtbf_h as one failure's worth of prior evidence ((hours + prior) / (failures +
+    1): the prior alone until the list has seen something, the list's own rate once it has seen many); and how it
+    was reached, for the log. A list that cannot be read: the prior."""
+    try:
+        records, hours = _read(path) if path else ([], 0.0)
+    except ConfigError as e:
+        log.error("%s", e)
+        records, hours = [], 0.0
+    failures = len({(r.node, r.job or r.run, r.reason) for r in records if r.reason in FAILURES})
+    if not hours and not failures:
+        return prior_h, f"cluster.node_mtbf_h={prior_h:g} (the bad-node list has seen no runs yet)"
+    learned = (hours + prior_h) / (failures + 1)
+    return learned, (f"{learned:.4g} h learned: {failures} node failure(s) in {hours:.4g} node-hours of runs recorded "
+                     f"in {path}, with cluster.node_mtbf_h={prior_h:g} as one prior failure")

@@ -85,7 +85,9 @@ class Cadence:
             return
         mark_step, mark_t = self._mark
         step_s = (now - stall_s - mark_t) / (step - mark_step)
-        stall_s, step_s = all_reduced([stall_s, step_s], "max")
+        # (every rank the slowest's figures, and the lowest MTBF: a list read while another job wrote it)
+        stall_s, step_s, neg_mtbf = all_reduced([stall_s, step_s, -self.mtbf_s], "max")
+        self.mtbf_s = -neg_mtbf
         interval = daly_interval(stall_s, self.mtbf_s)
         every = max(1, round(interval / step_s)) if step_s > 0 else 1
         d = Decision(step, stall_s, step_s, self.mtbf_s, interval, every, (every * step_s + stall_s) / 2)

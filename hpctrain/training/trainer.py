@@ -112,8 +112,18 @@ class Trainer:
                                          {"run": self.state, "scheduler": self.scheduler},
                                          {"scaler": self.precision.scaler, "loss_spike": self.spikes},
                                          self.cfg.cluster.pg_timeout_s, spec.weights(spec.args(self.cfg.model)),
-                                         self.cfg.cluster.node_mtbf_h * 3600 / job.job_nodes())
+                                         self._node_mtbf_h() * 3600 / job.job_nodes())
         self._start_weights(start)
+
+    def _node_mtbf_h(self) -> float:
+        """cluster.node_mtbf_h, or learned from the bad-node list (cluster.learn_mtbf): for train.ckpt_every=auto."""
+        c = self.cfg.cluster
+        if str(self.cfg.train.ckpt_every) != "auto" or not (c.learn_mtbf and c.bad_nodes):
+            return c.node_mtbf_h
+        hours, how = bad_nodes.node_mtbf_h(c.bad_nodes, c.node_mtbf_h)
+        if self.env.is_main:
+            log.info("node MTBF for the checkpoint cadence: %s", how)
+        return hours
 
     def _build_monitoring(self, prepared) -> None:
         cfg, env, shape, t, m, spec = self.cfg, self.env, self.shape, self.cfg.train, self.cfg.monitor, self.spec
@@ -342,6 +352,8 @@ class Trainer:
                 if status == RunStatus.completed:
                     raise
                 log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status.value)
+        if self.env.is_main and job.in_slurm_job():  # the exposure a learned MTBF counts failures against
+            bad_nodes.add_node_hours(self.cfg.cluster.bad_nodes, job.job_nodes() * s.elapsed_s() / 3600)
         if failed:  # only now: when a peer died, srun's SIGTERM (--kill-on-bad-exit) must not cut off result.json
             self.signals.restore(drain=False)
         return result
