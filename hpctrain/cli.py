@@ -220,7 +220,7 @@ def plan(argv: list[str]) -> int:
         print(text)
         if args.write and found:
             try:
-                layout_search.write_parallel(args.write, found[0])
+                layout_search.write_parallel(args.write, found[0], cfg.parallel)
             except FileExistsError:
                 fail(f"{args.write} exists: --write makes a new file, choose another name")
             except OSError as e:

@@ -106,7 +106,7 @@ def test_search_beats_the_published_layout_or_says_why(name):
 
 def test_search_prints_the_fastest_that_fit_and_writes_a_parallel_file(tmp_path, capsys):
     overrides = ["model=llama_7b", "train.global_batch=256", "train.seq_len=4096", "precision=bf16",
-                 "cluster.gpu_type=A100", "cluster.gpu_mem_gb=80"]
+                 "cluster.gpu_type=A100", "cluster.gpu_mem_gb=80", "parallel.grad_reduce_dtype=bf16"]
     out = tmp_path / "fast.yaml"
     assert cli.plan(["--search", "--gpus", "64", "--top", "3", "--write", str(out), *overrides]) == 0
     text = capsys.readouterr().out
@@ -117,6 +117,7 @@ def test_search_prints_the_fastest_that_fit_and_writes_a_parallel_file(tmp_path,
     assert all(float(g) <= 80 * 0.9 * 1e9 / 2**30 / (1e9 / 2**30) for _, g in shown)
     # the file is a parallel= group whose run the planner predicts as the search did
     keys = dict(line.split(": ", 1) for line in out.read_text().splitlines() if not line.startswith("#"))
+    assert keys["grad_reduce_dtype"] == "bf16" and keys["name"] == "fast"  # the whole group: the run's other keys
     mb = re.search(r"train.micro_batch=(\d+)", out.read_text()).group(1)
     cfg = compose([*overrides, *(f"parallel.{k}={v}" for k, v in keys.items() if k != "name"),
                    f"train.micro_batch={mb}"])

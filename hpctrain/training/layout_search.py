@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from omegaconf import OmegaConf
@@ -34,15 +35,15 @@ class Candidate:
     ac: str
     ac_every: int = 1
 
-    def overrides(self) -> list[str]:
+    def parallel_keys(self) -> dict:
         lay = self.layout
-        return [f"parallel.dp={lay.dp}", f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.cp={lay.cp}",
-                f"parallel.ep={lay.ep}", f"parallel.pp_schedule={lay.pp_schedule}",
-                f"parallel.pp_virtual_stages={lay.pp_virtual_stages}", f"parallel.zero_stage={self.zero_stage}",
-                f"parallel.sequence_parallel={str(lay.tp > 1).lower()}",
-                f"parallel.activation_checkpointing={self.ac}", f"parallel.ac_every={self.ac_every}",
-                f"train.micro_batch={self.micro_batch}",
-                "train.grad_accum=null"]
+        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "pp_schedule": lay.pp_schedule,
+                "pp_virtual_stages": lay.pp_virtual_stages, "zero_stage": self.zero_stage,
+                "sequence_parallel": lay.tp > 1, "activation_checkpointing": self.ac, "ac_every": self.ac_every}
+
+    def overrides(self) -> list[str]:
+        return ([f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.parallel_keys().items()]
+                + [f"train.micro_batch={self.micro_batch}", "train.grad_accum=null"])
 
     def describe(self) -> str:
         lay = self.layout
@@ -105,6 +106,7 @@ class Searcher:
         self.typed = typed(cfg)  # (the schema's dataclasses: the memory estimate reads them ten times faster)
         self.usable = cfg.cluster.gpu_mem_gb * planner.HEADROOM * planner.GiB
         self._stages = {}
+        self.refusals: Counter[str] = Counter()  # why the checked ones were refused (their first words)
 
     def predict(self, c: Candidate) -> step_time.Prediction:
         x = replace(self.base, layout=c.layout, micro_batch=c.micro_batch, grad_accum=c.grad_accum,
@@ -149,9 +151,11 @@ class Searcher:
             if len(found) == top:
                 break
             checked += 1
-            gib, _ = self.check(c)
+            gib, why = self.check(c)
             if gib is not None:
                 found.append(Found(c, prediction, gib))
+            else:
+                self.refusals[why.split(":")[0]] += 1
         return found, len(timed), checked, time.perf_counter() - started
 
 
@@ -176,11 +180,14 @@ def _single(cfg):
 
 
 def report(cfg, gpus: int, top: int = 5) -> tuple[str, list[Found]]:
-    found, timed, checked, took = search(cfg, gpus, top)
+    searcher = Searcher(cfg, gpus)
+    found, timed, checked, took = searcher.search(top)
+    why = searcher.refusals.most_common(1)[0][0] if searcher.refusals else ""
     out = [f"search: {timed} layouts of {gpus} GPUs timed, {checked} checked against hpctrain's rules and "
            f"{cfg.cluster.gpu_mem_gb:g} GB per GPU in {took:.1f} s; the fastest that fit:"]
     if not found:
-        out.append("  none fits: more GPUs, a smaller train.global_batch per GPU, or a larger cluster.gpu_mem_gb")
+        out.append("  none fits or is allowed: more GPUs, a smaller train.global_batch per GPU, a larger "
+                   "cluster.gpu_mem_gb" + (f"; the commonest refusal: {why}" if why else ""))
     for i, f in enumerate(found, 1):
         p = f.prediction
         out.append(f"{i}. {f.candidate.describe()}: {p.step_s:.3g} s/step, {p.tokens_per_s_per_gpu:,.0f} tokens/s "
@@ -190,13 +197,13 @@ def report(cfg, gpus: int, top: int = 5) -> tuple[str, list[Found]]:
     return "\n".join(out), found
 
 
-def write_parallel(path: str, found: Found) -> None:
-    """The chosen layout as a `parallel=` config file (a new file: an existing one is never overwritten)."""
+def write_parallel(path: str, found: Found, parallel) -> None:
+    """The chosen layout as a `parallel=` config file: the run's `parallel` group (every key: choosing the file
+    replaces the group) with the layout's keys. A new file: an existing one is never overwritten."""
     c = found.candidate
-    keys = {o.split("=", 1)[0].split(".", 1)[1]: o.split("=", 1)[1] for o in c.overrides()
-            if o.startswith("parallel.")}
+    keys = {**OmegaConf.to_container(parallel, resolve=True, enum_to_str=True), **c.parallel_keys(),
+            "name": os.path.splitext(os.path.basename(path))[0]}
     text = (f"# hpctrain plan --search: {c.describe()} ({found.prediction.line().removeprefix('predicted: ')})\n"
-            f"# with train.micro_batch={c.micro_batch}\nname: {os.path.splitext(os.path.basename(path))[0]}\n"
-            + "".join(f"{k}: {v}\n" for k, v in keys.items()))
+            f"# with train.micro_batch={c.micro_batch}\n" + OmegaConf.to_yaml(keys))
     with open(path, "x") as f:
         f.write(text)

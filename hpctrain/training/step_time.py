@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from hpctrain.core.config import ActCkpt, ConfigError, PrecisionName, ReduceDtype
+from hpctrain.models.moe import expert_hidden, is_sparse
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel.context import gathered_bytes
 from hpctrain.parallel.experts import all_to_all_bytes
@@ -215,10 +216,10 @@ def _exposed(comm: float, compute: float, units: int) -> float:
     return max(0.0, comm - compute) + comm / units + OVERLAP_COST * min(comm, compute)
 
 
-def _stage_layers(n_layers: int, pp: int, v: int) -> int:
+def _stage_layers(n_layers: int, pp: int, v: int) -> tuple[int, ...]:
     """The layers the busiest pipeline rank holds (every chunk a layer more on the first L % (pp·v) chunks)."""
     chunks = stage_layers(n_layers, pp * v)
-    return max(sum(len(chunks[r * pp + s]) for r in range(v)) for s in range(pp))
+    return max((tuple(i for r in range(v) for i in chunks[r * pp + s]) for s in range(pp)), key=len)
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class _Work:
     """What every term of one micro-batch on the busiest stage's rank starts from."""
 
     tokens: int  # the micro-batch's tokens on this rank
-    layers: int  # the stage's
+    layer_ids: tuple[int, ...]  # the stage's
     layer_params: float  # matmul weights one token goes through, per layer
     head_params: int
     attn_width: int  # heads × head_dim
@@ -237,6 +238,10 @@ class _Work:
     @property
     def passes(self) -> float:
         return 3.0 + self.recomputed  # forward, backward (2), recomputation
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_ids)
 
     @classmethod
     def of(cls, x: StepInputs, hw: Hardware) -> _Work:
@@ -279,11 +284,12 @@ def _exchanges(x: StepInputs, w: _Work, hw: Hardware, sw: Software) -> dict[str,
         out["tp"] = (4 + 2 * w.recomputed) * w.layers * all_reduce_s(act, *_span(lay, "tp", hw), hw)
     if lay.cp > 1:
         kv = getattr(a, "kv_heads", a.n_heads) * w.head_dim // lay.tp
-        moved = gathered_bytes(kv, w.tokens, lay.cp, w.layers, x.c, w.recomputed > 0)
+        # (forward and backward, and the share of the blocks recomputed)
+        moved = gathered_bytes(kv, w.tokens, lay.cp, w.layers, x.c, False) * (2 + w.recomputed) / 2
         out["cp"] = gather_s(moved * lay.cp / (lay.cp - 1), *_span(lay, "cp", hw), hw)
     moe = getattr(a, "moe", None)
     if lay.ep > 1 and moe is not None:
-        sent = all_to_all_bytes(moe, list(range(w.layers)), a.dim, w.tokens, lay.ep, x.c, w.recomputed > 0)
+        sent = all_to_all_bytes(moe, list(w.layer_ids), a.dim, w.tokens, lay.ep, x.c, False) * (2 + w.recomputed) / 2
         g, k = _span(replace(lay, dp=lay.ep), "dp", hw)
         out["ep"] = sent * ((g - 1) / max(1, g * k - 1) / (hw.intra_gbps * 1e9)
                             + (g * k - g) / max(1, g * k - 1) / (hw.inter_gbps * 1e9))
@@ -294,37 +300,56 @@ def _exchanges(x: StepInputs, w: _Work, hw: Hardware, sw: Software) -> dict[str,
     return out
 
 
+def _expert_params(a, layer_ids) -> float:
+    """The routed experts' matmul weights in these layers (held whole on every tp rank, shared out over ep)."""
+    moe = getattr(a, "moe", None)
+    if moe is None or not moe.num_experts:
+        return 0.0
+    return sum(3.0 * a.dim * expert_hidden(moe, a.ffn_hidden) * moe.num_experts for i in layer_ids
+               if is_sparse(moe, i))
+
+
 def _weights(x: StepInputs, w: _Work, hw: Hardware, sw: Software, compute_mb: float) -> tuple[float, float, float]:
-    """(exposed FSDP traffic per micro-batch, exposed gradient reduction per step, the optimizer's pass)."""
+    """(exposed FSDP traffic per micro-batch, exposed traffic once per step, the optimizer's pass).
+
+    What FSDP2 does in hpctrain: without a pipeline, ZeRO-2 gathers the weights for each micro-batch (kept through
+    its backward), ZeRO-3 in forward and again in backward, and gradients are reduce-scattered each micro-batch
+    (parallel.sharded_accumulation) or once. Under a pipeline schedule torch keeps the weights gathered and the
+    gradients unreduced from one micro-batch to the next: ZeRO-2 gathers once per step, ZeRO-3 once per micro-batch
+    (for backward), and the reduction runs once, after the last micro-batch, exposed (ZeRO-0's all-reduce too).
+    Routed experts are shared out over ep and sharded over the rest of dp (dp_mod_ep)."""
     a, lay = x.args, x.layout
-    # this rank's weights: its layers' (every expert's) and the output head's (the busiest stage is the last)
     embeddings = w.head_params * (1 if getattr(a, "tie_embeddings", False) else 2)
-    params = ((x.spec.num_params(a) - embeddings) / a.n_layers * w.layers
-              + w.head_params * (2 if lay.pp == 1 else 1)) / lay.tp
-    reduce_n = lay.dp * lay.cp
-    g, k = _span(replace(lay, dp=reduce_n, cp=1), "dp", hw)
+    experts = _expert_params(a, w.layer_ids)
+    blocks = (x.spec.num_params(a) - embeddings) / a.n_layers * w.layers - experts
+    # the busiest stage is the last: its layers and the output head (one process: every weight)
+    dense = (blocks + (embeddings if lay.pp == 1 else w.head_params)) / lay.tp
+    groups = [(dense, _span(replace(lay, dp=lay.dp * lay.cp, cp=1), "dp", hw), lay.dp * lay.cp),
+              (experts / lay.ep, _span(replace(lay, dp=lay.dp // lay.ep, cp=lay.cp * lay.ep), "dp", hw),
+               lay.dp // lay.ep)]
     units = w.layers + 1  # FSDP's: a block each, and the root (embedding, head)
 
-    def per_unit(collective, nbytes: float) -> float:  # one collective per unit: the latency paid each time
-        return units * collective(nbytes / units, g, k, hw)
+    def traffic(collective, bytes_per_param: float) -> float:  # one collective per unit: its latency each time
+        return sum(units * collective(n * bytes_per_param / units, g, k, hw) for n, (g, k), _ in groups if n)
 
-    fsdp_mb, dp_step = 0.0, 0.0
+    pipelined, m = lay.pipelined, x.grad_accum
     backward = compute_mb * 2 / w.passes  # the last micro-batch's backward, which a gradient reduction overlaps
-    if x.zero_stage == 2 and reduce_n > 1 and sw.gather_once_per_step:
-        comm = per_unit(gather_s, params * x.c) + per_unit(gather_s, params * x.grad_bytes)
-        dp_step = _exposed(comm, backward, units)
-    elif x.zero_stage >= 2 and reduce_n > 1:
-        comm = (2 if x.zero_stage == 3 else 1) * per_unit(gather_s, params * x.c)
-        if x.sharded_accumulation or x.grad_accum == 1:
-            comm += per_unit(gather_s, params * x.grad_bytes)
-        else:
-            dp_step = per_unit(gather_s, params * x.grad_bytes)
-        fsdp_mb = _exposed(comm, compute_mb, units)  # prefetched under the compute
-    elif reduce_n > 1:
-        reduce = per_unit(all_reduce_s, params * x.grad_bytes)
-        dp_step = _exposed(reduce, backward, units) if sw.overlap_grad_reduce else reduce
-    shard = reduce_n if x.zero_stage >= 2 else 1
-    return fsdp_mb, dp_step, params / shard * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9)
+    if x.zero_stage >= 2:
+        once = x.zero_stage == 2 and (pipelined or sw.gather_once_per_step)
+        gathers = 0 if once else 1 if pipelined else 2 if x.zero_stage == 3 else 1
+        reduce_each = not (pipelined or once) and (x.sharded_accumulation or m == 1)
+        per_mb = gathers * traffic(gather_s, x.c) + (traffic(gather_s, x.grad_bytes) if reduce_each else 0.0)
+        fsdp_mb = _exposed(per_mb, compute_mb, units)  # prefetched under the compute
+        step = _exposed(traffic(gather_s, x.c), compute_mb, units) if once else 0.0
+        if not reduce_each:
+            reduce = traffic(gather_s, x.grad_bytes)
+            step += reduce if pipelined else _exposed(reduce, backward, units)
+    else:
+        fsdp_mb = 0.0
+        reduce = traffic(all_reduce_s, x.grad_bytes)
+        step = _exposed(reduce, backward, units) if sw.overlap_grad_reduce and not pipelined else reduce
+    optimizer = sum(n / (shard if x.zero_stage >= 2 else 1) for n, _, shard in groups)
+    return fsdp_mb, step, optimizer * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9)
 
 
 def predict(x: StepInputs, hw: Hardware, sw: Software = Software()) -> Prediction:
