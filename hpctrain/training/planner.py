@@ -176,13 +176,19 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     p, layout, tp = r.cfg.parallel, r.plan.layout, r.plan.layout.tp
     # FSDP spans the dp×cp ranks (context parallel ranks add up gradients as data parallel ones do)
     P, accumulating, replicas = st.per_device(tp), r.plan.grad_accum > 1, 1 if r.compressed else layout.reduce_ranks
-    # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too (not pipelines: each
-    # schedule run reduces).
-    full_grads = r.shard > 1 and accumulating and not p.sharded_accumulation and not layout.pipelined
-    terms = [sharded_weights(P, r.shard, p.cpu_offload, accumulating, full_grads), {"buffers": Term.held(st.buffers)},
+    # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too; so does any ZeRO stage
+    # under a pipeline schedule, which keeps the gradients unreduced and the weights gathered from one micro-batch to
+    # the next (torch.distributed.pipelining reduces after the last; measured: tests/test_plan.py pp2_dp2_zero2/3).
+    full_grads = r.shard > 1 and accumulating and (layout.pipelined or not p.sharded_accumulation)
+    flight = layout.in_flight(i, r.m)
+    pipelined_full = ("steady" if r.m > flight else "first") if layout.pipelined else ""
+    terms = [sharded_weights(P, r.shard, p.cpu_offload, accumulating, full_grads, pipelined_full),
+             {"buffers": Term.held(st.buffers)},
              optimizer.memory_terms(r.cfg.optim, P, st.factored / tp, layout.world > layout.pp, r.shard,
                                     p.cpu_offload),
-             {"copies": gathered_copies(p.zero_stage, replicas, r.c, P, st.largest_block / tp)}]
+             # ZeRO-3 under a pipeline keeps every unit gathered from its backward to the next forward: as ZeRO-2
+             {"copies": gathered_copies(2 if layout.pipelined and p.zero_stage == 3 else p.zero_stage, replicas, r.c,
+                                        P, st.largest_block / tp)}]
     flight = layout.in_flight(i, r.m) * len(st.layers)  # one mask per micro-batch in flight on each chunk
     if layout.cp > 1:
         rows = r.plan.micro_batch if r.cfg.train.document_mask else 1
