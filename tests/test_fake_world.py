@@ -17,11 +17,13 @@ def worlds():
             **{r["world"]: r for r in fake_world.measure((8192,), global_plan=False)}}
 
 
-def test_a_rank_of_8192_starts_votes_gathers_and_plans_its_save_in_this_machines_memory(worlds):
+def test_a_rank_of_8192_starts_steps_votes_gathers_and_plans_its_save_in_this_machines_memory(worlds):
     big = worlds[8192]
     assert (big["dp"], big["tp"], big["pp"]) == (128, 8, 8)
     assert big["local_items"] > 0 and big["rss_mb"] < 4096, big
     assert big["vote_ms_per_step"] >= 0 and big["peaks_gather_s"] >= 0
+    # a training step of dp×tp = 1,024×8 with ZeRO-3 ran to its end (the fake group moves no data: whatever the loss)
+    assert big["step_layout"] == "1024×8×1" and big["step_status"] in ("ok", "nonfinite") and big["step_s"] > 0
 
 
 def test_checkpoint_metadata_grows_with_the_shards_not_faster(worlds):

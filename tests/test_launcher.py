@@ -134,6 +134,17 @@ def test_only_the_main_rank_reports_a_deliberate_stop_in_its_exit_code():
         assert Stopped(kind, 3, "SIGUSR2", main=False).exit_code == 0
 
 
+def test_job_ports_stay_below_the_ephemeral_range_and_differ_per_step():
+    """A supervised restart's rendezvous port was once taken by some process's outgoing connection (EADDRINUSE):
+    derived ports stay below Linux's ephemeral range; each step of a job, and each packed point, gets its own."""
+    from hpctrain.parallel.process_group import job_port
+
+    lo, _ = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = [job_port(job, slot) for job in (1, 2023, 999_999) for slot in range(64)]
+    assert all(1024 < p < min(lo, 32768) for p in ports)
+    assert len({job_port(2023, slot) for slot in range(64)}) == 64
+
+
 def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
     """A job requeued again and again without reaching a new checkpoint gives up after max_stalled_restarts."""
     from hpctrain.runtime.job import record_attempt

@@ -21,6 +21,7 @@ import sys
 import time
 
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
+from hpctrain.parallel.process_group import job_port
 from hpctrain.runtime.job import EXIT_PREEMPTED, SRUN_ARGS, hostnames, requeue_job
 
 log = logging.getLogger("hpctrain")
@@ -91,7 +92,7 @@ class SupervisedRun:
     def _step(self, job: str, nodes: list[str], attempt: int) -> tuple[int, list[str]]:
         """One srun step of the training on `nodes`: its exit code, and srun's lines on how its tasks ended
         (`srun: error: n2: task 1: Killed`, an out-of-memory kill), which only srun knows."""
-        env = dict(os.environ, MASTER_PORT=str(20000 + (int(job) * 8 + attempt) % 20000))  # a fresh store per step
+        env = dict(os.environ, MASTER_PORT=str(job_port(int(job), attempt)))  # a fresh store per step
         env.pop("MASTER_ADDR", None)  # the step's first node (hpctrain.parallel.process_group)
         cmd = ["srun", *SRUN_ARGS, f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tasks_per_node}",
                f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
@@ -158,7 +159,7 @@ class PackedRuns:
         job = os.environ["SLURM_JOB_ID"]
         steps = []
         for i, (run_dir, nodes, tasks) in enumerate(self.points):
-            env = dict(os.environ, MASTER_PORT=str(20000 + (int(job) * 64 + i) % 20000))
+            env = dict(os.environ, MASTER_PORT=str(job_port(int(job), 32 + i % 32)))
             env.pop("MASTER_ADDR", None)
             cmd = ["srun", *SRUN_ARGS, "--exact", f"--nodes={nodes}", f"--ntasks={tasks}",
                    *([f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []),

@@ -70,7 +70,14 @@ def _slurm_env() -> None:
             out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
             host = (out.stdout.split() or [host])[0]
         e["MASTER_ADDR"] = host
-    e.setdefault("MASTER_PORT", str(20000 + int(e.get("SLURM_JOB_ID", "0")) % 20000))
+    e.setdefault("MASTER_PORT", str(job_port(int(e.get("SLURM_JOB_ID", "0")))))
+
+
+def job_port(job: int, slot: int = 0) -> int:
+    """The rendezvous port of a Slurm job's training (`slot`: a supervised job's step, a packed point): derived, so
+    that every node agrees without talking, and below Linux's ephemeral range (32768-60999), where any process's
+    outgoing connection may hold it (measured: a supervisor's restart found its port 36185 taken, EADDRINUSE)."""
+    return 20000 + (job * 64 + slot) % 12000
 
 
 def apply_env(settings: dict[str, str | None] | None) -> dict[str, str]:
