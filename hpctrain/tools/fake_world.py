@@ -163,8 +163,8 @@ def one_world(world: int, global_plan: bool = True) -> dict:
     Peaks(1, 1.0, 2).report(2, world)
     times["peaks_gather_s"] = time.perf_counter() - t
     out["startup_s"] = times["process_group_s"] + times["mesh_s"] + times["model_s"]
+    out.update(_training_step(world))  # (before the save plans: deriving them starts the process group again)
     out.update(_save_plans(model, parallel, layout, mesh, world, times, global_plan))
-    out.update(_training_step(world))
     out["rss_mb"] = _rss_mb()
     return {**out, **{k: round(v, 4) for k, v in times.items()}}
 
