@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import SMALL_MODEL
@@ -139,7 +140,7 @@ def test_job_ports_stay_below_the_ephemeral_range_and_differ_per_step():
     derived ports stay below Linux's ephemeral range; each step of a job, and each packed point, gets its own."""
     from hpctrain.parallel.process_group import job_port
 
-    lo, _ = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    lo, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     ports = [job_port(job, slot) for job in (1, 2023, 999_999) for slot in range(64)]
     assert all(1024 < p < min(lo, 32768) for p in ports)
     assert len({job_port(2023, slot) for slot in range(64)}) == 64
