@@ -175,14 +175,15 @@ def test_srun_task_environment_becomes_torch_rank(monkeypatch):
     the job id (the same on every node, different per job)."""
     import shutil
 
-    from hpctrain.parallel.process_group import _slurm_env, launched_world
+    from hpctrain.parallel.process_group import _slurm_env, job_port, launched_world
 
     monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
                                         "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-10]"})
     assert launched_world() == 8
     _slurm_env()
     assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")} == {
-        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_PORT": "21234"}
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_PORT": "26976"}
+    assert job_port(1234) == 20000 + 1234 * 64 % 12000 == 26976
     if shutil.which("scontrol"):  # Slurm's own hostlist expansion
         assert os.environ["MASTER_ADDR"] == "gpu07"
 
