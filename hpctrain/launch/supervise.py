@@ -21,8 +21,8 @@ import sys
 import time
 
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
-from hpctrain.parallel.process_group import job_port
-from hpctrain.runtime.job import EXIT_PREEMPTED, SRUN_ARGS, hostnames, requeue_job
+from hpctrain.parallel.process_group import hostnames, job_port
+from hpctrain.runtime.job import EXIT_PREEMPTED, SRUN_ARGS, requeue_job
 
 log = logging.getLogger("hpctrain")
 

@@ -43,6 +43,13 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
+def layer_map(n_layers: int, pp: int, v: int = 1) -> list[list[range]]:
+    """Per pipeline rank, its chunks of contiguous layers: rank s of virtual round r holds chunk r·pp + s
+    (`stage_layers`' split)."""
+    chunks = stage_layers(n_layers, pp * v)
+    return [[chunks[r * pp + s] for r in range(v)] for s in range(pp)]
+
+
 @dataclass(frozen=True)
 class Layout:
     pp: int = 1

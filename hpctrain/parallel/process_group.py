@@ -67,10 +67,15 @@ def _slurm_env() -> None:
         host = "127.0.0.1"
         nodes = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST")
         if nodes and shutil.which("scontrol"):
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
-            host = (out.stdout.split() or [host])[0]
+            host = (hostnames(nodes) or [host])[0]
         e["MASTER_ADDR"] = host
     e.setdefault("MASTER_PORT", str(job_port(int(e.get("SLURM_JOB_ID", "0")))))
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Slurm's node list (`n[1-3]`) as names."""
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          timeout=60).stdout.split()
 
 
 def job_port(job: int, slot: int = 0) -> int:

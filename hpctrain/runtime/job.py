@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from hpctrain.core.config import signal_number
 from hpctrain.core.files import RESULT_FILE, read_json, read_object, write_json
+from hpctrain.parallel.process_group import hostnames
 from hpctrain.parallel.vote import OverlappedVote
 
 log = logging.getLogger("hpctrain")
@@ -166,12 +167,6 @@ class StopSignals:
         self._vote.drop(drain)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
-
-
-def hostnames(nodelist: str) -> list[str]:
-    """Slurm's node list (`n[1-3]`) as names."""
-    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                          timeout=60).stdout.split()
 
 
 def requeue_job(job: str, exclude: list[str] = ()) -> bool:

@@ -34,6 +34,14 @@ def layout_for(world: int) -> dict[str, int]:
     return {"dp": world // (tp * pp), "tp": tp, "pp": pp}
 
 
+def _fake_group(rank: int, world: int) -> None:
+    """This process as `rank` of `world` under PyTorch's fake process group (collectives answer at once)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -42,14 +50,13 @@ def _stage_model(parallel, layout, mesh, stage_rank: int, world: int):
     """The model parallelized as rank `stage_rank` holds it (its stage, dp and tp coordinate 0), on the meta device:
     what its checkpoint holds, without allocating."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hpctrain.core.config import ModelConfig
     from hpctrain.models import spec_of
     from hpctrain.parallel.parallelize import parallelize
 
     dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=stage_rank, world_size=world)
+    _fake_group(stage_rank, world)
     mesh = layout.build_mesh("cpu")
     cfg = ModelConfig(**MODEL)
     spec = spec_of(cfg)
@@ -131,8 +138,6 @@ def one_world(world: int, global_plan: bool = True) -> dict:
     """Rank 0 of a `world`-rank job: what its start-up, a step's control flow and a save plan cost. Without
     `global_plan` only rank 0's own save plan is made (deriving 8,192 ranks' plans takes this harness a minute)."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hpctrain.core.config import ModelConfig, ParallelConfig
     from hpctrain.monitoring.memory import Peaks
@@ -143,7 +148,7 @@ def one_world(world: int, global_plan: bool = True) -> dict:
     out = {"world": world, **layout_for(world)}
     times = {}
     t = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    _fake_group(0, world)
     parallel = ParallelConfig(**layout_for(world), zero_stage=3, sequence_parallel=True)
     layout = Layout.from_config(parallel, world)
     times["process_group_s"] = time.perf_counter() - t

@@ -75,10 +75,12 @@ def candidates(args, gpus: int, global_batch: int, seq_len: int, gpus_per_node: 
                         if global_batch % (mb * dp) or (zero and dp * cp == 1) or args.n_layers < pp * v:
                             continue
                         accum = global_batch // (mb * dp)
-                        if pp > 1 and (accum < pp or (v > 1 and accum % pp)):
+                        layout = Layout(pp=pp, dp=dp, tp=tp, pp_schedule=sched, pp_virtual_stages=v, ep=ep, cp=cp)
+                        try:  # the schedule's micro-batches, as a run checks them
+                            layout.check_microbatches(accum)
+                        except ConfigError:
                             continue
-                        yield Candidate(Layout(pp=pp, dp=dp, tp=tp, pp_schedule=sched, pp_virtual_stages=v, ep=ep,
-                                               cp=cp), zero, mb, accum, ac, every)
+                        yield Candidate(layout, zero, mb, accum, ac, every)
 
 
 @dataclass
@@ -121,7 +123,6 @@ class Searcher:
         lay, base = c.layout, self.base
         try:  # the layout rules a run checks first (runs/resolve), then all of them for one that fits
             base.spec.check_layout(base.args, lay, lay.tp > 1)
-            lay.check_microbatches(c.grad_accum)
         except ConfigError as e:
             return None, str(e)
         key = (lay.pp, lay.pp_virtual_stages, lay.ep)
@@ -159,16 +160,9 @@ class Searcher:
         return found, len(timed), checked, time.perf_counter() - started
 
 
-def search(cfg, gpus: int, top: int = 5) -> tuple[list[Found], int, int, float]:
-    return Searcher(cfg, gpus).search(top)
-
-
 def _with(cfg, c: Candidate):
     """The typed config with the candidate's layout and batch split."""
-    lay = c.layout
-    parallel = replace(cfg.parallel, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, pp_schedule=lay.pp_schedule,
-                       pp_virtual_stages=lay.pp_virtual_stages, zero_stage=c.zero_stage,
-                       sequence_parallel=lay.tp > 1, activation_checkpointing=ActCkpt(c.ac), ac_every=c.ac_every)
+    parallel = replace(cfg.parallel, **{**c.parallel_keys(), "activation_checkpointing": ActCkpt(c.ac)})
     return replace(cfg, parallel=parallel, train=replace(cfg.train, micro_batch=c.micro_batch, grad_accum=None))
 
 

@@ -34,10 +34,9 @@ from hpctrain.core.shard_format import DataError
 from hpctrain.models import ModelSpec, spec_of
 from hpctrain.models.cross_entropy import loss_buffers
 from hpctrain.models.packing import mask_bytes
-from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel import compression
 from hpctrain.parallel.context import cp_mask_bytes, gathered_bytes
-from hpctrain.parallel.layout import stage_layers, world_of
+from hpctrain.parallel.layout import layer_map, world_of
 from hpctrain.parallel.parallelize import (
     checkpointed_activations,
     gathered_copies,
@@ -53,15 +52,6 @@ from hpctrain.training.save_resume import host_copy_bytes
 GiB = 2**30
 HEADROOM = 0.9  # usable share of device memory: allocator fragmentation, NCCL buffers, CUDA context
 MFU = 0.4
-
-
-def layer_map(n_layers: int, pp: int, v: int = 1) -> list[list[range]]:
-    """Per stage, its chunks of contiguous layers: stage s of virtual round r holds chunk r·pp + s.
-
-    Chunks split the layers evenly; the first n_layers % (pp·v) chunks get one layer more.
-    """
-    chunks = stage_layers(n_layers, pp * v)
-    return [[chunks[r * pp + s] for r in range(v)] for s in range(pp)]
 
 
 @dataclass
@@ -180,8 +170,8 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     # under a pipeline schedule, which keeps the gradients unreduced and the weights gathered from one micro-batch to
     # the next (torch.distributed.pipelining reduces after the last; measured: tests/test_plan.py pp2_dp2_zero2/3).
     full_grads = r.shard > 1 and accumulating and (layout.pipelined or not p.sharded_accumulation)
-    flight = layout.in_flight(i, r.m)
-    pipelined_full = ("steady" if r.m > flight else "first") if layout.pipelined else ""
+    in_flight = layout.in_flight(i, r.m)
+    pipelined_full = ("steady" if r.m > in_flight else "first") if layout.pipelined else ""
     terms = [sharded_weights(P, r.shard, p.cpu_offload, accumulating, full_grads, pipelined_full),
              {"buffers": Term.held(st.buffers)},
              optimizer.memory_terms(r.cfg.optim, P, st.factored / tp, layout.world > layout.pp, r.shard,
@@ -189,7 +179,7 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
              # ZeRO-3 under a pipeline keeps every unit gathered from its backward to the next forward: as ZeRO-2
              {"copies": gathered_copies(2 if layout.pipelined and p.zero_stage == 3 else p.zero_stage, replicas, r.c,
                                         P, st.largest_block / tp)}]
-    flight = layout.in_flight(i, r.m) * len(st.layers)  # one mask per micro-batch in flight on each chunk
+    flight = in_flight * len(st.layers)  # one mask per micro-batch in flight on each chunk
     if layout.cp > 1:
         rows = r.plan.micro_batch if r.cfg.train.document_mask else 1
         terms.append({"masks": cp_mask_bytes(rows, r.seq_len, layout.cp, r.c, flight)})
@@ -283,14 +273,6 @@ def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
     return [(total(row, mode), row["async_copy"]) for row in estimate(cfg, plan, seq_len)["rows"]]
 
 
-def _peak_tflops(cfg) -> float | None:
-    if cfg.cluster.peak_tflops:
-        return cfg.cluster.peak_tflops
-    gpu = cfg.cluster.gpu_type
-    table = PEAK_TFLOPS.get(str(gpu).upper()) if gpu else None
-    return table[str(PrecisionName(cfg.precision.name).value)] if table else None
-
-
 def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
     """The step-time model's `predicted:` line and breakdown (training/step_time.py), for cluster.gpu_type."""
     hw = step_time.hardware_of(cfg.cluster, cfg.precision.name)
@@ -321,7 +303,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
                "of each step's schedule (m = micro-batches per step, v = virtual stages)")
     out += _expert_exchange(plan, e, seq_len, mode) + _context_exchange(plan, e, seq_len, mode)
     line = f"FLOPs per step: flops_per_token × global_batch × seq_len = {e['flops']:.3e}"
-    peak = _peak_tflops(cfg)
+    peak = cfg.cluster.peak_tflops  # (with cluster.gpu_type, the step-time model's line instead)
     if peak and not cfg.cluster.gpu_type:
         line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
                  f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")

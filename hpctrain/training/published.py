@@ -47,13 +47,27 @@ class Published:
     sequence_parallel: bool = False
     compiled: bool = False  # fused memory-bound kernels (Megatron's, torch.compile)
     gpu_mem_gb: float = 80.0
+    grad_bytes: int = 4  # per gradient element reduced
+
+    @property
+    def ac_every(self) -> int:
+        return 2 if self.ac == "selective" else 1  # (selective: every 2nd block)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.layout.dp
+
+    def shown_layout(self) -> str:
+        lay = self.layout
+        return lay.describe() + (f" v{lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else "") + \
+            f" mb{self.micro_batch}"
 
     def inputs(self) -> StepInputs:
         spec = get_spec("llama")
         return StepInputs(spec.args(ModelConfig(**self.model)), spec, self.layout, self.micro_batch, self.grad_accum,
                           self.seq_len, c=2, zero_stage=self.zero_stage, ac=self.ac,
-                          sequence_parallel=self.sequence_parallel, grad_bytes=self.software.grad_bytes or 4,
-                          compiled=self.compiled, ac_every=2 if self.ac == "selective" else 1)
+                          sequence_parallel=self.sequence_parallel, grad_bytes=self.grad_bytes,
+                          compiled=self.compiled, ac_every=self.ac_every)
 
     def metric(self, prediction: step_time.Prediction) -> float:
         """The prediction in the unit the source published."""
@@ -62,8 +76,7 @@ class Published:
         if self.source == MEGATRON:  # the paper's eq. 3: counts the recomputation's forward pass, full attention
             m = self.model
             h, L, s, V = m["dim"], m["n_layers"], self.seq_len, m["vocab_size"]
-            batch = self.micro_batch * self.grad_accum * self.layout.dp
-            flops = 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+            flops = 96 * self.global_batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
             return flops / prediction.step_s / self.layout.world / 1e12
         return prediction.tflops_per_gpu  # 6·N + 12·L·H·Q·T per token (PaLM's, as Llama 3 and torchtitan count)
 
@@ -88,11 +101,11 @@ def _megatron() -> list[Published]:
         dp = gpus // (tp * pp)
         # 2021: fp16 gradients, no flash attention; torch DDP (overlapping backward) without a pipeline, Megatron's
         # "local" DDP (reducing after it) with one
-        sw = Software(flash_attention=False, overlap_grad_reduce=pp == 1, grad_bytes=2, scatter_gather=True)
+        sw = Software(flash_attention=False, overlap_grad_reduce=pp == 1, scatter_gather=True)
         rows.append(Published(MEGATRON, f"GPT {params:g}B", "A100", _gpt(h, layers, heads),
                               Layout(pp=pp, dp=dp, tp=tp, pp_schedule="interleaved_1f1b" if v > 1 else "1f1b",
                                      pp_virtual_stages=v), mb, batch // (dp * mb), 2048, tflops, "TFLOP/s",
-                              ac="full", software=sw, compiled=True))
+                              ac="full", software=sw, compiled=True, grad_bytes=2))
     return rows
 
 
@@ -106,7 +119,7 @@ def _llama3() -> list[Published]:
     # Parameters kept gathered from forward to backward, gradients and optimizer state sharded: ZeRO-2; fp32
     # reduce-scatter; no activation checkpointing at 8K. Not given: the micro-batch (1 sequence assumed), the
     # interleaving (4 virtual stages per rank assumed: ~2 of the rank's ~8 layers each).
-    sw = Software(grad_bytes=4, gather_once_per_step=True)
+    sw = Software(gather_once_per_step=True)
     assumed = "micro-batch 1, 4 virtual stages per pipeline rank, sequence parallel, fused kernels"
     rows = []
     for gpus, cp, dp, seq, per_dp, tflops in ((8192, 1, 64, 8192, 32, 430), (16384, 1, 128, 8192, 16, 400),
@@ -121,21 +134,20 @@ def _llama3() -> list[Published]:
 
 def _torchtitan() -> list[Published]:
     # bf16 rows without torch.compile or Float8 (which the model does not describe); FSDP2 = ZeRO-3, fp32 reduce.
-    sw = Software(grad_bytes=4)
     op_sac = "op-level selective checkpointing, which recomputes every other matmul: as every 2nd block recomputed"
     return [
         Published(TITAN, "Llama 3.1 8B, 8 GPUs, FSDP (2024-12)", "H100-500W", LLAMA3_8B, Layout(dp=8), 2, 1, 8192, 5762,
-                  "tokens/s", zero_stage=3, ac="selective", software=sw, assumed=op_sac, gpu_mem_gb=96),
+                  "tokens/s", zero_stage=3, ac="selective", assumed=op_sac, gpu_mem_gb=96),
         Published(TITAN, "Llama 3.1 8B, 128 GPUs, FSDP (2024-12)", "H100-500W", LLAMA3_8B, Layout(dp=128), 2, 1, 8192,
-                  5605, "tokens/s", zero_stage=3, ac="selective", software=sw, assumed=op_sac, gpu_mem_gb=96),
+                  5605, "tokens/s", zero_stage=3, ac="selective", assumed=op_sac, gpu_mem_gb=96),
         Published(TITAN, "Llama 3.1 405B, 128 GPUs, FSDP 16 × TP 8 (2024-08)", "H100-500W", LLAMA3_405B,
-                  Layout(dp=16, tp=8), 2, 1, 8192, 109, "tokens/s", zero_stage=3, ac="full", software=sw,
+                  Layout(dp=16, tp=8), 2, 1, 8192, 109, "tokens/s", zero_stage=3, ac="full",
                   gpu_mem_gb=96),
         Published(TITAN, "Llama 3 8B, 64 A100s, FSDP, selective layer AC (2024-04)", "A100", LLAMA3_8B,
-                  Layout(dp=64), 1, 1, 8192, 2904, "tokens/s", zero_stage=3, ac="selective", software=sw,
+                  Layout(dp=64), 1, 1, 8192, 2904, "tokens/s", zero_stage=3, ac="selective",
                   assumed="every 2nd block checkpointed"),
         Published(TITAN, "Llama 3 70B, 64 A100s, FSDP, full AC (2024-04)", "A100", LLAMA3_70B, Layout(dp=64), 1, 1,
-                  8192, 331, "tokens/s", zero_stage=3, ac="full", software=sw),
+                  8192, 331, "tokens/s", zero_stage=3, ac="full"),
     ]
 
 
@@ -151,13 +163,12 @@ def predicted(row: Published) -> tuple[float, step_time.Prediction]:
 def table() -> str:
     """The validation table, one line per published row."""
     out = ["| run | GPU | layout | published | predicted | error |", "|---|---|---|---:|---:|---:|"]
-    for row in rows():
+    published = rows()
+    for row in published:
         value, _ = predicted(row)
-        lay = row.layout
-        shown = lay.describe() + (f" v{lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else "")
-        out.append(f"| {row.source}: {row.name} | {row.gpu} | {shown} mb{row.micro_batch} | {row.published:g} "
+        out.append(f"| {row.source}: {row.name} | {row.gpu} | {row.shown_layout()} | {row.published:g} "
                    f"{row.unit} | {value:.4g} | {value / row.published - 1:+.0%} |")
-    hws = sorted({row.gpu for row in rows()})
+    hws = sorted({row.gpu for row in published})
     out += ["", "hardware: " + "; ".join(step_time.HARDWARE[g].describe() for g in hws)]
     return "\n".join(out)
 
@@ -168,15 +179,14 @@ def search_row(row: Published) -> tuple[layout_search.Found | None, step_time.Pr
     published layout ("" when it would)."""
     from hpctrain.runs.compose import compose
 
-    batch = row.micro_batch * row.grad_accum * row.layout.dp
     cfg = compose([f"model.{k}={v}" for k, v in {**row.model, "max_seq_len": row.seq_len}.items()]
-                  + [f"train.global_batch={batch}", f"train.seq_len={row.seq_len}", "train.micro_batch=null",
+                  + [f"train.global_batch={row.global_batch}", f"train.seq_len={row.seq_len}", "train.micro_batch=null",
                      "train.grad_accum=null", "precision=bf16", f"cluster.gpu_type={row.gpu}",
                      f"cluster.gpu_mem_gb={row.gpu_mem_gb:g}"])
     searcher = layout_search.Searcher(cfg, row.layout.world)
     found, _, _, _ = searcher.search(top=1)
     theirs = layout_search.Candidate(row.layout, row.zero_stage, row.micro_batch, row.grad_accum, row.ac,
-                                     2 if row.ac == "selective" else 1)
+                                     row.ac_every)
     _, why = searcher.check(theirs)
     return (found[0] if found else None), searcher.predict(theirs), why
 
@@ -187,9 +197,7 @@ def search_table() -> str:
            "|---|---|---|---:|"]
     for row in rows():
         best, theirs, why = search_row(row)
-        lay = row.layout
-        shown = lay.describe() + (f" v{lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else "")
-        shown += f" mb{row.micro_batch}" + (f" (hpctrain: {why})" if why else "")
+        shown = row.shown_layout() + (f" (hpctrain: {why})" if why else "")
         if best is None:
             out.append(f"| {row.name} | {shown} | none fits | {theirs.tokens_per_s_per_gpu:,.0f} → – |")
             continue

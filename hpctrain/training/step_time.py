@@ -23,7 +23,8 @@ last micro-batch's backward it overlaps with, plus the optimizer's pass over its
 
 A collective of n ranks, g on each of k nodes (the mesh order puts tp innermost: parallel/layout.MESH_DIMS):
 an all-reduce of S bytes takes 2·S·(g−1)/g over NVLink plus 2·S·(k−1)/k over the g NICs of a node (NCCL's
-rings are hierarchical in effect), an all-gather or reduce-scatter half that; latency 2·(g−1 + log2 k) hops.
+rings are hierarchical in effect), an all-gather or reduce-scatter half that; latency 2·(g−1 + log2 k) steps for an
+all-reduce (NCCL's trees), one per rank of the ring for an all-gather or reduce-scatter.
 
 docs/choosing-a-layout.md checks the predictions against published runs (the validation table).
 """
@@ -33,12 +34,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from hpctrain.core.config import ActCkpt, ConfigError, PrecisionName, ReduceDtype
 from hpctrain.models.moe import expert_hidden, is_sparse
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel.context import gathered_bytes
 from hpctrain.parallel.experts import all_to_all_bytes
-from hpctrain.parallel.layout import Layout, stage_layers
+from hpctrain.parallel.layout import Layout, layer_map
 
 # dim-wide values a block's memory-bound kernels read or write per token in its forward pass. Fused (torch.compile,
 # Megatron's fused kernels): the norms, residual adds, RoPE and the SwiGLU product each read and write once, ~20.
@@ -114,7 +117,6 @@ class Software:
 
     flash_attention: bool = True  # SDPA's fused kernel; False: the score matrix is written out
     overlap_grad_reduce: bool = True  # gradient reduction overlaps backward (FSDP2 / replicate do)
-    grad_bytes: int | None = None  # bytes per gradient element reduced (None: parallel.grad_reduce_dtype's)
     # ZeRO-2 across a step's micro-batches: weights gathered once and gradients reduced once (Llama 3's); hpctrain's
     # FSDP2 gathers again for every micro-batch
     gather_once_per_step: bool = False
@@ -149,13 +151,14 @@ class StepInputs:
     def of(cls, model, parallel, precision, plan, seq_len: int) -> StepInputs:
         """From the run's `model`, `parallel` and `precision` groups and its RunShape."""
         from hpctrain.models import spec_of
+        from hpctrain.parallel.parallelize import REDUCE_DTYPES
+        from hpctrain.training.precision import compute_dtype
 
         spec, p = spec_of(model), parallel
-        low = PrecisionName(precision.name) in (PrecisionName.bf16, PrecisionName.fp16)
         return cls(spec.args(model), spec, plan.layout, plan.micro_batch, plan.grad_accum, seq_len,
-                   c=2 if low else 4, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
-                   ac=ActCkpt(p.activation_checkpointing).value, ac_every=p.ac_every,
-                   grad_bytes=4 if ReduceDtype(p.grad_reduce_dtype) == ReduceDtype.fp32 else 2,
+                   c=(compute_dtype(precision) or torch.float32).itemsize, zero_stage=p.zero_stage,
+                   sequence_parallel=p.sequence_parallel, ac=ActCkpt(p.activation_checkpointing).value,
+                   ac_every=p.ac_every, grad_bytes=REDUCE_DTYPES[ReduceDtype(p.grad_reduce_dtype)].itemsize,
                    sharded_accumulation=p.sharded_accumulation, compiled=p.compile)
 
 
@@ -217,9 +220,8 @@ def _exposed(comm: float, compute: float, units: int) -> float:
 
 
 def _stage_layers(n_layers: int, pp: int, v: int) -> tuple[int, ...]:
-    """The layers the busiest pipeline rank holds (every chunk a layer more on the first L % (pp·v) chunks)."""
-    chunks = stage_layers(n_layers, pp * v)
-    return max((tuple(i for r in range(v) for i in chunks[r * pp + s]) for s in range(pp)), key=len)
+    """The layers the busiest pipeline rank holds."""
+    return max((tuple(i for chunk in chunks for i in chunk) for chunks in layer_map(n_layers, pp, v)), key=len)
 
 
 @dataclass(frozen=True)
