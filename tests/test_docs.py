@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs the module: the `ran` fixture (every Python job of the docs, ~16 core-s) once, not on every worker.
+pytestmark = pytest.mark.xdist_group("docs")
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKS = {"needs-gpu", "needs-slurm", "long", "illustrative", "bad-input"}

@@ -8,6 +8,9 @@ import pytest
 
 from hpctrain.tools import fake_world
 
+# One worker runs the module: the worlds fixture (~25 core-s) once, not on every worker that runs one of these.
+pytestmark = pytest.mark.xdist_group("fake_world")
+
 
 @pytest.fixture(scope="module")
 def worlds():
