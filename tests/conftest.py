@@ -9,13 +9,7 @@ import subprocess
 import tempfile
 
 import pytest
-
-# Three workers (and their ranks) share 2 cores: OpenMP threads that spin while waiting for work burn the cores the
-# others need (plan + context-parallel tests: ~300 busy core-s spinning, ~285 passive, 165 s wall vs 145). Set before
-# torch loads libgomp; every process the suite starts (ranks, CLI runs, Slurm jobs) inherits it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 from hpctrain.runs.compose import register
 

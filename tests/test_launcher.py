@@ -49,6 +49,60 @@ def test_impossible_job_shape_is_one_line(make_cfg, overrides, words):
         job_shape(cfg.parallel, cfg.cluster)
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.dp=2", "cluster.tasks_per_node=1", "cluster.min_nodes=1"],
+     "cluster.min_nodes=1 goes on on fewer nodes by shrinking dp: set parallel.dp=auto (with cluster.nodes), or drop "
+     "cluster.min_nodes"),
+    (["parallel=ddp", "cluster.nodes=2", "cluster.min_nodes=3"],
+     "cluster.min_nodes=3 is more than the run's 2 node(s): make it at most 2, or drop it"),
+    (["parallel=ddp", "cluster.nodes=2", "cluster.min_nodes=0"], "cluster.min_nodes=0 must be"),
+])
+def test_a_run_that_cannot_shrink_is_one_line_before_submitting(make_cfg, overrides, words):
+    """cluster.min_nodes (go on on fewer nodes when nodes fail) is checked with the rest, on the login node."""
+    from hpctrain.launch.submit import check
+
+    with pytest.raises(ConfigError) as e:
+        check(make_cfg(*overrides))
+    assert words in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_the_nodes_a_run_may_shrink_to(make_cfg):
+    from hpctrain.parallel.layout import min_nodes
+
+    for overrides, want in ((["cluster.min_nodes=1"], 1), (["cluster.min_nodes=2"], None), ([], None)):
+        cfg = make_cfg("parallel=ddp", "cluster.nodes=2", *overrides)
+        assert min_nodes(cfg.parallel, cfg.cluster) == want, overrides
+
+
+def test_the_supervisor_shrinks_to_the_most_nodes_that_keep_the_batch(make_cfg, tmp_path):
+    """Four nodes, one lost, no spare, cluster.min_nodes=1: three would split the global batch of 8 in micro-batches
+    of 2 over dp=3 (no), two keep it (dp 4 -> 2, accumulation 1 -> 2); the steps then train from the config on two
+    nodes. With min_nodes=3 nothing fits: requeue ([])."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from hpctrain.core.files import read_json
+    from hpctrain.launch.supervise import STEP_FILE, SupervisedRun
+
+    cfg = make_cfg("parallel=ddp", "cluster.nodes=4", "train.global_batch=8", "train.micro_batch=2")
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    said, logger = [], logging.getLogger("hpctrain")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        assert SupervisedRun(resolved, str(tmp_path), None, 4, 1, 3, 1)._shrink(["n1", "n3", "n4"]) == ["n1", "n3"]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert read_json(str(tmp_path / STEP_FILE))["cfg"]["cluster"]["nodes"] == 2
+    assert any("not on 3 node(s): train.global_batch=8 is not divisible by micro_batch×dp=2×3" in s for s in said), said
+    assert "going on on 2 of the run's 4 nodes (cluster.min_nodes=1): dp 4 -> 2, gradient accumulation 1 -> 2" in said
+    assert SupervisedRun(resolved, str(tmp_path / "x"), None, 4, 1, 3, 3)._shrink(["n1", "n3", "n4"]) == []
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bad, words", [
     (["parallel.dp=3", "cluster.tasks_per_node=2"], "do not fill whole nodes"),

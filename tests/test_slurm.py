@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from conftest import SMALL_MODEL
 from helpers import job_gone, last_step, list_unused_node, losses, read, records, sbatch_run, until, wait_job
 
 from hpctrain.runtime import bad_nodes
+from hpctrain.runtime.task_exits import exit_trap
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -61,16 +63,19 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
     """SIGKILL one rank of a two-node job mid-run, at cluster.pg_timeout_s=600: the job ends within 10 s, and the
     run's error (result.json, the log) names that rank and its node, not gloo's 'Connection closed by peer
     [address]': rank 1 from its heartbeat; rank 0 (whose process held the heartbeats' store, and writes result.json)
-    from the store that no longer answers, with rank 1 writing result.json. srun's own line says what killed it. The
-    node goes on the bad-node list, and the next submission leaves it out (--exclude)."""
+    from the store that no longer answers, with rank 1 writing result.json. What killed it is srun's word, which the
+    batch script's exit trap adds to result.json. The node goes on the bad-node list, and the next submission leaves
+    it out (--exclude) and has the same trap."""
     run = tmp_path / "job"
     cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
                     "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
                     "parallel=ddp", "cluster.pg_timeout_s=600", "train.max_steps=100000", "train.eval_every=0",
                     "train.ckpt_every=0", "cluster.num_threads=1", "data.lanes=2", "train.log_every=1"])
     out = tmp_path / "slurm.out"
+    trap = exit_trap(sys.executable, shlex.quote(str(run)))  # as hpctrain's job scripts have it
     p = subprocess.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "-o", str(out),
-                        "--wrap", f"srun --kill-on-bad-exit=1 {cmd}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                        "--wrap", f"{trap}\nsrun --kill-on-bad-exit=1 {cmd}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
     assert p.returncode == 0, p.stderr
     job = p.stdout.strip().split(";")[0]
     slurm_jobs.append(job)
@@ -100,6 +105,9 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
             "answer" in result["error"] and "rank 0 is likely the one that stopped" in result["error"], result["error"]
     assert took < 10, (took, read(out))
     assert re.search(rf"srun: error: {node}: task {victim}: Killed", read(out)), read(out)
+    # what killed it, as srun said, in result.json too (the batch script's exit trap, once srun returned)
+    assert [lost.get("cause") for lost in result["lost"]] == ["Killed"], result
+    assert f"srun: rank {victim} on {node} ended first: Killed (job {job})" in result["error"], result["error"]
     assert bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72) == {node: ANY}
     if victim == 0:
         return
@@ -113,6 +121,8 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
     assert f"ExcNodeList={node}" in shown, shown
     script = read(re.search(r"Command=(\S+)", shown).group(1))  # submitit's: its ranks fail fast as the ones above
     assert re.search(r"^srun .*--kill-on-bad-exit=1", script, re.M), script
+    assert re.search(rf"^trap .*hpctrain\.runtime\.task_exits {re.escape(shlex.quote(str(tmp_path / 'next')))}", script,
+                     re.M), script
 
 
 def _tree_digest(d) -> dict[str, str]:
@@ -362,6 +372,45 @@ def test_a_lost_node_restarts_the_run_on_the_spare_inside_the_job(slurm, data_en
     assert set(bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72)) == {node}
 
 
+@pytest.mark.timeout(400)
+def test_without_a_spare_the_run_goes_on_on_fewer_nodes(slurm, data_env, make_cfg, tmp_path, slurm_jobs):
+    """cluster.min_nodes=1 with parallel.dp=auto and no spare: SIGKILL the rank on one of the two nodes and the job
+    goes on on the other alone, in the same job id (no requeue): dp 2 -> 1, the same global batch in two
+    micro-batches, the checkpoint resharded. Every loss up to the checkpoint it resumed from is the uninterrupted
+    two-rank run's bit for bit; the ten after it are within 1e-5 (one process sums in another order than two)."""
+    steps, run = 120, tmp_path / "run"
+    job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=10", "cluster.min_nodes=1"))
+    slurm_jobs.append(job)
+    until("step 15 of the job", lambda: last_step(run) >= 15, 150, every=0.1)
+    pid, node = until("rank 1's process", lambda: (_job_processes(job, 1) or [None])[0], 30)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    found = until("a step after the restart", lambda: (m := re.search(r"resumed from \S+ at step (\d+)", read(
+        run / "train.log"))) and last_step(run) > int(m.group(1)) and int(m.group(1)), 120, every=0.1)
+    print(f"kill -> next finished step on one node: {time.time() - killed:.1f} s")
+    ref = _reference(make_cfg, tmp_path, steps)
+    until("the job to end", lambda: job_gone(job), 200, every=1)
+    restarts = [json.loads(line) for line in read(run / "restarts.jsonl").splitlines()]
+    assert [(r["job"], r["failed_nodes"], r["nodes"]) for r in restarts] == [(job, [node], 2)], restarts
+    supervisor = "".join(read(f) for f in glob.glob(str(run / ".submitit" / "*" / "*_log.out")))
+    assert "going on on 1 of the run's 2 nodes (cluster.min_nodes=1): dp 2 -> 1, gradient accumulation 1 -> 2" in \
+        supervisor, supervisor[-3000:]
+    step_nodes = subprocess.run(["sacct", "-j", job, "-n", "-P", "-o", "JobID,NNodes"], capture_output=True, text=True,
+                                timeout=60).stdout.split()
+    assert [s for s in step_nodes if re.fullmatch(r"\d+\.\d+\|\d+", s)] == [f"{job}.0|2", f"{job}.1|1"], step_nodes
+    assert json.loads(read(run / "slurm.json"))["restart_count"] == 0  # never requeued
+    result = json.loads(read(run / "result.json"))
+    assert result["status"] == "completed" and result["steps"] == steps, result
+    got = losses(run)
+    assert sorted(got) == sorted(ref)
+    assert {s: got[s] for s in got if s <= found} == {s: ref[s] for s in ref if s <= found}  # bit for bit
+    # the same data and state after the shrink, summed in another order: 1e-7 at first (then, at lr 1e-2, the drift
+    # grows as any two float orders' do: 1e-5 by ~25 steps later, 1e-3 by ~40)
+    after = max(abs(got[s] - ref[s]) for s in range(found + 1, found + 11))
+    assert after <= 1e-5, (after, found)
+    assert bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72) == {node: ANY}
+
+
 def test_spare_nodes_in_a_sweep_is_one_line_before_anything_is_submitted(slurm, data_env, tmp_path):
     p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "hydra/launcher=slurm", "cluster.spare_nodes=1",
                         f"data.path={os.environ['HPCTRAIN_TEST_DATA']}", "data.prepare_demo=false", *SMALL_MODEL,
@@ -402,6 +451,12 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path,
     else:
         array = p.stdout.split("array ")[1].split()[0]
         print(f"2x2 sweep on the local cluster: submit -> all 4 points done in {turnaround:.1f}s (array {array})")
+        # the array's script: after its srun, each task's srun exits go to its own point's result (task_exits)
+        script = read(glob.glob(str(sweep / ".submitit" / "**" / "*_submission.sh"), recursive=True)[0])
+        table = next(ln for ln in script.splitlines() if ln.startswith("hpctrain_run_dirs=("))
+        dirs = subprocess.run(["bash", "-c", table + '\nprintf "%s\\n" "${hpctrain_run_dirs[@]}"'], capture_output=True,
+                              text=True, timeout=30).stdout.splitlines()
+        assert dirs == [str(sweep / str(i)) for i in range(4)] and "hpctrain.runtime.task_exits" in script, script
     rows = report(str(sweep))
     assert [r["status"] for r in rows] == ["completed"] * 4, rows
     assert {(r["params"]["optim.lr"], r["params"]["train.global_batch"]) for r in rows} == {

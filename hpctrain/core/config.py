@@ -433,6 +433,10 @@ class ClusterConfig:
     # Nodes asked for beyond the layout's: when a rank dies or a node is lost the run restarts inside the allocation
     # on the others plus a spare, from the latest checkpoint, instead of requeueing (hpctrain.launch.supervise).
     spare_nodes: int = 0
+    # With parallel.dp=auto: when nodes fail and no spare is left, go on on as few as this many healthy nodes of the
+    # allocation (dp shrinks, the checkpoint reshards, the global batch stays: accumulation grows) instead of
+    # requeueing. null: the layout's node count (no shrinking).
+    min_nodes: int | None = None
     max_restarts: int = 3  # such restarts per job before it fails
     # hydra/launcher=slurm sweeps: this many points per job, each an srun step of its own inside the one allocation
     # (small trials packed onto large nodes), each in its own run directory (hpctrain.launch.supervise.PackedRuns)
@@ -539,7 +543,7 @@ _RANGES = {
                      "train.log_every", "train.eval_batches", "train.ckpt_keep", "train.max_nonfinite",
                      "train.ckpt_write_threads", "monitor.loss_spike.window",
                      "cluster.tasks_per_node", "cluster.nodes", "cluster.cpus_per_task", "cluster.num_threads",
-                     "cluster.mem_gb", "cluster.time_min", "cluster.pack"), _AT_LEAST_1),
+                     "cluster.mem_gb", "cluster.time_min", "cluster.pack", "cluster.min_nodes"), _AT_LEAST_1),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -19,8 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.core.config import ConfigError
 from hpctrain.core.errors import BAD_INPUT, fail
-from hpctrain.parallel.layout import job_shape
+from hpctrain.parallel.layout import job_shape, min_nodes
 from hpctrain.runtime.job import SRUN_ARGS
+from hpctrain.runtime.task_exits import exit_trap
 
 log = logging.getLogger("hpctrain")
 _INIT_KEYS = {"submitit_folder", "max_num_timeout"}
@@ -32,6 +35,7 @@ def check(cfg) -> None:
     from hpctrain.training.run import prepare
 
     shape = job_shape(cfg.parallel, cfg.cluster)
+    min_nodes(cfg.parallel, cfg.cluster)
     prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False)
 
 
@@ -89,6 +93,18 @@ class Submitting:
             executor.update_parameters(slurm_srun_args=list(SRUN_ARGS))
         return executor
 
+    def _supervised(self, cfg) -> bool:
+        """Restarts inside the allocation (spare nodes, or shrinking to cluster.min_nodes): a supervisor runs the
+        training as srun steps."""
+        return self._EXECUTOR == "slurm" and bool(cfg.cluster.spare_nodes or min_nodes(cfg.parallel, cfg.cluster))
+
+    def _exit_trap(self, executor, run_dir_word: str, *before: str) -> None:
+        """After the job's srun, how its tasks ended goes into the run's failed result (runtime.task_exits):
+        `run_dir_word` is the run directory as the batch shell reads it, after the setup lines `before`."""
+        if self._EXECUTOR == "slurm":
+            executor.update_parameters(slurm_setup=[*(self.params.get("setup") or []), *before,
+                                                    exit_trap(sys.executable, run_dir_word)])
+
     def _shape(self) -> str:
         left_out = self.params.get("exclude")  # the bad-node list's (cluster.bad_nodes)
         return (f"{self.params['nodes']} node(s) × {self.params['tasks_per_node']} task(s)"
@@ -97,9 +113,10 @@ class Submitting:
     def launch(self, job_overrides, initial_job_idx: int):
         if self._EXECUTOR == "slurm":
             check_array_size(initial_job_idx + len(job_overrides))
-            if self.config.cluster.spare_nodes:
-                fail("cluster.spare_nodes restarts one run inside its allocation: submit runs one at a time (no -m), "
-                     "or drop it for a sweep")
+            for key in ("spare_nodes", "min_nodes"):
+                if self.config.cluster[key]:
+                    fail(f"cluster.{key} restarts one run inside its allocation: submit runs one at a time (no -m), "
+                         "or drop it for a sweep")
         configs = []
         progress = Progress(len(job_overrides))
         for i, o in enumerate(job_overrides):
@@ -122,6 +139,10 @@ class Submitting:
                  plugin.Singleton.get_state()) for i, o in enumerate(job_overrides)]
         try:
             executor = self.executor(self.params["submitit_folder"], self.config.cluster)
+            # the array's tasks are its points in order: each task's run directory by its index
+            dirs = " ".join(shlex.quote(self._point_dir(sweep_dir, initial_job_idx + i, cfg))
+                            for i, cfg in enumerate(configs))
+            self._exit_trap(executor, '"${hpctrain_run_dirs[$SLURM_ARRAY_TASK_ID]}"', f"hpctrain_run_dirs=({dirs})")
             sweep_dir.mkdir(parents=True, exist_ok=True)
             jobs = _orfail(lambda: executor.map_array(self, *zip(*args)))
         except _BAD_INPUT as e:
@@ -170,6 +191,15 @@ class Submitting:
                 for i, (o, c) in enumerate(zip(job_overrides, configs))]
 
     @staticmethod
+    def _point_dir(sweep_dir: Path, num: int, cfg) -> str:
+        """Where Hydra puts sweep point `num` (its job number set on `cfg`)."""
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            cfg.hydra.job.num = num
+        return str(sweep_dir / str(cfg.hydra.sweep.subdir))
+
+    @staticmethod
     def _packed_point(sweep_dir: Path, num: int, overrides: list[str], cfg) -> str:
         """A packed point's run directory, made and recorded as the job of an unpacked point would (its config and
         overrides under .hydra/, which the report reads), with what its steps train from."""
@@ -178,9 +208,8 @@ class Submitting:
         from hpctrain.launch.supervise import write_step_file
         from hpctrain.runs import rundir
 
+        run_dir = Submitting._point_dir(sweep_dir, num, cfg)
         with open_dict(cfg):
-            cfg.hydra.job.num = num
-            run_dir = str(sweep_dir / str(cfg.hydra.sweep.subdir))  # where Hydra would put the point
             cfg.hydra.runtime.output_dir = run_dir
             cfg.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
@@ -208,15 +237,16 @@ class Submitting:
                 executor = self.executor(folder, cfg.cluster)
                 rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
             resolved = OmegaConf.to_container(cfg, resolve=True)
-            if cfg.cluster.spare_nodes and self._EXECUTOR == "slurm":  # a supervisor runs the training as srun steps
+            if self._supervised(cfg):  # a supervisor runs the training as srun steps
                 from hpctrain.launch.supervise import SupervisedRun
 
                 executor.update_parameters(slurm_use_srun=False)
                 shape = job_shape(cfg.parallel, cfg.cluster)
                 fn = SupervisedRun(resolved, run_dir, job_logging, shape["nodes"], shape["tasks_per_node"],
-                                   cfg.cluster.max_restarts)
+                                   cfg.cluster.max_restarts, min_nodes(cfg.parallel, cfg.cluster))
             else:
                 fn = RunJob(resolved, run_dir, job_logging)
+                self._exit_trap(executor, shlex.quote(run_dir))
             job = _orfail(lambda: executor.submit(fn))
         except _BAD_INPUT as e:
             rundir.remove_if_fresh(run_dir, started)
@@ -226,7 +256,7 @@ class Submitting:
               f"hpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
               f"python -m hpctrain report {run_dir}", flush=True)
         if cfg.cluster.wait:
-            _wait([job], run_dir, batch_only=bool(cfg.cluster.spare_nodes) and self._EXECUTOR == "slurm")
+            _wait([job], run_dir, batch_only=self._supervised(cfg))
 
 
 class Progress:

@@ -4,8 +4,9 @@ The job asks for k nodes more than the layout needs and runs this supervisor in 
 supervisor starts the training as one `srun` step on the healthy nodes; when the step fails because a rank died or
 stopped responding (the ranks name it, with its node, in result.json's `lost`) or a node went down, it leaves those
 nodes out and starts the step again on the others plus a spare, from the latest checkpoint: no requeue, no queue
-wait, the same job id. Every restart is a line of <run_dir>/restarts.jsonl. Requeueing stays the fallback: too few
-healthy nodes left, more than cluster.max_restarts restarts, or a preemption (the step's exit code 75).
+wait, the same job id. With cluster.min_nodes (and parallel.dp=auto) a run without a spare left goes on on fewer
+healthy nodes, dp shrunk. Every restart is a line of <run_dir>/restarts.jsonl. Requeueing stays the fallback: too
+few healthy nodes left, more than cluster.max_restarts restarts, or a preemption (the step's exit code 75).
 `python -m hpctrain.launch.supervise RUN_DIR` is the step's command on each task. The same steps run the points of
 a packed sweep (cluster.pack, `PackedRuns`).
 """
@@ -23,6 +24,7 @@ import time
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
 from hpctrain.parallel.process_group import hostnames, job_port
 from hpctrain.runtime.job import EXIT_PREEMPTED, SRUN_ARGS, requeue_job
+from hpctrain.runtime.task_exits import annotate, parse
 
 log = logging.getLogger("hpctrain")
 
@@ -43,9 +45,10 @@ class SupervisedRun:
     """The callable a job with spare nodes runs once, in its batch step (submitit with use_srun=False)."""
 
     def __init__(self, cfg: dict, run_dir: str, job_logging: dict | None, nodes: int, tasks_per_node: int,
-                 max_restarts: int):
+                 max_restarts: int, min_nodes: int | None = None):
         self.cfg, self.run_dir, self.job_logging = cfg, run_dir, job_logging
         self.nodes, self.tasks_per_node, self.max_restarts = nodes, tasks_per_node, max_restarts
+        self.min_nodes = min_nodes or nodes  # cluster.min_nodes: shrink to as few healthy nodes as this
 
     def __call__(self) -> dict | None:
         logging.basicConfig(level=logging.INFO, format="supervisor: %(message)s", stream=sys.stdout, force=True)
@@ -56,9 +59,10 @@ class SupervisedRun:
         restarts = 0
         while True:
             healthy = [n for n in allocated if n not in left_out]
-            if len(healthy) < self.nodes:
-                _requeue(job, left_out, f"{len(healthy)} healthy node(s) left of {len(allocated)}, {self.nodes} needed")
-            picked = healthy[:self.nodes]
+            picked = healthy[:self.nodes] if len(healthy) >= self.nodes else self._shrink(healthy)
+            if not picked:
+                _requeue(job, left_out, f"{len(healthy)} healthy node(s) left of {len(allocated)}, {self.nodes} needed"
+                         + (f" (at least {self.min_nodes} shrunk)" if self.min_nodes < self.nodes else ""))
             started = time.time()
             log.info("step %d on %s (spare: %s)", restarts, ",".join(picked),
                      ",".join(healthy[self.nodes:]) or "none")
@@ -69,13 +73,13 @@ class SupervisedRun:
             if code == EXIT_PREEMPTED:  # stopped on purpose, checkpoint written: the allocation is being taken back
                 _requeue(job, set(), "preempted")
             result = os.path.join(self.run_dir, RESULT_FILE)  # this step's, if it wrote one
-            fresh = (read_result(self.run_dir) or {}) if os.path.exists(result) and os.path.getmtime(result) >= started \
-                else {}
+            fresh = (annotate(self.run_dir, parse(srun_said), job) or read_result(self.run_dir) or {}) \
+                if os.path.exists(result) and os.path.getmtime(result) >= started else {}
             failed = sorted({lost["node"] for lost in fresh.get("lost") or [] if lost.get("node") in picked}
                             | set(_down(picked)))
             record = {"restart": restarts + 1, "job": job, "step_started": started, "step_ended": ended,
                       "exit_code": code, "failed_nodes": failed, "error": (fresh.get("error") or "")[:500],
-                      "cause": srun_said, "step": fresh.get("steps")}
+                      "cause": srun_said, "step": fresh.get("steps"), "nodes": len(picked)}
             if not failed:  # a failure no node explains (a bug, a bad config) would fail again anywhere
                 log.info("the step failed (exit code %d) and no node is to blame: not restarting", code)
                 sys.exit(code)
@@ -88,6 +92,37 @@ class SupervisedRun:
                 f.write(json.dumps(record) + "\n")
             log.info("step failed on %s (exit code %d, %s): restarting without it from the latest checkpoint",
                      ",".join(failed), code, record["error"][:200] or "no result")
+
+    def _shrink(self, healthy: list[str]) -> list[str]:
+        """With cluster.min_nodes: the most healthy nodes (at least min_nodes) the run goes on with, dp shrunk and
+        the same global and micro batch (accumulation grows; the ranks reshard the checkpoint as any resume on
+        another dp); its steps then train from the config on that many nodes. [] when none do."""
+        from omegaconf import OmegaConf
+
+        from hpctrain.core.config import Config, ConfigError
+        from hpctrain.runs.resolve import resolve
+
+        def shape(cfg: dict, nodes: int):
+            return resolve(OmegaConf.merge(OmegaConf.structured(Config), cfg), nodes * self.tasks_per_node)
+
+        full = shape(self.cfg, self.nodes)
+        for k in range(len(healthy), self.min_nodes - 1, -1):
+            cfg = {**self.cfg, "cluster": {**self.cfg["cluster"], "nodes": k}}
+            try:
+                fewer = shape(cfg, k)
+            except ConfigError as e:
+                log.info("not on %d node(s): %s", k, e)
+                continue
+            if (fewer.global_batch, fewer.micro_batch) != (full.global_batch, full.micro_batch):
+                log.info("not on %d node(s): the batch would change (global %d, micro %d instead of %d, %d)", k,
+                         fewer.global_batch, fewer.micro_batch, full.global_batch, full.micro_batch)
+                continue
+            write_step_file(self.run_dir, cfg, self.job_logging)
+            log.info("going on on %d of the run's %d nodes (cluster.min_nodes=%d): dp %d -> %d, gradient "
+                     "accumulation %d -> %d", k, self.nodes, self.min_nodes, full.dp, fewer.dp, full.grad_accum,
+                     fewer.grad_accum)
+            return healthy[:k]
+        return []
 
     def _step(self, job: str, nodes: list[str], attempt: int) -> tuple[int, list[str]]:
         """One srun step of the training on `nodes`: its exit code, and srun's lines on how its tasks ended

@@ -262,6 +262,21 @@ def job_shape(p: ParallelConfig, c: ClusterConfig) -> dict[str, int | None]:
     return {"nodes": nodes, "tasks_per_node": tasks, "gpus_per_node": tasks if c.gpus_per_node else None}
 
 
+def min_nodes(p: ParallelConfig, c: ClusterConfig) -> int | None:
+    """cluster.min_nodes where it lets the run shrink (below the job's nodes): the fewest healthy nodes it goes on
+    with when nodes fail; ConfigError if it cannot."""
+    if c.min_nodes is None:
+        return None
+    nodes = job_shape(p, c)["nodes"]
+    if p.dp != "auto":
+        raise ConfigError(f"cluster.min_nodes={c.min_nodes} goes on on fewer nodes by shrinking dp: set "
+                          "parallel.dp=auto (with cluster.nodes), or drop cluster.min_nodes")
+    if c.min_nodes > nodes:
+        raise ConfigError(f"cluster.min_nodes={c.min_nodes} is more than the run's {nodes} node(s): make it at most "
+                          f"{nodes}, or drop it")
+    return c.min_nodes if c.min_nodes < nodes else None
+
+
 _PP_INTERLEAVED = tuple(name for name, (_, multi) in PP_SCHEDULES.items() if multi)
 
 

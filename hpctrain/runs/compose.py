@@ -16,10 +16,14 @@ from hpctrain.core.config import Config, ConfigError
 def _slurm(key: str, *, _root_: DictConfig):
     """`${hpctrain_slurm:nodes}` etc. in the launcher configs: the job shape of the layout (a layout that cannot
     be placed is reported by the launcher's checks, with its fix, before anything is submitted)."""
-    from hpctrain.parallel.layout import job_shape
+    from hpctrain.parallel.layout import job_shape, min_nodes
 
-    if key == "sbatch_extra":  # --no-kill with spare nodes: a lost node must not end the job the spares are for
-        spare = {"no_kill": True} if _root_.cluster.spare_nodes else {}
+    if key == "sbatch_extra":  # --no-kill with spare nodes (or shrinking): a lost node must not end the job
+        try:
+            supervised = _root_.cluster.spare_nodes or min_nodes(_root_.parallel, _root_.cluster)
+        except ConfigError:  # (reported with its fix by the launcher's checks)
+            supervised = False
+        spare = {"no_kill": True} if supervised else {}
         return {"requeue": True, **spare, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
     if key == "exclude":  # the bad-node list's nodes (hpctrain.runtime.bad_nodes)
         from hpctrain.runtime import bad_nodes
