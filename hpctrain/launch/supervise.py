@@ -5,8 +5,9 @@ supervisor starts the training as one `srun` step on the healthy nodes; when the
 stopped responding (the ranks name it, with its node, in result.json's `lost`) or a node went down, it leaves those
 nodes out and starts the step again on the others plus a spare, from the latest checkpoint: no requeue, no queue
 wait, the same job id. With cluster.min_nodes (and parallel.dp=auto) a run without a spare left goes on on fewer
-healthy nodes, dp shrunk. Every restart is a line of <run_dir>/restarts.jsonl. Requeueing stays the fallback: too
-few healthy nodes left, more than cluster.max_restarts restarts, or a preemption (the step's exit code 75).
+healthy nodes, dp shrunk. Every restart is a line of <run_dir>/restarts.jsonl. Requeueing stays the fallback for
+too few healthy nodes left and for a preemption (the step's exit code 75); a failure no node explains, or one more
+than cluster.max_restarts, ends the job as failed.
 `python -m hpctrain.launch.supervise RUN_DIR` is the step's command on each task. The same steps run the points of
 a packed sweep (cluster.pack, `PackedRuns`).
 """
@@ -19,6 +20,7 @@ import logging.config
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
@@ -39,6 +41,28 @@ def _down(nodes: list[str]) -> list[str]:
                          timeout=60).stdout
     return sorted({n for n, state in (line.split() for line in out.splitlines() if len(line.split()) == 2)
                    if any(d in state.lower() for d in _DOWN)})
+
+
+class SrunStep:
+    """One srun step started by the batch step: its stderr passed on to the job's log as it comes, and srun's lines
+    on how its tasks ended kept (`srun: error: n2: task 1: Killed`, an out-of-memory kill: only srun knows)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.said: list[str] = []
+        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+        self.reader = threading.Thread(target=self._read, daemon=True)  # (steps run side by side: one reader each)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            sys.stderr.write(line)
+            if line.startswith("srun: error:") and "task" in line or "oom" in line.lower():
+                self.said.append(line.strip()[:300])
+
+    def wait(self) -> int:
+        code = self.proc.wait()
+        self.reader.join()
+        return code
 
 
 class SupervisedRun:
@@ -135,13 +159,8 @@ class SupervisedRun:
         cpus = self.cfg.get("cluster", {}).get("cpus_per_task")
         if cpus:
             cmd.insert(1, f"--cpus-per-task={cpus}")
-        said = []
-        with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as p:
-            for line in p.stderr:  # passed on to the job's log as it comes
-                sys.stderr.write(line)
-                if line.startswith("srun: error:") and "task" in line or "oom" in line.lower():
-                    said.append(line.strip()[:300])
-        return p.returncode, said[:20]
+        step = SrunStep(cmd, env)
+        return step.wait(), step.said[:20]
 
     def checkpoint(self):  # submitit on preemption: the steps checkpoint themselves; rerun the supervisor
         import submitit
@@ -200,9 +219,11 @@ class PackedRuns:
                    *([f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []),
                    sys.executable, "-m", "hpctrain.launch.supervise", run_dir]
             log.info("point %d: %s", i, run_dir)
-            steps.append(subprocess.Popen(cmd, env=env))
-        codes = [p.wait() for p in steps]
+            steps.append(SrunStep(cmd, env))
+        codes = [step.wait() for step in steps]
         log.info("exit codes %s", codes)
+        for (run_dir, _, _), step in zip(self.points, steps):  # a failed point's result gets srun's word
+            annotate(run_dir, parse(step.said), job)
         if EXIT_PREEMPTED in codes:
             _requeue(job, set(), "preempted")
         return [read_result(run_dir) for run_dir, _, _ in self.points]
