@@ -109,6 +109,8 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
     assert [lost.get("cause") for lost in result["lost"]] == ["Killed"], result
     assert f"srun: rank {victim} on {node} ended first: Killed (job {job})" in result["error"], result["error"]
     assert bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72) == {node: ANY}
+    # the run's node-hours count, whoever died (the learned MTBF's exposure): rank 1 adds them when rank 0 is gone
+    assert json.loads(read(os.environ["HPCTRAIN_BAD_NODES"]))["node_hours"] > 0
     if victim == 0:
         return
     p = subprocess.run([sys.executable, "-m", "hpctrain", "hydra/launcher=slurm", f"run_dir={tmp_path / 'next'}",

@@ -352,7 +352,7 @@ class Trainer:
                 if status == RunStatus.completed:
                     raise
                 log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status.value)
-        if self.env.is_main and job.in_slurm_job():  # the exposure a learned MTBF counts failures against
+        if self._adds_exposure() and job.in_slurm_job():  # the exposure a learned MTBF counts failures against
             bad_nodes.add_node_hours(self.cfg.cluster.bad_nodes, job.job_nodes() * s.elapsed_s() / 3600)
         if failed:  # only now: when a peer died, srun's SIGTERM (--kill-on-bad-exit) must not cut off result.json
             self.signals.restore(drain=False)
@@ -363,6 +363,13 @@ class Trainer:
         survives a node's loss; each writes the same verdict)."""
         env = self.env
         return env.is_main or (self.hang.lost_rank0 and 1 <= env.rank <= max(1, env.world // job.job_nodes()))
+
+    def _adds_exposure(self) -> bool:
+        """Rank 0; when rank 0 was lost, one of the ranks writing the result: the first of the next node (the one
+        that survives its node's loss), or the last rank of a one-node job. Once per run: a failure left out of the
+        node-hours would bias the learned MTBF low."""
+        env = self.env
+        return env.is_main or (self.hang.lost_rank0 and env.rank == min(env.world - 1, env.world // job.job_nodes()))
 
     def _stopped(self, stop: Stop):
         log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
