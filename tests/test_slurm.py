@@ -123,8 +123,8 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
     assert f"ExcNodeList={node}" in shown, shown
     script = read(re.search(r"Command=(\S+)", shown).group(1))  # submitit's: its ranks fail fast as the ones above
     assert re.search(r"^srun .*--kill-on-bad-exit=1", script, re.M), script
-    assert re.search(rf"^trap .*hpctrain\.runtime\.task_exits {re.escape(shlex.quote(str(tmp_path / 'next')))}", script,
-                     re.M), script
+    assert re.search(rf"^hpctrain_since=.*; trap .*hpctrain\.runtime\.task_exits "
+                     rf"{re.escape(shlex.quote(str(tmp_path / 'next')))} ", script, re.M), script
 
 
 def _tree_digest(d) -> dict[str, str]:

@@ -9,8 +9,11 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
+from hpctrain.core.files import FileCheckError, read_tail
 from hpctrain.runtime.job import EXIT_PREEMPTED
-from hpctrain.runtime.task_exits import PREEMPTED, annotate, exit_trap, parse, tail_lines
+from hpctrain.runtime.task_exits import PREEMPTED, annotate, exit_trap, parse
 
 KILLED_LOG = ["step 12 | loss 4.1", "srun: error: n2: task 1: Killed", "srun: Terminating StepId=42.0",
               "srun: error: n1: tasks 0,2-3: Exited with exit code 1"]
@@ -50,27 +53,45 @@ def test_a_failed_result_gets_the_cause_once_and_others_are_left_alone(tmp_path)
     assert annotate(str(run), exits) is None and not (run / "result.json").exists()
     (run / "result.json").write_text(json.dumps(LOST))
     assert annotate(str(run), []) is None and json.loads((run / "result.json").read_text()) == LOST
+    # a result older than this attempt (an earlier run's, or a file this job's ranks never wrote) is left alone
+    os.utime(run / "result.json", (1e9, 1e9))
+    assert annotate(str(run), exits, "42", since=1e9 + 1) is None and json.loads((run / "result.json").read_text()) == LOST
 
 
-def test_the_exit_trap_runs_after_the_script_keeps_its_status_and_quotes_the_run_dir(tmp_path):
-    """As a batch script runs it: a run directory no shell may read as code, the script's own exit status kept."""
+def test_the_exit_trap_reads_this_attempt_keeps_the_status_and_quotes_the_run_dir(tmp_path):
+    """As a batch script runs it, its stderr the job's log (appended to by every attempt): only the lines written
+    after the trap was set count (an earlier attempt's `task 0: Killed` on n3 is not this one's), only a result
+    written after it is touched, a run directory no shell may read as code, the script's own exit status kept."""
     run = tmp_path / "it's $(touch pwned) `touch pwned2`"
     run.mkdir()
+    log = tmp_path / "job.log"
+    log.write_text("x" * 3_000_000 + "\nsrun: error: n3: task 0: Killed\n")  # an earlier attempt's
     (run / "result.json").write_text(json.dumps(LOST))
-    log = tmp_path / "job.err"
-    log.write_text("x" * 3_000_000 + "\n" + "\n".join(KILLED_LOG) + "\n")  # (only its tail is read)
-    script = f"{exit_trap(sys.executable, shlex.quote(str(run)), shlex.quote(str(log)))}\nexit 7\n"
-    p = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "SLURM_JOB_ID": "42"})
-    assert p.returncode == 7, p.stderr
-    assert "ended first: Killed (job 42)" in json.loads((run / "result.json").read_text())["error"], p.stderr
+    os.utime(run / "result.json", (1e9, 1e9))  # (the earlier attempt's result)
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text(json.dumps(LOST))
+
+    def batch(write_result: bool) -> subprocess.CompletedProcess:
+        lines = "".join(f"echo {shlex.quote(line)} >&2\n" for line in KILLED_LOG)
+        script = (f"exec 2>>{shlex.quote(str(log))}\n{exit_trap(sys.executable, shlex.quote(str(run)))}\n"
+                  + (f"cp {shlex.quote(str(fresh))} {shlex.quote(str(run / 'result.json'))}\n" if write_result else "")
+                  + f"{lines}exit 7\n")
+        return subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "SLURM_JOB_ID": "42"})
+
+    p = batch(write_result=False)
+    assert p.returncode == 7 and json.loads((run / "result.json").read_text()) == LOST, read_log(log)
+    p = batch(write_result=True)
+    assert p.returncode == 7, read_log(log)
+    result = json.loads((run / "result.json").read_text())
+    assert result["error"].endswith("; srun: rank 1 on n2 ended first: Killed (job 42)"), read_log(log)
+    assert [e["node"] for e in result["task_exits"]] == ["n2", "n1", "n1", "n1"]
     assert not list(tmp_path.glob("pwned*")) and not list(run.glob("pwned*"))
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    try:
-        tail_lines(str(fifo))
-    except OSError as e:
-        assert "not a regular file" in str(e)
-    else:
-        raise AssertionError("a FIFO was read")
+    with pytest.raises(FileCheckError, match="is a FIFO, not a regular file"):
+        read_tail(str(fifo), 0, 100)
 
+
+def read_log(path) -> str:
+    return path.read_text()[-2000:]

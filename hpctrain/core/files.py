@@ -55,6 +55,15 @@ def _checked_fd(path: str, limit: int) -> tuple[int, int]:
     return fd, st.st_size
 
 
+def read_tail(path: str, start: int, limit: int) -> bytes:
+    """A regular file's bytes from offset `start` on, at most its last `limit` (a log of any size; never a FIFO or a
+    device, which could block or never end)."""
+    fd, size = _checked_fd(path, 1 << 62)
+    with open(fd, "rb") as f:
+        f.seek(max(start, size - limit, 0))
+        return f.read(limit)
+
+
 def check_file(path: str, limit: int) -> int:
     """`path` is a regular file (symlinks followed) of at most `limit` bytes: its size; FileCheckError or
     OSError otherwise."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.core.config import ConfigError
 from hpctrain.core.errors import BAD_INPUT, fail
@@ -27,6 +28,7 @@ from hpctrain.runtime.task_exits import exit_trap
 
 log = logging.getLogger("hpctrain")
 _INIT_KEYS = {"submitit_folder", "max_num_timeout"}
+_ARRAY_TABLE_BYTES = 1 << 20  # an array's run-directory table in its script (sbatch refuses scripts over 4 MiB)
 
 
 def check(cfg) -> None:
@@ -93,6 +95,22 @@ class Submitting:
             executor.update_parameters(slurm_srun_args=list(SRUN_ARGS))
         return executor
 
+    def _array_exit_trap(self, executor, sweep_dir: Path, first: int, configs: list) -> None:
+        """The array's tasks are its points in order: the exit trap finds each task's run directory in a table by
+        its index. Left out (said in the log) where the directories are not known before the jobs run (a
+        hydra.sweep.subdir of ${hydra.job.id} or the time), or the table would crowd sbatch's script limit."""
+        if self._EXECUTOR != "slurm":
+            return
+        try:
+            dirs = [shlex.quote(self._point_dir(sweep_dir, first + i, cfg)) for i, cfg in enumerate(configs)]
+        except OmegaConfBaseException as e:  # an interpolation known only in the job: the sweep runs without the trap
+            log.info("srun's task exits will not be added to the points' results: %s", e)
+            return
+        if sum(len(d) + 1 for d in dirs) > _ARRAY_TABLE_BYTES:
+            log.info("srun's task exits will not be added to the points' results: %d points", len(dirs))
+            return
+        self._exit_trap(executor, '"${hpctrain_run_dirs[$SLURM_ARRAY_TASK_ID]}"', f"hpctrain_run_dirs=({' '.join(dirs)})")
+
     def _supervised(self, cfg) -> bool:
         """Restarts inside the allocation (spare nodes, or shrinking to cluster.min_nodes): a supervisor runs the
         training as srun steps."""
@@ -113,8 +131,12 @@ class Submitting:
     def launch(self, job_overrides, initial_job_idx: int):
         if self._EXECUTOR == "slurm":
             check_array_size(initial_job_idx + len(job_overrides))
-            for key in ("spare_nodes", "min_nodes"):
-                if self.config.cluster[key]:
+            try:
+                shrinks = min_nodes(self.config.parallel, self.config.cluster)
+            except ConfigError as e:
+                fail(str(e))
+            for key, on in (("spare_nodes", self.config.cluster.spare_nodes), ("min_nodes", shrinks)):
+                if on:
                     fail(f"cluster.{key} restarts one run inside its allocation: submit runs one at a time (no -m), "
                          "or drop it for a sweep")
         configs = []
@@ -139,10 +161,7 @@ class Submitting:
                  plugin.Singleton.get_state()) for i, o in enumerate(job_overrides)]
         try:
             executor = self.executor(self.params["submitit_folder"], self.config.cluster)
-            # the array's tasks are its points in order: each task's run directory by its index
-            dirs = " ".join(shlex.quote(self._point_dir(sweep_dir, initial_job_idx + i, cfg))
-                            for i, cfg in enumerate(configs))
-            self._exit_trap(executor, '"${hpctrain_run_dirs[$SLURM_ARRAY_TASK_ID]}"', f"hpctrain_run_dirs=({dirs})")
+            self._array_exit_trap(executor, sweep_dir, initial_job_idx, configs)
             sweep_dir.mkdir(parents=True, exist_ok=True)
             jobs = _orfail(lambda: executor.map_array(self, *zip(*args)))
         except _BAD_INPUT as e:

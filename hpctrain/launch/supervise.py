@@ -14,6 +14,7 @@ a packed sweep (cluster.pack, `PackedRuns`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import logging.config
@@ -26,7 +27,7 @@ import time
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
 from hpctrain.parallel.process_group import hostnames, job_port
 from hpctrain.runtime.job import EXIT_PREEMPTED, SRUN_ARGS, requeue_job
-from hpctrain.runtime.task_exits import annotate, parse
+from hpctrain.runtime.task_exits import MAX_EXITS, annotate, parse, said_by_srun
 
 log = logging.getLogger("hpctrain")
 
@@ -54,10 +55,11 @@ class SrunStep:
         self.reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stderr:
-            sys.stderr.write(line)
-            if line.startswith("srun: error:") and "task" in line or "oom" in line.lower():
-                self.said.append(line.strip()[:300])
+        for line in self.proc.stderr:  # drained to the end whatever happens: srun must never block on the pipe
+            with contextlib.suppress(Exception):
+                sys.stderr.write(line)
+                if said_by_srun(line) and len(self.said) < 4 * MAX_EXITS:
+                    self.said.append(line.strip()[:300])
 
     def wait(self) -> int:
         code = self.proc.wait()
@@ -68,11 +70,13 @@ class SrunStep:
 class SupervisedRun:
     """The callable a job with spare nodes runs once, in its batch step (submitit with use_srun=False)."""
 
+    min_nodes: int | None = None  # (a run pickled before cluster.min_nodes existed, requeued: no shrinking)
+
     def __init__(self, cfg: dict, run_dir: str, job_logging: dict | None, nodes: int, tasks_per_node: int,
                  max_restarts: int, min_nodes: int | None = None):
         self.cfg, self.run_dir, self.job_logging = cfg, run_dir, job_logging
         self.nodes, self.tasks_per_node, self.max_restarts = nodes, tasks_per_node, max_restarts
-        self.min_nodes = min_nodes or nodes  # cluster.min_nodes: shrink to as few healthy nodes as this
+        self.min_nodes = min_nodes  # cluster.min_nodes: shrink to as few healthy nodes as this
 
     def __call__(self) -> dict | None:
         logging.basicConfig(level=logging.INFO, format="supervisor: %(message)s", stream=sys.stdout, force=True)
@@ -86,7 +90,7 @@ class SupervisedRun:
             picked = healthy[:self.nodes] if len(healthy) >= self.nodes else self._shrink(healthy)
             if not picked:
                 _requeue(job, left_out, f"{len(healthy)} healthy node(s) left of {len(allocated)}, {self.nodes} needed"
-                         + (f" (at least {self.min_nodes} shrunk)" if self.min_nodes < self.nodes else ""))
+                         + (f" (at least {self.min_nodes} shrunk)" if self.min_nodes else ""))
             started = time.time()
             log.info("step %d on %s (spare: %s)", restarts, ",".join(picked),
                      ",".join(healthy[self.nodes:]) or "none")
@@ -121,6 +125,8 @@ class SupervisedRun:
         """With cluster.min_nodes: the most healthy nodes (at least min_nodes) the run goes on with, dp shrunk and
         the same global and micro batch (accumulation grows; the ranks reshard the checkpoint as any resume on
         another dp); its steps then train from the config on that many nodes. [] when none do."""
+        if not self.min_nodes or len(healthy) < self.min_nodes:
+            return []
         from omegaconf import OmegaConf
 
         from hpctrain.core.config import Config, ConfigError
@@ -129,17 +135,20 @@ class SupervisedRun:
         def shape(cfg: dict, nodes: int):
             return resolve(OmegaConf.merge(OmegaConf.structured(Config), cfg), nodes * self.tasks_per_node)
 
-        full = shape(self.cfg, self.nodes)
+        try:
+            full = shape(self.cfg, self.nodes)
+        except ConfigError as e:  # (checked before submitting: only a config changed under the job)
+            log.info("not shrinking: %s", e)
+            return []
+        # the same global and micro batch on fewer nodes, whichever two the run was given: accumulation derived
+        batch = {"global_batch": full.global_batch, "micro_batch": full.micro_batch, "grad_accum": None}
         for k in range(len(healthy), self.min_nodes - 1, -1):
-            cfg = {**self.cfg, "cluster": {**self.cfg["cluster"], "nodes": k}}
+            cfg = {**self.cfg, "cluster": {**self.cfg["cluster"], "nodes": k},
+                   "train": {**self.cfg["train"], **batch}}
             try:
                 fewer = shape(cfg, k)
             except ConfigError as e:
                 log.info("not on %d node(s): %s", k, e)
-                continue
-            if (fewer.global_batch, fewer.micro_batch) != (full.global_batch, full.micro_batch):
-                log.info("not on %d node(s): the batch would change (global %d, micro %d instead of %d, %d)", k,
-                         fewer.global_batch, fewer.micro_batch, full.global_batch, full.micro_batch)
                 continue
             write_step_file(self.run_dir, cfg, self.job_logging)
             log.info("going on on %d of the run's %d nodes (cluster.min_nodes=%d): dp %d -> %d, gradient "
@@ -160,7 +169,7 @@ class SupervisedRun:
         if cpus:
             cmd.insert(1, f"--cpus-per-task={cpus}")
         step = SrunStep(cmd, env)
-        return step.wait(), step.said[:20]
+        return step.wait(), step.said
 
     def checkpoint(self):  # submitit on preemption: the steps checkpoint themselves; rerun the supervisor
         import submitit

@@ -22,6 +22,7 @@ from hpctrain.core.config import signal_number
 from hpctrain.core.files import RESULT_FILE, read_json, read_object, write_json
 from hpctrain.parallel.process_group import hostnames
 from hpctrain.parallel.vote import OverlappedVote
+from hpctrain.runtime.task_exits import EXIT_PREEMPTED, EXIT_TERMINATED  # noqa: F401 (re-exported)
 
 log = logging.getLogger("hpctrain")
 
@@ -55,8 +56,6 @@ class Stop(IntEnum):
 _STOP_STATUS = {Stop.NONE: RunStatus.completed, Stop.PREEMPT: RunStatus.preempted,
                 Stop.TERMINATE: RunStatus.terminated, Stop.ALERT: RunStatus.stopped}
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, run the same command again to resume
-EXIT_TERMINATED = 128 + signal.SIGTERM
 
 # Every srun that starts ranks: a task that dies (crash, OOM kill, lost node) ends the whole step at once —
 # the others get SIGTERM, then SIGKILL after Slurm's KillWait — instead of waiting in a collective until
@@ -225,6 +224,11 @@ def _stopped_cleanly(run_dir: str, attempt_started: float) -> bool:
 def job_nodes() -> int:
     """The nodes of this Slurm job (1 outside Slurm: one machine)."""
     return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+
+
+def step_nodes() -> int:
+    """The nodes this rank's job step runs on (a supervised step leaves spares and failed nodes out)."""
+    return int(os.environ.get("SLURM_STEP_NUM_NODES") or job_nodes())
 
 
 def node_failures(run_dir: str) -> tuple[list[float], int] | None:

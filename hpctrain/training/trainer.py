@@ -353,23 +353,26 @@ class Trainer:
                     raise
                 log.error("%s could not be written (%s): the run %s", RESULT_FILE, e, status.value)
         if self._adds_exposure() and job.in_slurm_job():  # the exposure a learned MTBF counts failures against
-            bad_nodes.add_node_hours(self.cfg.cluster.bad_nodes, job.job_nodes() * s.elapsed_s() / 3600)
+            bad_nodes.add_node_hours(self.cfg.cluster.bad_nodes, job.step_nodes() * s.elapsed_s() / 3600)
         if failed:  # only now: when a peer died, srun's SIGTERM (--kill-on-bad-exit) must not cut off result.json
             self.signals.restore(drain=False)
         return result
+
+    def _next_node_rank(self) -> int:
+        """The first rank on the node after rank 0's (the step's nodes: a supervised step leaves spares out), or the
+        last rank of a one-node step."""
+        return min(self.env.world - 1, max(1, self.env.world // job.step_nodes()))
 
     def _writes_result(self) -> bool:
         """Rank 0; when rank 0 was lost, the ranks that could be on rank 0's node or the next one's first (one of them
         survives a node's loss; each writes the same verdict)."""
         env = self.env
-        return env.is_main or (self.hang.lost_rank0 and 1 <= env.rank <= max(1, env.world // job.job_nodes()))
+        return env.is_main or (self.hang.lost_rank0 and 1 <= env.rank <= self._next_node_rank())
 
     def _adds_exposure(self) -> bool:
-        """Rank 0; when rank 0 was lost, one of the ranks writing the result: the first of the next node (the one
-        that survives its node's loss), or the last rank of a one-node job. Once per run: a failure left out of the
-        node-hours would bias the learned MTBF low."""
-        env = self.env
-        return env.is_main or (self.hang.lost_rank0 and env.rank == min(env.world - 1, env.world // job.job_nodes()))
+        """Rank 0; when rank 0 was lost, the first rank of the next node (it survives rank 0's node's loss). Once per
+        run: a failure left out of the node-hours would bias the learned MTBF low."""
+        return self.env.is_main or (self.hang.lost_rank0 and self.env.rank == self._next_node_rank())
 
     def _stopped(self, stop: Stop):
         log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
