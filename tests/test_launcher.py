@@ -91,12 +91,18 @@ def test_the_supervisor_shrinks_to_the_most_nodes_that_keep_the_batch(make_cfg, 
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: said.append(record.getMessage())
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    # (an earlier test's logging config in this worker may have disabled the logger, or logging below WARNING)
+    saved = logger.level, logger.disabled, logging.root.manager.disable
+    logger.setLevel(logging.INFO)
+    logger.disabled = False
+    logging.disable(logging.NOTSET)
     try:
         assert SupervisedRun(resolved, str(tmp_path), None, 4, 1, 3, 1)._shrink(["n1", "n3", "n4"]) == ["n1", "n3"]
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(level)
+        logger.setLevel(saved[0])
+        logger.disabled = saved[1]
+        logging.disable(saved[2])
     assert read_json(str(tmp_path / STEP_FILE))["cfg"]["cluster"]["nodes"] == 2
     assert any("not on 3 node(s): train.global_batch=8 is not divisible by micro_batch×dp=2×3" in s for s in said), said
     assert "going on on 2 of the run's 4 nodes (cluster.min_nodes=1): dp 4 -> 2, gradient accumulation 1 -> 2" in said
