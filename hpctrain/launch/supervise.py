@@ -220,7 +220,7 @@ class PackedRuns:
     def __call__(self) -> list[dict | None]:
         logging.basicConfig(level=logging.INFO, format="packed: %(message)s", stream=sys.stdout, force=True)
         job = os.environ["SLURM_JOB_ID"]
-        steps = []
+        steps, started = [], time.time()
         for i, (run_dir, nodes, tasks) in enumerate(self.points):
             env = dict(os.environ, MASTER_PORT=str(job_port(int(job), 32 + i % 32)))
             env.pop("MASTER_ADDR", None)
@@ -232,7 +232,7 @@ class PackedRuns:
         codes = [step.wait() for step in steps]
         log.info("exit codes %s", codes)
         for (run_dir, _, _), step in zip(self.points, steps):  # a failed point's result gets srun's word
-            annotate(run_dir, parse(step.said), job)
+            annotate(run_dir, parse(step.said), job, since=started)  # (never an earlier attempt's result)
         if EXIT_PREEMPTED in codes:
             _requeue(job, set(), "preempted")
         return [read_result(run_dir) for run_dir, _, _ in self.points]

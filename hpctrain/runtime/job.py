@@ -22,7 +22,7 @@ from hpctrain.core.config import signal_number
 from hpctrain.core.files import RESULT_FILE, read_json, read_object, write_json
 from hpctrain.parallel.process_group import hostnames
 from hpctrain.parallel.vote import OverlappedVote
-from hpctrain.runtime.task_exits import EXIT_PREEMPTED, EXIT_TERMINATED  # noqa: F401 (re-exported)
+from hpctrain.runtime.task_exits import EXIT_PREEMPTED, EXIT_TERMINATED
 
 log = logging.getLogger("hpctrain")
 
