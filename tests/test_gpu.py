@@ -195,6 +195,8 @@ PLANNER_CASES = {
     "125m-bf16-fused": ["model=llama_125m", "precision=bf16", "train.micro_batch=8", "train.fused_loss=true"],
     "350m-bf16-ac": ["model=llama_350m", "precision=bf16", "train.micro_batch=8",
                      "parallel.activation_checkpointing=full"],
+    "350m-bf16-compile": ["model=llama_350m", "precision=bf16", "train.micro_batch=8", "parallel.compile=true",
+                          "train.fused_loss=true"],
 }
 
 

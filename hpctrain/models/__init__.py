@@ -47,9 +47,9 @@ class ModelSpec:
     tp_plan: Callable[[bool], tuple[dict, dict]]  # sequence_parallel -> (root plan, per-block plan)
     check_layout: Callable[[Any, Any, bool], None]  # (args, Layout, sequence_parallel): ConfigError if it cannot
     flops_per_token: Callable[[Any, int], float]  # (args, seq_len): training FLOPs per token
-    # (args, tokens, saved kind, tp, sp, seq_len, a mask built per forward, cp) -> (bytes a block saves for backward,
-    # its input: what a checkpointed one keeps)
-    block_activations: Callable[[Any, int, str, int, int, int, bool, int], tuple[float, float]]
+    # (args, tokens, saved kind, tp, sp, seq_len, a mask built per forward, cp, compiled) -> (bytes a block saves for
+    # backward, its input: what a checkpointed one keeps)
+    block_activations: Callable[[Any, int, str, int, int, int, bool, int, bool], tuple[float, float]]
     num_params: Callable[[Any], int]  # parameter count (a module or args)
     init_rule: Callable[[Any], Callable[[str], tuple[str, float]]]  # args -> (name -> ("normal", std) | ("ones", 0))
     hf_adapter: str  # module whose ADAPTER converts to and from transformers (hpctrain.models.llama.hf.HFAdapter)

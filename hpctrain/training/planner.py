@@ -205,7 +205,7 @@ def _activations(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     kind = saved_activation_kind(r.c, 1 if r.compressed else layout.reduce_ranks)
     saved, kept_input = r.spec.block_activations(r.args, r.tokens, kind, layout.tp,
                                                  layout.tp if p.sequence_parallel else 1, r.seq_len,
-                                                 r.cfg.train.document_mask or layout.cp > 1, layout.cp)
+                                                 r.cfg.train.document_mask or layout.cp > 1, layout.cp, p.compile)
     layers = [j for chunk in st.layers for j in chunk]
     return {mode.value: checkpointed_activations(mode, p.ac_every, layers, saved, kept_input,
                                                  layout.in_flight(i, r.m)) for mode in ActCkpt}

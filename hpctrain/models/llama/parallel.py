@@ -81,23 +81,29 @@ def check_layout(args, layout, sequence_parallel: bool) -> None:
 ACT_BYTES = {"fp32": (16, 8, (8, 8, 16)),  # fp32 / tf32
              "autocast": (16, 10, (4, 4, 8)),  # bf16/fp16 autocast over fp32 parameters: fp32 residual stream
              "lowp": (12, 4, (4, 4, 8))}  # bf16/fp16 parameters (FSDP/replicate MixedPrecisionPolicy)
+# The same under parallel.compile (per-block torch.compile; tp = 1, sp = 1): Inductor's partitioner saves the block's
+# input, the attention output projection's output (the second norm's input is recomputed from the two), both norms'
+# outputs, q, k, v, attention's output and SwiGLU's gate, up and product, and recomputes every other pointwise result.
+# Measured with saved-tensor hooks on the compiled block (tests/test_plan_compiled.py), and on an H100 against the
+# allocator's peak (llama_1b, bf16: within 1 %, docs/planner.md). MoE experts and q/k norms keep their eager terms.
+ACT_BYTES_COMPILED = {"fp32": (8, 8, (8, 8, 12)), "autocast": (6, 4, (4, 4, 6)), "lowp": (4, 4, (4, 4, 6))}
 # Qwen3's q/k norms, per element of q and k: the norm's fp32 input and its normalised output.
 QK_NORM_BYTES = {"fp32": 8, "autocast": 6, "lowp": 6}
 
 
 def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: int,
-                      packed: bool = False, cp: int = 1) -> tuple[float, float]:
+                      packed: bool = False, cp: int = 1, compiled: bool = False) -> tuple[float, float]:
     """(what one block saves for backward over `tokens` tokens (micro-batches of `seq_len`), what it keeps when
     checkpointed: its input), with tp-sharded parts / tp and the norm side and the input / sp (sequence parallel).
     `kind`: ACT_BYTES' key; `packed`: a mask counted apart, once per forward (document masking's, context
     parallelism's) holds the window; `cp`: `tokens` are this rank's share of each sequence, and attention saves the
-    keys and values of the whole of it (gathered over the cp ranks)."""
-    norm, lin, (kh, kkv, kf) = ACT_BYTES[kind]
+    keys and values of the whole of it (gathered over the cp ranks); `compiled`: the block runs through torch.compile."""
+    norm, lin, (kh, kkv, kf) = (ACT_BYTES_COMPILED if compiled else ACT_BYTES)[kind]
     q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     heads = args.n_heads + args.kv_heads if args.qk_norm else 0  # q/k-normed heads
-    # An MoE layer's experts run whole on every tp rank (the largest of its blocks: the sparse ones)
-    ffn = saved_bytes_per_token(args.moe, args.dim, args.ffn_hidden, kf / 16) * tp if args.moe.num_experts else \
-        kf * args.ffn_hidden
+    # An MoE layer's experts run whole on every tp rank (the largest of its blocks: the sparse ones); eager's figure
+    ffn = (saved_bytes_per_token(args.moe, args.dim, args.ffn_hidden, ACT_BYTES[kind][2][2] / 16) * tp
+           if args.moe.num_experts else kf * args.ffn_hidden)
     per_token = (norm * args.dim / sp + lin * args.dim
                  + (kh * q + kkv * kv * cp + ffn) / tp
                  + 8 + 4 * args.n_heads / tp  # RMSNorm statistics, attention log-sum-exp
