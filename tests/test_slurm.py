@@ -522,7 +522,10 @@ def test_plain_python_in_a_batch_script_is_not_a_rank(slurm, demo_data, tmp_path
     run = tmp_path / "run"
     cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
                     "data.prepare_demo=false", *SMALL_MODEL, "train.max_steps=2", "train.eval_every=0",
-                    "train.global_batch=8", "train.micro_batch=4", "cluster.pg_timeout_s=30"])
+                    "train.global_batch=8", "train.micro_batch=4", "cluster.pg_timeout_s=30",
+                    # one thread, as the suite's other runs: two on cores the other test workers keep busy wait on
+                    # each other (8 s alone, 100-170 s beside the suite, steps of 20 s instead of 0.1)
+                    "cluster.num_threads=1"])
     _, state = sbatch_run(["-N1", "--ntasks=2", "--cpus-per-task=1", "-o", str(tmp_path / "out-%j.txt"), "--wrap",
                            cmd], cwd=ROOT, timeout=100)
     assert state == "completed", read(glob.glob(str(tmp_path / "out-*.txt"))[0])
