@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.core.config import ConfigError
 from hpctrain.core.errors import BAD_INPUT, fail
-from hpctrain.parallel.layout import job_shape, min_nodes
+from hpctrain.parallel.layout import job_shape, min_nodes, restarts_in_allocation
 from hpctrain.runtime.job import SRUN_ARGS
 from hpctrain.runtime.task_exits import exit_trap
 
@@ -114,7 +114,7 @@ class Submitting:
     def _supervised(self, cfg) -> bool:
         """Restarts inside the allocation (spare nodes, or shrinking to cluster.min_nodes): a supervisor runs the
         training as srun steps."""
-        return self._EXECUTOR == "slurm" and bool(cfg.cluster.spare_nodes or min_nodes(cfg.parallel, cfg.cluster))
+        return self._EXECUTOR == "slurm" and restarts_in_allocation(cfg.parallel, cfg.cluster)
 
     def _exit_trap(self, executor, run_dir_word: str, *before: str) -> None:
         """After the job's srun, how its tasks ended goes into the run's failed result (runtime.task_exits):
@@ -256,7 +256,8 @@ class Submitting:
                 executor = self.executor(folder, cfg.cluster)
                 rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there
             resolved = OmegaConf.to_container(cfg, resolve=True)
-            if self._supervised(cfg):  # a supervisor runs the training as srun steps
+            supervised = self._supervised(cfg)
+            if supervised:  # a supervisor runs the training as srun steps
                 from hpctrain.launch.supervise import SupervisedRun
 
                 executor.update_parameters(slurm_use_srun=False)
@@ -275,7 +276,7 @@ class Submitting:
               f"hpctrain: logs: {folder.replace('%j', job.job_id)}/; progress: "
               f"python -m hpctrain report {run_dir}", flush=True)
         if cfg.cluster.wait:
-            _wait([job], run_dir, batch_only=self._supervised(cfg))
+            _wait([job], run_dir, batch_only=supervised)
 
 
 class Progress:

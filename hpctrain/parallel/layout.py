@@ -277,6 +277,13 @@ def min_nodes(p: ParallelConfig, c: ClusterConfig) -> int | None:
     return c.min_nodes if c.min_nodes < nodes else None
 
 
+def restarts_in_allocation(p: ParallelConfig, c: ClusterConfig) -> bool:
+    """Whether the run restarts inside its own allocation when a node fails (cluster.spare_nodes, or shrinking to
+    cluster.min_nodes): a supervisor runs it as srun steps, in a job a lost node must not end; ConfigError as
+    min_nodes."""
+    return bool(c.spare_nodes or min_nodes(p, c))
+
+
 _PP_INTERLEAVED = tuple(name for name, (_, multi) in PP_SCHEDULES.items() if multi)
 
 

@@ -16,11 +16,11 @@ from hpctrain.core.config import Config, ConfigError
 def _slurm(key: str, *, _root_: DictConfig):
     """`${hpctrain_slurm:nodes}` etc. in the launcher configs: the job shape of the layout (a layout that cannot
     be placed is reported by the launcher's checks, with its fix, before anything is submitted)."""
-    from hpctrain.parallel.layout import job_shape, min_nodes
+    from hpctrain.parallel.layout import job_shape, restarts_in_allocation
 
     if key == "sbatch_extra":  # --no-kill with spare nodes (or shrinking): a lost node must not end the job
         try:
-            supervised = _root_.cluster.spare_nodes or min_nodes(_root_.parallel, _root_.cluster)
+            supervised = restarts_in_allocation(_root_.parallel, _root_.cluster)
         except ConfigError:  # (reported with its fix by the launcher's checks)
             supervised = False
         spare = {"no_kill": True} if supervised else {}
