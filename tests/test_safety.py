@@ -227,7 +227,7 @@ sink = AlertSink({str(tmp_path)!r}, mcfg, Context(torch.device("cpu"), 1))"""
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run_bounded(["yes"], b"", timeout=1)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # the 1 s limit held: `yes` alone never ends (loose: shared cores)
 
 
 # --- 6, 13: a run directory is a run's, one run's at a time -------------------------------------------------------

