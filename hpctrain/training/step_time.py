@@ -251,7 +251,7 @@ class _Work:
         head_dim = getattr(a, "head_dim", None) or a.dim // a.n_heads
         attn_width = a.n_heads * head_dim
         head_params = a.vocab_size * a.dim
-        matmul = (x.spec.flops_per_token(a, x.seq_len) - 12.0 * a.n_layers * attn_width * x.seq_len) / 6
+        matmul = (_model_counts(x)[1] - 12.0 * a.n_layers * attn_width * x.seq_len) / 6
         width = a.dim / lay.tp
         return cls(x.micro_batch * x.seq_len // lay.cp, _stage_layers(a.n_layers, lay.pp, lay.pp_virtual_stages),
                    (matmul - head_params) / a.n_layers, head_params, attn_width, head_dim,
@@ -323,7 +323,7 @@ def _weights(x: StepInputs, w: _Work, hw: Hardware, sw: Software, compute_mb: fl
     a, lay = x.args, x.layout
     embeddings = w.head_params * (1 if getattr(a, "tie_embeddings", False) else 2)
     experts = _expert_params(a, w.layer_ids)
-    blocks = (x.spec.num_params(a) - embeddings) / a.n_layers * w.layers - experts
+    blocks = (_model_counts(x)[0] - embeddings) / a.n_layers * w.layers - experts
     # the busiest stage is the last: its layers and the output head (one process: every weight)
     dense = (blocks + (embeddings if lay.pp == 1 else w.head_params)) / lay.tp
     groups = [(dense, _span(replace(lay, dp=lay.dp * lay.cp, cp=1), "dp", hw), lay.dp * lay.cp),
@@ -354,6 +354,21 @@ def _weights(x: StepInputs, w: _Work, hw: Hardware, sw: Software, compute_mb: fl
     return fsdp_mb, step, optimizer * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9)
 
 
+_COUNTS: dict[tuple, tuple[int, float]] = {}
+
+
+def _model_counts(x: StepInputs) -> tuple[int, float]:
+    """(parameters, training FLOPs per token) of x's model, counted once: `plan --search` predicts ~20,000 layouts
+    of one model, and counting a 128-layer model's every layer for each was 70 % of a search (17-40 s for GPT 1008B).
+    Keyed by the arguments' repr: a dataclass's repr holds every field, nested ones included."""
+    key = (x.spec.family, repr(x.args), x.seq_len)
+    if key not in _COUNTS:
+        if len(_COUNTS) >= 256:  # (a long-lived process planning many models)
+            _COUNTS.clear()
+        _COUNTS[key] = (x.spec.num_params(x.args), x.spec.flops_per_token(x.args, x.seq_len))
+    return _COUNTS[key]
+
+
 def predict(x: StepInputs, hw: Hardware, sw: Software = Software()) -> Prediction:
     """One optimizer step of `x` on `hw`: its time and what it is made of."""
     w = _Work.of(x, hw)
@@ -367,5 +382,5 @@ def predict(x: StepInputs, hw: Hardware, sw: Software = Software()) -> Predictio
     parts = {**{k: m * v for k, v in {**compute, **exchanges, "fsdp": fsdp_mb}.items()}, "dp": dp_step,
              "bubble": m * mb * bubble / (1 - bubble), "optimizer": optimizer}
     tokens = x.global_batch * x.seq_len
-    flops = x.spec.flops_per_token(x.args, x.seq_len) * tokens / step / x.layout.world
+    flops = _model_counts(x)[1] * tokens / step / x.layout.world
     return Prediction(step, tokens / step / x.layout.world, flops / (hw.peak_tflops * 1e12), flops / 1e12, parts)
