@@ -74,13 +74,16 @@ class ModelSpec:
     def build(self, args) -> Any:
         return self.model_type(args)
 
-    def weights(self, args) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """Every weight of the whole model, {state_dict key: (shape, dtype)}, from a meta-device build."""
+    def meta(self, args) -> Any:
+        """The model on the meta device: its shapes, no memory."""
         import torch
 
         with torch.device("meta"):
-            model = self.build(args)
-        return {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict().items()}
+            return self.build(args)
+
+    def weights(self, args) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Every weight of the whole model, {state_dict key: (shape, dtype)}, from a meta-device build."""
+        return {key: (tuple(t.shape), t.dtype) for key, t in self.meta(args).state_dict().items()}
 
     def hf(self):
         """The family's transformers adapter (imports transformers)."""

@@ -108,6 +108,7 @@ class Searcher:
         self.typed = typed(cfg)  # (the schema's dataclasses: the memory estimate reads them ten times faster)
         self.usable = cfg.cluster.gpu_mem_gb * planner.HEADROOM * planner.GiB
         self._stages = {}
+        self._meta = None  # the model on the meta device, built once for every split checked
         self.refusals: Counter[str] = Counter()  # why the checked ones were refused (their first words)
 
     def predict(self, c: Candidate) -> step_time.Prediction:
@@ -127,7 +128,9 @@ class Searcher:
             return None, str(e)
         key = (lay.pp, lay.pp_virtual_stages, lay.ep)
         if key not in self._stages:
-            self._stages[key] = planner.stage_params(base.args, lay.pp, lay.pp_virtual_stages, base.spec, lay.ep)
+            self._meta = base.spec.meta(base.args) if self._meta is None else self._meta
+            self._stages[key] = planner.stage_params(base.args, lay.pp, lay.pp_virtual_stages, base.spec, lay.ep,
+                                                     self._meta)
         seq_len = self.cfg.train.seq_len
         plan = RunShape(lay, self.cfg.train.global_batch, c.micro_batch, c.grad_accum, seq_len)
         rows = planner.estimate(_with(self.typed, c), plan, seq_len, self._stages[key])["rows"]

@@ -99,11 +99,12 @@ def _count_block(st: StageParams, block, ep: int) -> int:
     return gathered
 
 
-def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None, ep: int = 1) -> list[StageParams]:
-    """Count each stage's parameters on a meta-device model (no memory is allocated)."""
+def stage_params(args, pp: int, v: int = 1, spec: ModelSpec | None = None, ep: int = 1,
+                 model: torch.nn.Module | None = None) -> list[StageParams]:
+    """Count each stage's parameters on a meta-device model (no memory is allocated): `model`, when given (a search
+    counting many splits of one model), else built here."""
     spec = spec or _default_spec()
-    with torch.device("meta"):
-        model = spec.build(args)
+    model = spec.meta(args) if model is None else model
     stages = [StageParams(chunks) for chunks in layer_map(args.n_layers, pp, v)]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # (conservative: a block's, everywhere)
     for i, st in enumerate(stages):
