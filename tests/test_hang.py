@@ -76,14 +76,16 @@ def test_which_failures_are_collective_timeouts(tmp_path, error, timed_out):
 
 def test_flight_recorder_dumps_into_the_run(tmp_path, monkeypatch):
     env = flight_recorder_env(str(tmp_path))
-    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0  # (torch >= 2.8's name)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # deprecated: PyTorch 2.11 warned at every start
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/hang/nccl-trace-rank-"
-    for key in env:
+    for key in (*env, "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")  # the job's own setting wins
-    apply_flight_recorder(str(tmp_path / "a"))
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")  # the job's own setting wins, under either name
+    said = apply_flight_recorder(str(tmp_path / "a"))
     apply_flight_recorder(str(tmp_path / "b"))  # a later run in the same process dumps into its own directory
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500" and "TORCH_FR_BUFFER_SIZE" not in os.environ
+    assert said["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500 (environment)", said
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/b/hang/nccl-trace-rank-"
 
 

@@ -40,11 +40,18 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
 _KEY = "hpctrain/heartbeat/{}"
 
 
+# The flight recorder's buffer, as PyTorch spelled it before 2.8 and since (the old name warns on 2.11).
+BUFFER_NAMES = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+
+
 def flight_recorder_env(run_dir: str) -> dict[str, str]:
     """NCCL's flight recorder, dumped into <run_dir>/hang/ when a collective times out (both spellings of the
-    dump path: PyTorch renamed it)."""
+    dump path: PyTorch renamed it; the buffer's under the name this PyTorch reads)."""
+    import torch
+
     prefix = os.path.join(os.path.abspath(run_dir), HANG_DIR, "nccl-trace-rank-")
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    renamed = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+    return {BUFFER_NAMES[renamed]: "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
 
 
@@ -56,8 +63,10 @@ def apply_flight_recorder(run_dir: str) -> dict[str, str]:
     Returns {key: "value (source)"} as process_group.apply_env does."""
     effective = {}
     for key, value in flight_recorder_env(run_dir).items():
-        if key in os.environ and os.environ[key] != _ours.get(key):
-            effective[key] = f"{os.environ[key]} (environment)"
+        theirs = [k for k in (BUFFER_NAMES if key in BUFFER_NAMES else (key,)) if k in os.environ
+                  and os.environ[k] != _ours.get(k)]  # (the buffer under either name is the job's setting)
+        if theirs:
+            effective[theirs[0]] = f"{os.environ[theirs[0]]} (environment)"
         else:
             os.environ[key] = _ours[key] = value
             effective[key] = f"{value} (flight recorder)"
