@@ -477,32 +477,51 @@ def test_multirun_sweep_is_one_job_array_with_report(slurm, demo_data, tmp_path,
     assert (sweep / "sweep_report.png").stat().st_size > 10_000
 
 
-@pytest.mark.timeout(240)
+def _scontrol_job(job: str) -> dict[str, str]:
+    """`scontrol show job`'s Key=Value fields."""
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+def _seconds(slurm_time: str) -> int:
+    """Slurm's [D-]HH:MM:SS (or MM:SS) in seconds."""
+    days, _, clock = slurm_time.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    return int(days or 0) * 86400 + sum(v * 60**k for k, v in enumerate(reversed(parts)))
+
+
+@pytest.mark.timeout(300)
 def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, slurm_jobs):
-    """A run longer than its 2-minute limit: USR2 arrives `signal_lead_s` before the limit (Slurm may send it up
-    to 60 s early, `man sbatch`: so between 5 and 65 s after the start; with a 1-minute limit it once came in the
-    first second, before any handler existed, and the default action of USR2 killed the job), the job checkpoints,
-    submitit requeues it as a timeout (counted against cluster.max_timeouts) and the rerun resumes from that
-    checkpoint. The run is endless, so no machine is fast enough to finish before the limit; the test cancels it once
-    the rerun has trained on (that a resumed run ends with an uninterrupted run's loss is what the preemption tests
-    check)."""
+    """A run reaching its time limit: USR2 arrives `signal_lead_s` before the limit, the job checkpoints, submitit
+    requeues it as a timeout (counted against cluster.max_timeouts) and the rerun resumes from that checkpoint.
+    The job asks for 10 minutes; once it trains, the test lowers its limit (`scontrol update TimeLimit`, whole
+    minutes) to 1-2 minutes from then, so that the signal (55 s before the limit, and Slurm may send it up to 60 s
+    early, `man sbatch`) comes while it trains. With a fixed 2-minute limit it came 5-65 s after the start: on a
+    loaded machine (the full suite) that was before the rank had imported torch, three attempts in a row, and before
+    any handler existed the default action of USR2 killed the job. Once requeued the limit is raised again, so the
+    rerun trains on. The run is endless; the test cancels it once the rerun has trained on (that a resumed run ends
+    with an uninterrupted run's loss is what the preemption tests check)."""
     run = tmp_path / "run"
-    job = _job_id(_submit(tmp_path, run, "parallel=single", "cluster.nodes=1", "cluster.time_min=2",
+    job = _job_id(_submit(tmp_path, run, "parallel=single", "cluster.nodes=1", "cluster.time_min=10",
                           "cluster.signal_lead_s=55", "train.max_steps=100000000", "train.ckpt_every=0",
                           "train.log_every=50"))
     slurm_jobs.append(job)
-    # The run only has to be alive when the limit's signal comes (5-65 s in): niced, its endless steps leave the CPU
-    # to the rest of the suite (measured: it otherwise burns one core for ~60 s).
+    # Niced, its endless steps leave the CPU to the rest of the suite (it otherwise burns one core until the signal).
     for pid, _ in until("the job's rank", lambda: _job_processes(job), 120, every=0.5):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, pid, 19)
+    until("a logged step", lambda: (run / "metrics.jsonl").exists() and last_step(run) > 0, 180)
+    limit = _seconds(_scontrol_job(job)["RunTime"]) // 60 + 2  # (minutes: 60-120 s left)
+    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], check=True, timeout=30)
+    until("the requeue", lambda: int(_scontrol_job(job).get("Restarts", 0)) >= 1, 180, every=0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True, timeout=30)
 
     def resumed_at() -> int | None:
         log = run / "train.log"
         found = re.search(r"resumed from \S+ at step (\d+)", read(log)) if log.exists() else None
         return int(found.group(1)) if found and last_step(run) > int(found.group(1)) else None
 
-    step = until("the time limit, the requeue and steps after the resume", resumed_at, 180, every=1)
+    step = until("steps after the resume", resumed_at, 180, every=1)
     subprocess.run(["scancel", job], check=True, timeout=30)
     until("the cancelled job to end", lambda: job_gone(job), 60)
     # USR2 `signal_lead_s` early is the rule; on a loaded machine slurmctld's 30 s limit check once sent the limit's
