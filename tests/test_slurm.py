@@ -291,8 +291,11 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
     except AssertionError:
         pytest.skip("needs 3 idle nodes (make slurm-up starts n1..n3)")
     steps, run = 150, tmp_path / "run"
+    # The survivor's collective waits for the frozen rank: its own hang detection (90 % of cluster.pg_timeout_s) must
+    # not end the job before Slurm marks the node DOWN (up to 90 s after the reference run below, on a loaded machine:
+    # at 120 s it once failed the job first, and there was no requeue)
     job = _job_id(_submit(tmp_path, run, f"train.max_steps={steps}", "train.ckpt_every=10",
-                          "monitor.rules.node_failure_rate.for_s=0"))
+                          "monitor.rules.node_failure_rate.for_s=0", "cluster.pg_timeout_s=600"))
     slurm_jobs.append(job)
     until("the checkpoint at step 10", lambda: last_step(run) >= 12, 150, every=0.2)
     victim = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True)
