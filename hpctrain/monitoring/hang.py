@@ -63,10 +63,10 @@ def apply_flight_recorder(run_dir: str) -> dict[str, str]:
     Returns {key: "value (source)"} as process_group.apply_env does."""
     effective = {}
     for key, value in flight_recorder_env(run_dir).items():
-        theirs = [k for k in (BUFFER_NAMES if key in BUFFER_NAMES else (key,)) if k in os.environ
-                  and os.environ[k] != _ours.get(k)]  # (the buffer under either name is the job's setting)
+        names = BUFFER_NAMES if key in BUFFER_NAMES else (key,)  # (the buffer under either name is the job's)
+        theirs = next((k for k in names if k in os.environ and os.environ[k] != _ours.get(k)), None)
         if theirs:
-            effective[theirs[0]] = f"{os.environ[theirs[0]]} (environment)"
+            effective[theirs] = f"{os.environ[theirs]} (environment)"
         else:
             os.environ[key] = _ours[key] = value
             effective[key] = f"{value} (flight recorder)"

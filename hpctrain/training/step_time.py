@@ -236,6 +236,8 @@ class _Work:
     head_dim: int
     recomputed: float  # share of the blocks recomputed in backward
     rate: float  # GEMM FLOP/s on this rank's matrix shapes
+    params: int  # the whole model's
+    flops_per_token: float  # the whole model's, training
 
     @property
     def passes(self) -> float:
@@ -251,12 +253,13 @@ class _Work:
         head_dim = getattr(a, "head_dim", None) or a.dim // a.n_heads
         attn_width = a.n_heads * head_dim
         head_params = a.vocab_size * a.dim
-        matmul = (_model_counts(x)[1] - 12.0 * a.n_layers * attn_width * x.seq_len) / 6
+        params, flops_per_token = _model_counts(x)
+        matmul = (flops_per_token - 12.0 * a.n_layers * attn_width * x.seq_len) / 6
         width = a.dim / lay.tp
         return cls(x.micro_batch * x.seq_len // lay.cp, _stage_layers(a.n_layers, lay.pp, lay.pp_virtual_stages),
                    (matmul - head_params) / a.n_layers, head_params, attn_width, head_dim,
                    {"none": 0.0, "full": 1.0, "selective": 1.0 / max(1, x.ac_every)}[x.ac],
-                   hw.gemm_tflops * 1e12 * width / (width + SHAPE_HALF))
+                   hw.gemm_tflops * 1e12 * width / (width + SHAPE_HALF), params, flops_per_token)
 
 
 def _compute(x: StepInputs, w: _Work, hw: Hardware, sw: Software) -> dict[str, float]:
@@ -323,7 +326,7 @@ def _weights(x: StepInputs, w: _Work, hw: Hardware, sw: Software, compute_mb: fl
     a, lay = x.args, x.layout
     embeddings = w.head_params * (1 if getattr(a, "tie_embeddings", False) else 2)
     experts = _expert_params(a, w.layer_ids)
-    blocks = (_model_counts(x)[0] - embeddings) / a.n_layers * w.layers - experts
+    blocks = (w.params - embeddings) / a.n_layers * w.layers - experts
     # the busiest stage is the last: its layers and the output head (one process: every weight)
     dense = (blocks + (embeddings if lay.pp == 1 else w.head_params)) / lay.tp
     groups = [(dense, _span(replace(lay, dp=lay.dp * lay.cp, cp=1), "dp", hw), lay.dp * lay.cp),
@@ -382,5 +385,5 @@ def predict(x: StepInputs, hw: Hardware, sw: Software = Software()) -> Predictio
     parts = {**{k: m * v for k, v in {**compute, **exchanges, "fsdp": fsdp_mb}.items()}, "dp": dp_step,
              "bubble": m * mb * bubble / (1 - bubble), "optimizer": optimizer}
     tokens = x.global_batch * x.seq_len
-    flops = _model_counts(x)[1] * tokens / step / x.layout.world
+    flops = w.flops_per_token * tokens / step / x.layout.world
     return Prediction(step, tokens / step / x.layout.world, flops / (hw.peak_tflops * 1e12), flops / 1e12, parts)
