@@ -3,6 +3,7 @@ gate of the tests that need a Slurm cluster."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -28,7 +29,11 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 register()
 # Never the user's bad-node list (cluster.bad_nodes): one of the session's for what captures the environment at import
 # (a module's sbatch environment), each test's own beside it (below).
-os.environ["HPCTRAIN_BAD_NODES"] = os.path.join(tempfile.mkdtemp(prefix="hpctrain-bad-nodes-"), "bad_nodes.json")
+_SESSION_BAD_NODES = tempfile.mkdtemp(prefix="hpctrain-bad-nodes-")
+os.environ["HPCTRAIN_BAD_NODES"] = os.path.join(_SESSION_BAD_NODES, "bad_nodes.json")
+# Removed when this process ends (a forked rank ends with os._exit, which runs no atexit handler): each session left
+# one folder in /tmp.
+atexit.register(shutil.rmtree, _SESSION_BAD_NODES, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
