@@ -23,6 +23,7 @@ import pytest
 from conftest import SMALL_MODEL
 from helpers import job_gone, last_step, list_unused_node, losses, read, records, sbatch_run, until, wait_job
 
+from hpctrain.parallel.process_group import hostnames
 from hpctrain.runtime import bad_nodes
 from hpctrain.runtime.task_exits import exit_trap
 
@@ -376,6 +377,36 @@ def test_a_lost_node_restarts_the_run_on_the_spare_inside_the_job(slurm, data_en
     _assert_same_run(run, ref, steps)
     assert losses(run) == ref  # bit for bit
     assert set(bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72)) == {node}
+
+
+@pytest.mark.timeout(400)
+def test_with_no_spare_left_the_job_is_requeued_without_the_failed_nodes(slurm, data_env, tmp_path, slurm_jobs):
+    """cluster.spare_nodes=1 and a rank lost twice: the first loss restarts the run on the spare inside the job; after
+    the second, one healthy node is left of the three and the run needs two, so the supervisor falls back to a
+    requeue that leaves out both failed nodes (ExcNodeList), and both are on the bad-node list. On this three-node
+    cluster the requeued job then waits for nodes it may not use: the test reads it pending, and cancels it."""
+    run = tmp_path / "run"
+    job = _job_id(_submit(tmp_path, run, "train.max_steps=100000", "train.ckpt_every=5", "cluster.spare_nodes=1"))
+    slurm_jobs.append(job)
+    def trained(resumes: int, step: int) -> bool:  # `step` logged after `resumes` restarts
+        log = read(run / "train.log") if (run / "train.log").exists() else ""
+        return len(re.findall(r"resumed from \S+ at step \d+", log)) == resumes and last_step(run) >= step
+
+    lost = []
+    for resumes in (0, 1):
+        until(f"step 12 after {resumes} restart(s)", lambda r=resumes: trained(r, 12), 150, every=0.1)
+        pid, node = until("rank 1's process", lambda: (_job_processes(job, 1) or [None])[0], 30)
+        os.kill(pid, signal.SIGKILL)
+        lost.append(node)
+    shown = until("the job requeued", lambda: (f := _scontrol_job(job)).get("JobState") == "PENDING"
+                  and f.get("Restarts") == "1" and f, 120, every=0.5)
+    assert set(hostnames(shown["ExcNodeList"])) == set(lost), (shown, lost)
+    restarts = [json.loads(line) for line in read(run / "restarts.jsonl").splitlines()]
+    assert [(r["job"], r["failed_nodes"], r["nodes"]) for r in restarts] == [(job, [n], 2) for n in lost], restarts
+    supervisor = "".join(read(f) for f in glob.glob(str(run / ".submitit" / "*" / "*_log.out")))
+    assert f"requeueing job {job} (1 healthy node(s) left of 3, 2 needed), leaving out {','.join(sorted(lost))}" \
+        in supervisor, supervisor[-3000:]
+    assert set(bad_nodes.excluded(os.environ["HPCTRAIN_BAD_NODES"], 72)) == set(lost)
 
 
 @pytest.mark.timeout(400)

@@ -143,12 +143,8 @@ class StopSignals:
         in `exclude` (the bad-node list's) when it runs again (Slurm takes a job's ExcNodeList only while it is
         pending: after the requeue)."""
         job = os.environ.get("SLURM_JOB_ID")
-        # Requeueing cancels this job step: Slurm's SIGTERM can arrive before scontrol returns and would cut off
-        # the line saying what happened, or kill the scontrol that sets ExcNodeList after the requeue (measured:
-        # killed, empty stderr). This process is stopping anyway (it exits right after, well within KillWait), so
-        # the signal is ignored from here on, by it and by the scontrol processes it starts.
         if job:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            outlive_the_requeue()
         prev = self._previous.get(self.preempt_sig)
         if callable(prev) and getattr(prev, "__module__", "").startswith("submitit"):
             try:
@@ -168,8 +164,19 @@ class StopSignals:
             signal.signal(sig, prev)
 
 
+def outlive_the_requeue() -> None:
+    """Requeueing cancels the job's steps, this one included: Slurm's SIGTERM can arrive before scontrol returns and
+    would cut off the line saying what happened, or kill the scontrol that sets ExcNodeList after the requeue
+    (measured: killed, empty stderr). The caller is stopping anyway (it exits right after, well within KillWait), so
+    the signal is ignored from here on, by it and by the scontrol processes it starts (an ignored signal stays
+    ignored across exec; a Python handler, submitit's, does not)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def requeue_job(job: str, exclude: list[str] = ()) -> bool:
-    """`scontrol requeue`, then `exclude` added to the job's ExcNodeList (Slurm takes it only from a pending job)."""
+    """`scontrol requeue`, then `exclude` added to the job's ExcNodeList (Slurm takes it only from a pending job).
+    The calling process ignores SIGTERM from here on (`outlive_the_requeue`)."""
+    outlive_the_requeue()
     p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
         log.error("could not requeue Slurm job %s (%s): resubmit it to resume", job, p.stderr.strip())
