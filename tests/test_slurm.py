@@ -540,11 +540,12 @@ def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, s
                           "cluster.signal_lead_s=55", "train.max_steps=100000000", "train.ckpt_every=0",
                           "train.log_every=50"))
     slurm_jobs.append(job)
-    # Niced, its endless steps leave the CPU to the rest of the suite (it otherwise burns one core until the signal).
-    for pid, _ in until("the job's rank", lambda: _job_processes(job), 120, every=0.5):
+    until("a logged step", lambda: (run / "metrics.jsonl").exists() and last_step(run) > 0, 180)
+    # Niced once it trains, its endless steps leave the CPU to the rest of the suite (it otherwise burns one core
+    # until the signal); not before: at nice 19 beside a busy suite, its import of torch could take minutes.
+    for pid, _ in _job_processes(job):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, pid, 19)
-    until("a logged step", lambda: (run / "metrics.jsonl").exists() and last_step(run) > 0, 180)
     limit = _seconds(_scontrol_job(job)["RunTime"]) // 60 + 2  # (minutes: 60-120 s left)
     subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], check=True, timeout=30)
     until("the requeue", lambda: int(_scontrol_job(job).get("Restarts", 0)) >= 1, 180, every=0.5)
