@@ -234,7 +234,7 @@ def test_bench_eval_smoke(capsys):
     assert doc["requests"] > 32 and set(doc["rates"]) == {"hpctrain", "lm-eval hf"} and "vs lm-eval hf" in out, out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm, slurm_jobs, local_tasks, demo_data,
                                                                            tmp_path):
     """eval.mode=job on the local cluster: a Slurm job per checkpoint (steps 2, 4, 6), each pinning its checkpoint
@@ -268,9 +268,10 @@ def test_eval_jobs_score_each_checkpoint_once_and_a_killed_one_is_reported(slurm
                                "\\S+step-0000008)' \"$1\"); do sleep 0.2; done; scancel \"$j\"; echo \"$j\"", "-",
                                str(run / "train.log")], stdout=subprocess.PIPE, text=True)
     try:
+        # (it may wait its eval.wait_min, 3 minutes, for the eval jobs: more than run_forked's default 120 s)
         resumed = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=8", *args, "eval.wait_min=3",
                                                 "logging.trackers=[tensorboard,mlflow,wandb]"), cwd=tmp_path,
-                             env={"HF_DATASETS_OFFLINE": "1"})
+                             env={"HF_DATASETS_OFFLINE": "1"}, timeout=240)
         job8 = killer.communicate(timeout=30)[0].strip()
     finally:
         killer.kill()

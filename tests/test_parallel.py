@@ -196,11 +196,12 @@ def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[subprocess
     proc = subprocess.Popen([sys.executable, "-m", "hpctrain", *cli_args(run_dir, demo_data, *extra)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     # A logged step: every rank has joined its collectives, so every rank's hang watchdog is running.
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 120
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240  # (a fresh interpreter on a busy machine)
     while proc.poll() is None and time.time() < deadline and not (
             metrics.exists() and '"step"' in metrics.read_text()):
         time.sleep(0.05)
     assert proc.poll() is None, proc.stderr.read()
+    assert metrics.exists() and '"step"' in metrics.read_text(), "no step logged in 240 s"
     return proc, _children(proc.pid)  # forked in rank order
 
 
