@@ -15,15 +15,18 @@ from hpctrain.monitoring.hang import (
 )
 
 
-def _stuck_in_a_step(seconds: float) -> None:
-    time.sleep(seconds)
+def _stuck_in_a_step(watch: HangWatch, seconds: float) -> None:
+    """At least `seconds`, and until the watchdog has said its line (its diagnosis may be late on a busy machine)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds or (watch.line is None and time.monotonic() - start < 30):
+        time.sleep(0.05)
 
 
 def test_a_step_past_hang_s_writes_the_stacks_once(tmp_path):
     watch = HangWatch(str(tmp_path), rank=0, world=1, hang_s=0.3, beat_s=0.1)
     try:
         watch.begin(7)
-        _stuck_in_a_step(1.0)
+        _stuck_in_a_step(watch, 1.0)
         watch.end()
         line = watch.line
         watch.begin(8)  # the slow step finished after all: the next one starts with no diagnosis
