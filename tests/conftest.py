@@ -31,9 +31,13 @@ register()
 # (a module's sbatch environment), each test's own beside it (below).
 _SESSION_BAD_NODES = tempfile.mkdtemp(prefix="hpctrain-bad-nodes-")
 os.environ["HPCTRAIN_BAD_NODES"] = os.path.join(_SESSION_BAD_NODES, "bad_nodes.json")
-# Removed when this process ends (a forked rank ends with os._exit, which runs no atexit handler): each session left
-# one folder in /tmp.
-atexit.register(shutil.rmtree, _SESSION_BAD_NODES, ignore_errors=True)
+
+# Removed when this process ends (each session left one folder in /tmp), and by this process only: a forked child
+# inherits the handler (the tests' forks end with os._exit, which runs none; the pid check does not rely on that).
+@atexit.register
+def _remove_session_bad_nodes(pid: int = os.getpid()) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(_SESSION_BAD_NODES, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -184,7 +184,7 @@ def test_slurm_slow_node_detected(slurm, tmp_path):
     joined = "until ! kill -0 $pid 2>/dev/null || ls -l /proc/$pid/fd 2>/dev/null | grep -q socket:; do sleep 0.05; done"
     throttle = f"{joined}; while kill -STOP $pid 2>/dev/null; do sleep 0.06; kill -CONT $pid; sleep 0.01; done"
     p = _srun(f'"$PY" -m hpctrain.launch.preflight --size-mb 1 --gemm 1024 --iters 3 --out {out} & pid=$!; '
-              f'[ "$SLURM_PROCID" = 1 ] && {{ {throttle}; }} & wait $pid; rc=$?; kill -CONT $pid 2>/dev/null; '
+              f'[ "$SLURM_PROCID" = 1 ] && {{ {throttle}; }} & wait $pid; rc=$?; '
               'kill $(jobs -p) 2>/dev/null; exit $rc')
     assert p.returncode == 1, p.stdout + p.stderr
     data = json.loads(out.read_text())

@@ -334,6 +334,12 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
     assert fired and fired[0]["value"] == 50.0, alerts
 
 
+def _resumes(run) -> list[int]:
+    """The steps the run resumed from, in order (its train.log, every attempt's)."""
+    log = run / "train.log"
+    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", read(log))] if log.exists() else []
+
+
 def _job_processes(job: str, rank: int | None = None) -> list[tuple[int, str]]:
     """(pid, node) of the job's Python ranks (rank `rank` only, when given): the nodes are slurmds on this machine."""
     found = []
@@ -363,8 +369,7 @@ def test_a_lost_node_restarts_the_run_on_the_spare_inside_the_job(slurm, data_en
     killed = time.time()
 
     def resumed() -> bool:
-        found = re.search(r"resumed from \S+ at step (\d+)", read(run / "train.log"))
-        return bool(found) and last_step(run) > int(found.group(1))
+        return bool(found := _resumes(run)) and last_step(run) > found[0]
 
     until("a step after the restart", resumed, 240, every=0.1)  # (new interpreters on a busy machine)
     print(f"kill -> next finished step: {time.time() - killed:.1f} s")
@@ -388,9 +393,9 @@ def test_with_no_spare_left_the_job_is_requeued_without_the_failed_nodes(slurm, 
     run = tmp_path / "run"
     job = _job_id(_submit(tmp_path, run, "train.max_steps=100000", "train.ckpt_every=5", "cluster.spare_nodes=1"))
     slurm_jobs.append(job)
+
     def trained(resumes: int, step: int) -> bool:  # `step` logged after `resumes` restarts
-        log = read(run / "train.log") if (run / "train.log").exists() else ""
-        return len(re.findall(r"resumed from \S+ at step \d+", log)) == resumes and last_step(run) >= step
+        return len(_resumes(run)) == resumes and last_step(run) >= step
 
     lost = []
     for resumes in (0, 1):
@@ -422,8 +427,8 @@ def test_without_a_spare_the_run_goes_on_on_fewer_nodes(slurm, data_env, make_cf
     pid, node = until("rank 1's process", lambda: (_job_processes(job, 1) or [None])[0], 30)
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
-    found = until("a step after the restart", lambda: (m := re.search(r"resumed from \S+ at step (\d+)", read(
-        run / "train.log"))) and last_step(run) > int(m.group(1)) and int(m.group(1)), 240, every=0.1)
+    found = until("a step after the restart", lambda: (r := _resumes(run)) and last_step(run) > r[0] and r[0], 240,
+                  every=0.1)
     print(f"kill -> next finished step on one node: {time.time() - killed:.1f} s")
     ref = _reference(make_cfg, tmp_path, steps)
     until("the job to end", lambda: job_gone(job), 200, every=1)
@@ -552,9 +557,8 @@ def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, s
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True, timeout=30)
 
     def resumed_at() -> int | None:
-        log = run / "train.log"
-        found = re.search(r"resumed from \S+ at step (\d+)", read(log)) if log.exists() else None
-        return int(found.group(1)) if found and last_step(run) > int(found.group(1)) else None
+        found = _resumes(run)
+        return found[0] if found and last_step(run) > found[0] else None
 
     step = until("steps after the resume", resumed_at, 180, every=1)
     subprocess.run(["scancel", job], check=True, timeout=30)
