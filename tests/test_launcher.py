@@ -206,6 +206,39 @@ def test_job_ports_stay_below_the_ephemeral_range_and_differ_per_step():
     assert len({job_port(2023, slot) for slot in range(64)}) == 64
 
 
+def test_a_local_worlds_port_is_below_the_ephemeral_range_apart_from_job_ports_and_not_held(monkeypatch):
+    """A local world's rendezvous port from bind(0) could be taken by any outgoing connection before rank 0 bound
+    it: it comes from below the ephemeral range, apart from Slurm jobs' ports, and a port something holds is passed
+    over (a listener here)."""
+    import random
+    import socket
+
+    from hpctrain.parallel.process_group import job_port
+    from hpctrain.runtime.spawn import LOCAL_PORTS, free_port
+
+    lo, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert LOCAL_PORTS[0] > 1024 and LOCAL_PORTS[-1] < min(lo, 32768)
+    assert not {job_port(job, slot) for job in range(0, 12000, 7) for slot in range(64)} & set(LOCAL_PORTS)
+    held = socket.socket()
+    try:
+        port = next(p for p in LOCAL_PORTS if _bound(held, p))  # a free one of the range, held by a listener
+        held.listen()
+        picks = iter([port, port, *LOCAL_PORTS])  # the held port twice, then the range in order
+        monkeypatch.setattr(random.SystemRandom, "choice", lambda self, seq: next(picks))
+        got = free_port()
+        assert got != port and got in LOCAL_PORTS
+    finally:
+        held.close()
+
+
+def _bound(sock, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
 def test_restarts_without_progress_are_capped(tmp_path, monkeypatch):
     """A job requeued again and again without reaching a new checkpoint gives up after max_stalled_restarts."""
     from hpctrain.runtime.job import record_attempt

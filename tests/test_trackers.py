@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -21,6 +20,7 @@ from helpers import one_line, records, run_forked, until
 from hpctrain import cli
 from hpctrain.core.config import ConfigError
 from hpctrain.core.files import read_json
+from hpctrain.runtime.spawn import free_port
 from hpctrain.training.run import prepare, train
 
 ALERT = "+monitor.rules.low={metric:loss,threshold:1000,when:below,for_s:0}"  # fires at the first logged step
@@ -159,12 +159,6 @@ def test_alerts_reach_every_tracker(resumed):
     assert wb["summary"]["alert_state/low"].startswith("firing at step 4")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -177,7 +171,7 @@ def _answers(url: str) -> bool:
 @pytest.mark.multiproc
 def test_an_mlflow_server_gets_the_run(demo_data, tmp_path):
     """A real `mlflow server` on a free localhost port; the run logs to it over HTTP."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "server.log", "w") as out:
         server = subprocess.Popen(

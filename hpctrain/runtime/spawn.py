@@ -12,6 +12,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -25,8 +26,24 @@ class LaunchError(RuntimeError):
     """A rank failed; the message names it."""
 
 
+# A local world's rendezvous port: below Linux's ephemeral range (32768-60999) and apart from a Slurm job's
+# (process_group.job_port, 20000-31999). A port from bind(0) is free only until rank 0 binds it, and any process's
+# outgoing connection or bind(0) may take it in between (EADDRINUSE, as measured for job ports).
+LOCAL_PORTS = range(10000, 20000)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nothing holds now, outside the ephemeral range where nothing takes it unasked."""
+    pick = random.SystemRandom()  # not the seeded global generator: concurrent launches must not agree
+    for _ in range(100):
+        port = pick.choice(LOCAL_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
