@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import hashlib
@@ -44,6 +45,17 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
 
 
+def written(path) -> list[dict]:
+    """The records of a JSON-lines file that a live process may be appending to: a line whose newline has not
+    landed yet (a write can become visible in parts) is not read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            complete = f.read().split("\n")[:-1]
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in complete if line.strip()]
+
+
 def last_step(run_dir) -> int:
     """The last logged training step, 0 before the first (or while a line is being written)."""
     try:
@@ -64,8 +76,13 @@ def until(what: str, check, timeout: float, every: float = 0.5):
 
 
 def job_gone(job: str) -> bool:
-    p = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30)
-    return p.returncode != 0 or not p.stdout.strip()
+    """squeue no longer lists the job. An error other than its "Invalid job id" (slurmctld busy on a loaded machine:
+    a socket time-out) is no answer, not an end."""
+    try:
+        p = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
+    return not p.stdout.strip() if p.returncode == 0 else "Invalid job id" in p.stderr
 
 
 def wait_job(job: str, timeout: float = 240) -> str:
@@ -158,16 +175,22 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
                 sys.stderr.flush()
                 os._exit(code)
         deadline = time.time() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if interrupt_when is not None and interrupt_when():
-                os.kill(pid, signal.SIGINT)
-                interrupt_when = None
-            if time.time() > deadline:
-                raise AssertionError(_hung(pid, argv, timeout, err))
-            time.sleep(0.02)
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if interrupt_when is not None and interrupt_when():
+                    os.kill(pid, signal.SIGINT)
+                    interrupt_when = None
+                if time.time() > deadline:
+                    raise AssertionError(_hung(pid, argv, timeout, err))
+                time.sleep(0.02)
+        except BaseException:  # interrupt_when raised (or this test was interrupted): the child must not outlive it
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            raise
         out.seek(0)
         err.seek(0)
         return Ran(os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"),

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from helpers import cli_args, last_step, records, until
+from helpers import cli_args, last_step, records, until, written
 
 from hpctrain.launch.sweep import format_table, report
 from hpctrain.monitoring.comm_sample import comm_seconds
@@ -22,11 +22,7 @@ from hpctrain.parallel.process_group import node_name
 
 
 def _alerts(run_dir) -> list[dict]:
-    try:
-        with open(run_dir / "alerts.jsonl") as f:
-            return [json.loads(line) for line in f]
-    except FileNotFoundError:
-        return []
+    return written(run_dir / "alerts.jsonl")
 
 
 def _seen(run_dir, event: str, rule: str) -> bool:
@@ -66,7 +62,7 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     named, done, throttle = f"rank 1 ({node_name()})", threading.Event(), None
     try:
-        until("the first sampled step", lambda: any("stragglers" in r for r in records(run))
+        until("the first sampled step", lambda: any("stragglers" in r for r in written(run / "metrics.jsonl"))
               if (run / "metrics.jsonl").exists() else proc.poll() is not None, 240, every=0.2)  # (a fresh start)
         assert proc.poll() is None, proc.stderr.read()
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
@@ -76,7 +72,7 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
         before = last_step(run)
         throttle = threading.Thread(target=_throttle, args=(rank1, done), daemon=True)
         throttle.start()
-        until("rank 1 named a straggler", lambda: any(r.get("stragglers") == [named] for r in records(run)
+        until("rank 1 named a straggler", lambda: any(r.get("stragglers") == [named] for r in written(run / "metrics.jsonl")
                                                       if r.get("step", 0) > before)
               and _seen(run, "firing", "synchronization_time"), 90, every=0.5)
         done.set()

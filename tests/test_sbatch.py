@@ -74,10 +74,12 @@ def test_train_sbatch_preempted_requeues_and_matches(slurm, demo_data, make_cfg,
     slurm_jobs.append(job)
     until("step 10 of the job", lambda: last_step(run) >= 10, 180, every=0.2)
     free = list_unused_node(job, ENV["HPCTRAIN_BAD_NODES"])  # the requeued job must leave it out
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
-    until("the job to be requeued", lambda: "restart 1" in _logs(run) or job_gone(job), 120)
-    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    bad_nodes.clear(ENV["HPCTRAIN_BAD_NODES"])
+    try:
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+        until("the job to be requeued", lambda: "restart 1" in _logs(run) or job_gone(job), 120)
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    finally:  # the list is this worker's session's (ENV): a node left on it would be left out of its later jobs
+        bad_nodes.clear(ENV["HPCTRAIN_BAD_NODES"])
     assert f"ExcNodeList={free}" in shown, shown
     # The reference while the requeued job runs: 2 local ranks, since 2 ranks and 1 process drift apart by
     # float summation order alone (~1e-5 over 100+ steps), which would hide what a resume gets wrong.

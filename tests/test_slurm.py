@@ -337,7 +337,7 @@ def test_node_failure_requeues_and_resumes(slurm, data_env, make_cfg, tmp_path, 
 def _resumes(run) -> list[int]:
     """The steps the run resumed from, in order (its train.log, every attempt's)."""
     log = run / "train.log"
-    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", read(log))] if log.exists() else []
+    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+) \(sample", read(log))] if log.exists() else []
 
 
 def _job_processes(job: str, rank: int | None = None) -> list[tuple[int, str]]:

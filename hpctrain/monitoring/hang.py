@@ -144,9 +144,10 @@ class HangWatch:
     def _watch(self) -> None:
         while not self._stop.wait(self.beat_s):
             self._beat()
-            with self._lock:
+            with self._lock:  # the whole test under it: begin() between reading and testing would reset `line`
                 since, step = self._since, self._step
-            if since is not None and self.line is None and time.monotonic() - since > self.hang_s:
+                hung = since is not None and self.line is None and time.monotonic() - since > self.hang_s
+            if hung:
                 self.diagnose(f"step {step} has run for {_seconds(time.monotonic() - since)} s (monitor.hang_s="
                               f"{self.hang_s:g})")
 
