@@ -174,16 +174,19 @@ def test_slurm_node_whose_rank_never_starts(slurm):
 def test_slurm_slow_node_detected(slurm, tmp_path):
     """A real slow node: rank 1 (whichever node Slurm gave it) is stopped six sevenths of the time once it has
     joined (SIGSTOP and SIGCONT: it runs 10 ms in every 70), a seventh of rank 0's speed whatever else the machine
-    runs. Each GEMM (1024^3, tens of ms) spans several of those periods, so the median iteration sees the slowdown.
+    runs. Each GEMM (1024^3, tens of ms) spans several of those periods, so the median of 15 sees the slowdown.
     (Busy loops pinned to rank 1's core did not do that on a loaded machine: the scheduler moved the other work to
     the other core, and a straggler test built that way missed the 1.86x that two ranks need at a 0.7 slow
     fraction.)"""
     out = tmp_path / "pf.json"
     # From its first socket (it joins the rendezvous): throttled from the start, a loaded machine's import of torch
-    # at a seventh of the speed could outlast rank 0's 60 s wait for it to join.
-    joined = "until ! kill -0 $pid 2>/dev/null || ls -l /proc/$pid/fd 2>/dev/null | grep -q socket:; do sleep 0.05; done"
+    # at a seventh of the speed could outlast rank 0's 60 s wait for it to join. A rank that joins last goes straight
+    # on to its GEMMs, so the socket is looked for with shell builtins every 20 ms (an `ls | grep` a poll, on a loaded
+    # machine, once found it after all 3 GEMMs had run at full speed), and 15 GEMMs leave the median to the throttle.
+    joined = ("has_socket() { for f in /proc/$pid/fd/*; do [ -S \"$f\" ] && return 0; done; return 1; }; "
+              "until ! kill -0 $pid 2>/dev/null || has_socket; do sleep 0.02; done")
     throttle = f"{joined}; while kill -STOP $pid 2>/dev/null; do sleep 0.06; kill -CONT $pid; sleep 0.01; done"
-    p = _srun(f'"$PY" -m hpctrain.launch.preflight --size-mb 1 --gemm 1024 --iters 3 --out {out} & pid=$!; '
+    p = _srun(f'"$PY" -m hpctrain.launch.preflight --size-mb 1 --gemm 1024 --iters 15 --out {out} & pid=$!; '
               f'[ "$SLURM_PROCID" = 1 ] && {{ {throttle}; }} & wait $pid; rc=$?; '
               'kill $(jobs -p) 2>/dev/null; exit $rc')
     assert p.returncode == 1, p.stdout + p.stderr

@@ -36,7 +36,7 @@ def _logs(run_dir) -> str:
 def _train_args(run, *overrides, demo_data) -> list[str]:
     """sbatch arguments of a 2-node train.sbatch run."""
     return [*TWO_NODES, "-o", f"{run}.sbatch-%j.out", "sbatch/train.sbatch", *SMALL_MODEL, f"data.path={demo_data}",
-            "data.prepare_demo=false", "parallel=ddp", "cluster.pg_timeout_s=60", "data.lanes=2", *TINY, *overrides,
+            "data.prepare_demo=false", "parallel=ddp", "cluster.pg_timeout_s=180", "data.lanes=2", *TINY, *overrides,
             f"run_dir={run}"]
 
 

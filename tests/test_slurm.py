@@ -40,7 +40,7 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
     run = tmp_path / "job"
     cmd = " ".join([sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}",
                     "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4",
-                    "train.log_every=1", "parallel=ddp", "cluster.pg_timeout_s=60",
+                    "train.log_every=1", "parallel=ddp", "cluster.pg_timeout_s=180",
                     "cluster.nccl.NCCL_SOCKET_IFNAME=ib0", *common])
     # A site setting in the job's environment wins over cluster.nccl; the rest of cluster.nccl is exported.
     # (Submitted without what the in-process reference run exported into this process.)
