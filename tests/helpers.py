@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpctrain.core.files import read_metrics
+from hpctrain.core.files import read_metrics, read_records
 from hpctrain.launch.sweep import sacct_state
 
 
@@ -46,21 +46,16 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def written(path) -> list[dict]:
-    """The records of a JSON-lines file that a live process may be appending to: a line whose newline has not
-    landed yet (a write can become visible in parts) is not read."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            complete = f.read().split("\n")[:-1]
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in complete if line.strip()]
+    """The records of a JSON-lines file that a live process may be appending to (none yet: []). A write can become
+    visible in parts: a line cut short is no JSON object, and is passed over."""
+    return read_records(str(path), lenient=True) if os.path.exists(path) else []
 
 
 def last_step(run_dir) -> int:
-    """The last logged training step, 0 before the first (or while a line is being written)."""
+    """The last logged training step, 0 before the first (a line being written is passed over)."""
     try:
-        return max(losses(run_dir), default=0)
-    except (OSError, ValueError):
+        return max((r["step"] for r in read_metrics(str(run_dir), lenient=True) if "loss" in r), default=0)
+    except OSError:
         return 0
 
 
@@ -174,7 +169,7 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        deadline = time.time() + timeout
+        deadline, hung = time.time() + timeout, None
         try:
             while True:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -184,13 +179,16 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
                     os.kill(pid, signal.SIGINT)
                     interrupt_when = None
                 if time.time() > deadline:
-                    raise AssertionError(_hung(pid, argv, timeout, err))
+                    hung = _hung(pid, argv, timeout, err)  # (it kills and reaps the child)
+                    break
                 time.sleep(0.02)
         except BaseException:  # interrupt_when raised (or this test was interrupted): the child must not outlive it
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
             raise
+        if hung:
+            raise AssertionError(hung)
         out.seek(0)
         err.seek(0)
         return Ran(os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"),

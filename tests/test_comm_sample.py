@@ -72,8 +72,8 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
         before = last_step(run)
         throttle = threading.Thread(target=_throttle, args=(rank1, done), daemon=True)
         throttle.start()
-        until("rank 1 named a straggler", lambda: any(r.get("stragglers") == [named] for r in written(run / "metrics.jsonl")
-                                                      if r.get("step", 0) > before)
+        until("rank 1 named a straggler", lambda: any(r.get("stragglers") == [named] for r in
+                                                      written(run / "metrics.jsonl") if r.get("step", 0) > before)
               and _seen(run, "firing", "synchronization_time"), 90, every=0.5)
         done.set()
         throttle.join()

@@ -41,6 +41,22 @@ def test_a_step_past_hang_s_writes_the_stacks_once(tmp_path):
     assert "Thread hpctrain-hangwatch" in stacks
 
 
+def test_a_diagnosis_of_a_step_that_ended_meanwhile_is_not_kept(tmp_path):
+    """The watchdog found step 7 too long, and step 7 ended (step 8 began) while it wrote the stacks: its line would
+    stand for step 8 and hide that step's own hang."""
+    watch = HangWatch(str(tmp_path), rank=0, world=1, hang_s=3600, beat_s=3600)
+    try:
+        watch.begin(7)
+        since = watch._since
+        watch.end()
+        watch.begin(8)
+        assert watch.diagnose("step 7 has run for 1 s", since=since).startswith("step 7 has run for 1 s")
+        assert watch.line is None
+        assert watch.diagnose("step 8 has run for 1 s", since=watch._since).startswith("step 8 ") and watch.line
+    finally:
+        watch.close()
+
+
 def test_iterations_within_hang_s_write_nothing(tmp_path):
     watch = HangWatch(str(tmp_path), rank=0, world=1, hang_s=0.5, beat_s=0.05)
     try:

@@ -218,6 +218,7 @@ def test_a_local_worlds_port_is_below_the_ephemeral_range_apart_from_job_ports_a
 
     lo, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert LOCAL_PORTS[0] > 1024 and LOCAL_PORTS[-1] < min(lo, 32768)
+    assert LOCAL_PORTS[-1] <= 17000  # the local test cluster's slurmd ports start at 17001 (sbatch/local_cluster.sh)
     assert not {job_port(job, slot) for job in range(0, 12000, 7) for slot in range(64)} & set(LOCAL_PORTS)
     held = socket.socket()
     try:

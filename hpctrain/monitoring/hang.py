@@ -149,7 +149,7 @@ class HangWatch:
                 hung = since is not None and self.line is None and time.monotonic() - since > self.hang_s
             if hung:
                 self.diagnose(f"step {step} has run for {_seconds(time.monotonic() - since)} s (monitor.hang_s="
-                              f"{self.hang_s:g})")
+                              f"{self.hang_s:g})", since=since)
 
     def _others(self, stale_beats: float = STALE_BEATS) -> tuple[list[tuple[str, int, str | None]], str | None]:
         """(the ranks whose heartbeat is older than `stale_beats` beats, each (description, rank, node or None), why
@@ -172,13 +172,20 @@ class HangWatch:
                            " rank 0 is likely the one that stopped")
         return stale, None
 
-    def diagnose(self, what: str, stale_beats: float = STALE_BEATS, reason: str = "hung") -> str:
+    def diagnose(self, what: str, stale_beats: float = STALE_BEATS, reason: str = "hung",
+                 since: float | None = None) -> str:
         """Write this rank's stacks and work out who is stuck (ranks whose heartbeat is older than `stale_beats`
-        beats: their nodes go on the bad-node list with `reason`); return (and keep) the one-line diagnosis."""
+        beats: their nodes go on the bad-node list with `reason`); return (and keep) the one-line diagnosis.
+        `since`: the start of the step the watchdog found running too long; if that step ended meanwhile, the line
+        is not kept (it would stand for the next step, and hide that step's own hang)."""
         with self._diagnosing:  # the watchdog and a failing main thread: one diagnosis
-            if self.line is None:
-                self.line = self._diagnose(what, stale_beats, reason)
-            return self.line
+            if self.line is not None:
+                return self.line
+            line = self._diagnose(what, stale_beats, reason)
+            with self._lock:
+                if since is None or self._since == since:
+                    self.line = line
+            return line
 
     def _diagnose(self, what: str, stale_beats: float, reason: str) -> str:
         stale, unreadable = self._others(stale_beats)

@@ -26,10 +26,11 @@ class LaunchError(RuntimeError):
     """A rank failed; the message names it."""
 
 
-# A local world's rendezvous port: below Linux's ephemeral range (32768-60999) and apart from a Slurm job's
-# (process_group.job_port, 20000-31999). A port from bind(0) is free only until rank 0 binds it, and any process's
-# outgoing connection or bind(0) may take it in between (EADDRINUSE, as measured for job ports).
-LOCAL_PORTS = range(10000, 20000)
+# A local world's rendezvous port: below Linux's ephemeral range (32768-60999), apart from a Slurm job's
+# (process_group.job_port, 20000-31999) and from the local test cluster's slurmd ports (17001-). A port from bind(0)
+# is free only until rank 0 binds it, and any process's outgoing connection or bind(0) may take it in between
+# (EADDRINUSE, as measured for job ports).
+LOCAL_PORTS = range(10000, 17000)
 
 
 def free_port() -> int:
@@ -39,7 +40,7 @@ def free_port() -> int:
         port = pick.choice(LOCAL_PORTS)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("", port))  # the wildcard, as rank 0's store binds it: any holder on any address counts
             except OSError:
                 continue
         return port
