@@ -280,6 +280,13 @@ def test_srun_task_environment_becomes_torch_rank(monkeypatch):
     assert job_port(1234) == 20000 + 1234 * 64 % 12000 == 26976
     if shutil.which("scontrol"):  # Slurm's own hostlist expansion
         assert os.environ["MASTER_ADDR"] == "gpu07"
+    # Two jobs sharing a node derive the same port when their ids are 375 apart: the job's own MASTER_PORT wins
+    # (docs/troubleshooting.md).
+    assert job_port(1234 + 375) == job_port(1234)
+    monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1609", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "23456"})
+    _slurm_env()
+    assert os.environ["MASTER_PORT"] == "23456"
 
 
 def test_plain_batch_script_is_not_a_rank(monkeypatch):
