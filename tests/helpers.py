@@ -37,12 +37,12 @@ def read(path) -> str:
         return f.read()
 
 
-def records(run_dir) -> list[dict]:
-    return read_metrics(str(run_dir))
+def records(run_dir, lenient: bool = False) -> list[dict]:
+    return read_metrics(str(run_dir), lenient)
 
 
-def losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+def losses(run_dir, lenient: bool = False) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir, lenient) if "loss" in r}
 
 
 def written(path) -> list[dict]:
@@ -54,7 +54,7 @@ def written(path) -> list[dict]:
 def last_step(run_dir) -> int:
     """The last logged training step, 0 before the first (a line being written is passed over)."""
     try:
-        return max((r["step"] for r in read_metrics(str(run_dir), lenient=True) if "loss" in r), default=0)
+        return max(losses(run_dir, lenient=True), default=0)
     except OSError:
         return 0
 

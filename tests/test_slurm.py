@@ -340,6 +340,12 @@ def _resumes(run) -> list[int]:
     return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+) \(sample", read(log))] if log.exists() else []
 
 
+def _resumed_at(run) -> int | None:
+    """The step the run first resumed from, once it has logged a step after it (a checkpoint's step: never 0)."""
+    found = _resumes(run)
+    return found[0] if found and last_step(run) > found[0] else None
+
+
 def _job_processes(job: str, rank: int | None = None) -> list[tuple[int, str]]:
     """(pid, node) of the job's Python ranks (rank `rank` only, when given): the nodes are slurmds on this machine."""
     found = []
@@ -368,10 +374,7 @@ def test_a_lost_node_restarts_the_run_on_the_spare_inside_the_job(slurm, data_en
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
 
-    def resumed() -> bool:
-        return bool(found := _resumes(run)) and last_step(run) > found[0]
-
-    until("a step after the restart", resumed, 240, every=0.1)  # (new interpreters on a busy machine)
+    until("a step after the restart", lambda: _resumed_at(run), 240, every=0.1)  # (new interpreters on a busy machine)
     print(f"kill -> next finished step: {time.time() - killed:.1f} s")
     ref = _reference(make_cfg, tmp_path, steps)
     until("the job to end", lambda: job_gone(job), 200, every=1)
@@ -427,8 +430,7 @@ def test_without_a_spare_the_run_goes_on_on_fewer_nodes(slurm, data_env, make_cf
     pid, node = until("rank 1's process", lambda: (_job_processes(job, 1) or [None])[0], 30)
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
-    found = until("a step after the restart", lambda: (r := _resumes(run)) and last_step(run) > r[0] and r[0], 240,
-                  every=0.1)
+    found = until("a step after the restart", lambda: _resumed_at(run), 240, every=0.1)
     print(f"kill -> next finished step on one node: {time.time() - killed:.1f} s")
     ref = _reference(make_cfg, tmp_path, steps)
     until("the job to end", lambda: job_gone(job), 200, every=1)
@@ -555,12 +557,7 @@ def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, s
     subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], check=True, timeout=30)
     until("the requeue", lambda: int(_scontrol_job(job).get("Restarts", 0)) >= 1, 180, every=0.5)
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True, timeout=30)
-
-    def resumed_at() -> int | None:
-        found = _resumes(run)
-        return found[0] if found and last_step(run) > found[0] else None
-
-    step = until("steps after the resume", resumed_at, 180, every=1)
+    step = until("steps after the resume", lambda: _resumed_at(run), 180, every=1)
     subprocess.run(["scancel", job], check=True, timeout=30)
     until("the cancelled job to end", lambda: job_gone(job), 60)
     # USR2 `signal_lead_s` early is the rule; on a loaded machine slurmctld's 30 s limit check once sent the limit's
