@@ -245,7 +245,7 @@ def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
 
 
 def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
-    """One ZeRO-2 step of three micro-batches on this rank; write the most gradient bytes held whenever the step
+    """One step of three micro-batches on this rank (ZeRO-2 over dp=2 or tp=2); write the most gradient bytes held whenever the step
     fetches a micro-batch (between backwards) and the parameters' own bytes."""
     import torch
 
@@ -256,7 +256,7 @@ def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
     from hpctrain.training.step import build_train_step
 
     env = process_group.init(60.0)
-    layout = Layout(dp=2)
+    layout = Layout(dp=cfg.parallel.dp, tp=cfg.parallel.tp)
     mesh = layout.build_mesh(env.device.type, 60.0)
     model = model_on(cfg, layout, mesh, env.device)
     step = build_train_step(model, build_optimizer(model, cfg.optim, 1e-3), setup_precision(cfg.precision, env.device),
@@ -277,14 +277,17 @@ def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "unsharded"])
-def test_accumulation_keeps_zero2_gradients_sharded(make_cfg, tmp_path, sharded):
+@pytest.mark.parametrize("layout, sharded", [("zero2", True), ("zero2", False), ("tp2", True)],
+                         ids=["sharded", "unsharded", "tp2"])
+def test_accumulation_keeps_gradients_sharded(make_cfg, tmp_path, layout, sharded):
     """parallel.sharded_accumulation (the default) reduce-scatters after every micro-batch: between micro-batches
     a rank holds its 1/dp share of the fp32 gradients, not the whole of them; false holds the whole (and is the
-    faster choice the planner counts)."""
+    faster choice the planner counts). Under tensor parallelism a rank holds its 1/tp share, the vocabulary-sharded
+    embedding's gradient too (its backward gives the whole table: 0.6 of the whole was held before it was cut)."""
     from hpctrain.runtime.spawn import spawn
 
-    cfg = make_cfg("parallel=zero2", "parallel.dp=2", "model.tie_embeddings=false")
+    cfg = make_cfg(f"parallel={layout}", "parallel.dp=1" if layout == "tp2" else "parallel.dp=2",
+                   "model.tie_embeddings=false")
     out = str(tmp_path / "held")
     spawn(2, _grad_bytes_mid_accumulation, (cfg, sharded, out), threads=1)
     for rank in range(2):

@@ -179,8 +179,7 @@ PEAK_MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_k
 PEAK_RUN = ["train.max_steps=2", "train.eval_every=0", "train.checkpointing=false", "logging.trackers=[]",
             "cluster.num_threads=1", "train.global_batch=8", "train.micro_batch=4", "train.grad_accum=null"]
 PEAK_CASES = {"single": [], "ddp": ["parallel=ddp", "parallel.dp=2"], "fsdp": ["parallel=fsdp", "parallel.dp=2"],
-              # One micro-batch a step: with accumulation tp2 measures ~12 % above the planner (unexplained; docs/planner.md).
-              "tp2": ["parallel=tp2", "train.global_batch=4"], "pp2": ["parallel=pp2"],
+              "tp2": ["parallel=tp2"], "pp2": ["parallel=pp2"],
               # ZeRO under a pipeline schedule: torch keeps the weights gathered and the gradients unreduced from one
               # micro-batch to the next (the reduction runs after the last)
               "pp2_dp2_zero2": ["parallel=pp2", "parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch=2"],
@@ -237,7 +236,10 @@ def _tensor_peak(prof) -> int:
     reduce-scatter inputs: ProcessGroupGloo clones the input of `_reduce_scatter_base_` (NCCL reduces in place) and
     its worker thread frees the clone after the collective has returned, late on an oversubscribed CPU — up to five
     blocks' gradients were seen alive at backward's end (0 … 11 MiB on a 126 MiB fp32 FSDP rank), which made FSDP
-    peaks vary by ±10 % from run to run; without them the peak is the same in every run."""
+    peaks vary by ±10 % from run to run; without them the peak is the same in every run. The profiler records only
+    the frees of the threads it profiles: a tensor whose last reference gloo's worker thread drops (a functional
+    collective's output, such as sequence parallelism's gathered activations) looked alive until the end, and was
+    9-15 MiB of a 0.13 GiB tp2_sp rank's peak. The address being handed out again says it was freed by then."""
     from torch._C._profiler import _ExtraFields_Allocation
 
     events, stack = [], [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
@@ -251,6 +253,7 @@ def _tensor_peak(prof) -> int:
     live, total, peak = {}, 0, 0
     for _, ptr, size, gloo_copy in sorted(events, key=lambda e: e[0]):
         if size > 0:
+            total -= live.pop(ptr, 0)  # an address handed out again was freed before: its free went unrecorded
             live[ptr] = 0 if gloo_copy else size
             total += live[ptr]
         else:
