@@ -245,8 +245,8 @@ def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
 
 
 def _grad_bytes_mid_accumulation(cfg, sharded: bool, out: str) -> None:
-    """One step of three micro-batches on this rank (ZeRO-2 over dp=2 or tp=2); write the most gradient bytes held whenever the step
-    fetches a micro-batch (between backwards) and the parameters' own bytes."""
+    """One step of three micro-batches on this rank (ZeRO-2 over dp=2, or tp=2); write the most gradient bytes held
+    whenever the step fetches a micro-batch (between backwards) and the parameters' own bytes."""
     import torch
 
     from hpctrain.parallel import process_group
