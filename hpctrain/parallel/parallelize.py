@@ -9,6 +9,7 @@ What is model-specific (module names, the tensor-parallel plan) comes from the m
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -184,19 +185,27 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spe
         plan = {k: v for k, v in block_plan.items() if _has(block, k)}
         plan.update({name: moe_tp_style(sequence_parallel) for name, m in block.named_children() if isinstance(m, MoE)})
         parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if v is not None})
+    keep_embedding_grads_sharded(model)
 
 
 def keep_embedding_grads_sharded(model: nn.Module) -> None:
     """A vocabulary-sharded (tensor-parallel) embedding's gradient comes back replicated, the whole table on every
     rank: DTensor's embedding backward has no rule that yields the parameter's Shard(0). Accumulated across
-    micro-batches it stayed whole until the optimizer step; each micro-batch's is cut to this rank's rows as it
-    arrives instead (a local slice, no communication): (1 - 1/tp) of the table's gradient bytes less per rank
-    while accumulating (measured: tp2, 8k x 256 fp32, 4 MiB). Registered on the materialized parameters (a hook on
-    a meta parameter does not survive `to_empty`); an FSDP unit puts the gradients it reduces in their placement."""
+    micro-batches it stayed whole until the optimizer step (or FSDP's reduction); each micro-batch's is cut to this
+    rank's rows as it arrives instead (a local slice, no communication): (1 - 1/tp) of the table's gradient bytes
+    less per rank while accumulating (measured: tp2, 8k x 256 fp32, 4 MiB). The gradient hook goes on the weight
+    the embedding computes with, at its first forward: the materialized parameter (a hook on a meta parameter does
+    not survive `to_empty`), or FSDP's unsharded one, which its units keep from step to step."""
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Embedding) and isinstance(weight, DTensor) and weight.requires_grad:
-            weight.register_hook(functools.partial(_in_placement, weight))
+        if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor):
+            module.register_forward_pre_hook(_hook_weight_grad)
+
+
+def _hook_weight_grad(module: nn.Module, args) -> None:
+    weight, hooked = module.weight, module.__dict__.get("_grad_hooked")  # (a plain attribute: not a parameter)
+    if weight.requires_grad and (hooked is None or hooked() is not weight):
+        weight.register_hook(functools.partial(_in_placement, weight))
+        module.__dict__["_grad_hooked"] = weakref.ref(weight)
 
 
 def _in_placement(param: DTensor, grad: DTensor) -> DTensor:

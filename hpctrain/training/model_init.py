@@ -10,7 +10,7 @@ from hpctrain.core.config import ModelConfig, ParallelConfig
 from hpctrain.models import init_source, spec_of
 from hpctrain.parallel.init import init_parameters
 from hpctrain.parallel.layout import Layout
-from hpctrain.parallel.parallelize import keep_embedding_grads_sharded, parallelize, tied_aliases
+from hpctrain.parallel.parallelize import parallelize, tied_aliases
 
 
 def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, layout: Layout, mesh, device: torch.device,
@@ -27,7 +27,6 @@ def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, layout: Layout
     model.init_buffers()
     model.tie_weights()
     init_parameters(model, spec.init_rule(args), seed, tied_aliases(model))
-    keep_embedding_grads_sharded(model)
     return model.train()
 
 
