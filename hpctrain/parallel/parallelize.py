@@ -192,10 +192,11 @@ def keep_embedding_grads_sharded(model: nn.Module) -> None:
     """A vocabulary-sharded (tensor-parallel) embedding's gradient comes back replicated, the whole table on every
     rank: DTensor's embedding backward has no rule that yields the parameter's Shard(0). Accumulated across
     micro-batches it stayed whole until the optimizer step (or FSDP's reduction); each micro-batch's is cut to this
-    rank's rows as it arrives instead (a local slice, no communication): (1 - 1/tp) of the table's gradient bytes
-    less per rank while accumulating (measured: tp2, 8k x 256 fp32, 4 MiB). The gradient hook goes on the weight
-    the embedding computes with, at its first forward: the materialized parameter (a hook on a meta parameter does
-    not survive `to_empty`), or FSDP's unsharded one, which its units keep from step to step."""
+    rank's rows as it arrives instead (from torch 2.13's replicated gradient a local slice: no communication):
+    (1 - 1/tp) of the table's gradient bytes less per rank while accumulating (measured: tp2, 8k x 256 fp32, 4 MiB).
+    The gradient hook goes on the weight the embedding computes with, at its first forward: the materialized
+    parameter (a hook on a meta parameter does not survive `to_empty`), or FSDP's unsharded one, which its units
+    keep from step to step."""
     for module in model.modules():
         if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor):
             module.register_forward_pre_hook(_hook_weight_grad)
