@@ -251,7 +251,7 @@ def _tensor_peak(prof) -> int:
             f = event.extra_fields
             events.append((event.start_time_ns, f.ptr, f.alloc_size, in_gloo_copy))
     live, total, peak = {}, 0, 0
-    for _, ptr, size, gloo_copy in sorted(events, key=lambda e: e[0]):
+    for _, ptr, size, gloo_copy in sorted(events, key=lambda e: (e[0], e[2] > 0)):  # a free first at a tie
         if size > 0:
             total -= live.pop(ptr, 0)  # an address handed out again was freed before: its free went unrecorded
             live[ptr] = 0 if gloo_copy else size

@@ -9,7 +9,6 @@ What is model-specific (module names, the tensor-parallel plan) comes from the m
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -82,11 +81,15 @@ class StageParts(nn.Module):
 
     def sync_tied_grads(self) -> None:
         """Sum the gradients of tied copies across their stages (collective for the first and last stages); a
-        tensor-parallel embedding's is this rank's vocabulary shard, as the head's (keep_embedding_grads_sharded)."""
+        tensor-parallel embedding's is this rank's vocabulary shard, as the head's."""
         for name in self._tied_names:
             p = self.get_parameter(name)
             if p.grad is None:
                 continue
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # keep_embedding_grads_sharded's hook was lost (`Module._apply` after a forward): cut it here, as the
+                # stages' shapes must match
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=self._tie_group)
 
     def _apply(self, fn, recurse=True):  # to_empty / to(): the chunks' own buffers (RoPE) too
@@ -194,23 +197,29 @@ def keep_embedding_grads_sharded(model: nn.Module) -> None:
     micro-batches it stayed whole until the optimizer step (or FSDP's reduction); each micro-batch's is cut to this
     rank's rows as it arrives instead (from torch 2.13's replicated gradient a local slice: no communication):
     (1 - 1/tp) of the table's gradient bytes less per rank while accumulating (measured: tp2, 8k x 256 fp32, 4 MiB).
-    The gradient hook goes on the weight the embedding computes with, at its first forward: the materialized
-    parameter (a hook on a meta parameter does not survive `to_empty`), or FSDP's unsharded one, which its units
-    keep from step to step."""
+    The gradient hook goes on the weight the embedding computes with, at its forward (a hook on the meta parameter
+    would not survive `to_empty`; under FSDP it is the unsharded parameter)."""
     for module in model.modules():
         if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor):
             module.register_forward_pre_hook(_hook_weight_grad)
 
 
 def _hook_weight_grad(module: nn.Module, args) -> None:
-    weight, hooked = module.weight, module.__dict__.get("_grad_hooked")  # (a plain attribute: not a parameter)
-    if weight.requires_grad and (hooked is None or hooked() is not weight):
-        weight.register_hook(functools.partial(_in_placement, weight))
-        module.__dict__["_grad_hooked"] = weakref.ref(weight)
+    """At every forward, on the weight it computes with now (FSDP's unsharded parameter). The handle, not the
+    weight, is kept: a weakref to the weight would make `Module._apply` refuse to swap it, the weight itself a
+    reference cycle. (A swap after a backward leaves every tensor hook of the weight dead, this one too: the
+    gradient is then whole again, as before this hook.)"""
+    old = module.__dict__.pop("_grad_hook", None)  # (a plain attribute, not a submodule or parameter)
+    if old is not None:
+        old.remove()
+    weight = module.weight
+    if weight.requires_grad:
+        cut = functools.partial(_in_placement, weight.device_mesh, weight.placements)
+        module.__dict__["_grad_hook"] = weight.register_hook(cut)
 
 
-def _in_placement(param: DTensor, grad: DTensor) -> DTensor:
-    return grad if grad.placements == param.placements else grad.redistribute(param.device_mesh, param.placements)
+def _in_placement(mesh: DeviceMesh, placements, grad: DTensor) -> DTensor:
+    return grad if grad.placements == placements else grad.redistribute(mesh, placements)
 
 
 def apply_tp_replicate(model: nn.Module, tp_mesh: DeviceMesh) -> None:
