@@ -86,10 +86,10 @@ class StageParts(nn.Module):
             p = self.get_parameter(name)
             if p.grad is None:
                 continue
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                # keep_embedding_grads_sharded's hook was lost (`Module._apply` after a forward): cut it here, as the
-                # stages' shapes must match
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            if isinstance(p.grad, DTensor):
+                # the embedding hook's cut once more (`Module._apply` after a forward loses the hook): the stages'
+                # shapes must match
+                p.grad = _in_placement(p.device_mesh, p.placements, p.grad)
             dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=self._tie_group)
 
     def _apply(self, fn, recurse=True):  # to_empty / to(): the chunks' own buffers (RoPE) too
