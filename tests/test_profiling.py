@@ -1,6 +1,7 @@
 """train.profile_steps and train.memory_snapshot on real runs (CPU here; tests/test_gpu.py has the CUDA side)."""
 
 import json
+import re
 
 import pytest
 from helpers import WarningLines, one_line
@@ -25,6 +26,8 @@ def test_profile_steps_writes_a_trace_and_a_table_per_rank(make_cfg, tmp_path):
     _trace_steps(prof / "rank-0.json")
     table = (prof / "rank-0.txt").read_text()
     assert table.startswith("steps 2-3, rank 0, sorted by self_cpu_time_total") and "aten::mm" in table, table[:500]
+    by_shape = table.split("by input shape, sorted by self_cpu_time_total\n")[1]
+    assert re.search(r"aten::mm .*\[\[\d+, \d+\], \[\d+, \d+\]\]", by_shape), by_shape[:1500]  # a matmul's operands
 
 
 @pytest.mark.multiproc

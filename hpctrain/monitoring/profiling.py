@@ -3,7 +3,8 @@
 
 Files, per rank N, under the run directory:
   profile/rank-N.json           Chrome trace of steps a..b (open in https://ui.perfetto.dev or chrome://tracing)
-  profile/rank-N.txt            the ops by total device time (CPU time without a GPU), then by CPU time
+  profile/rank-N.txt            the ops by total device time (CPU time without a GPU), then by CPU time, then split by
+                                input shapes (which of an op's calls, e.g. which copies, take the time)
   memory/rank-N-oom.pickle      the allocator's history up to an out-of-memory error (PyTorch's memory viz)
   memory/rank-N-end.pickle      the same at the end of the run
 Files of an earlier attempt are kept: a new one gets a free name (rank-N-2.json, ...).
@@ -47,7 +48,9 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._prof = profile(activities=activities)
+        # shapes: the one-step profile of llama_1b on an H200 had 0.11 s of aten::copy_ in 407 calls that the op
+        # table alone could not attribute
+        self._prof = profile(activities=activities, record_shapes=True)
         self._prof.start()
 
     def after_step(self, step: int) -> None:
@@ -66,6 +69,9 @@ class StepProfiler:
             f.write(events.table(sort_by=by_device, row_limit=40, max_name_column_width=80) + "\n")
             f.write("sorted by cpu_time_total\n")
             f.write(events.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=80) + "\n")
+            f.write(f"by input shape, sorted by {by_device}\n")
+            f.write(self._prof.key_averages(group_by_input_shape=True).table(
+                sort_by=by_device, row_limit=40, max_name_column_width=60, max_shapes_column_width=100) + "\n")
         self._prof = None
         if self.rank == 0:
             log.info("profile of steps %d-%d written: %s (and %s)", *self.window, trace, table)
