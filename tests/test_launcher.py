@@ -187,7 +187,8 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
 
 def test_only_the_main_rank_reports_a_deliberate_stop_in_its_exit_code():
     """srun --kill-on-bad-exit=1 would kill rank 0 while it requeues if another rank ended non-zero first."""
-    from hpctrain.runtime.job import EXIT_PREEMPTED, EXIT_TERMINATED, SRUN_ARGS, Stop, Stopped
+    from hpctrain.runtime.job import EXIT_PREEMPTED, EXIT_TERMINATED, Stop, Stopped
+    from hpctrain.runtime.task_exits import SRUN_ARGS
 
     assert "--kill-on-bad-exit=1" in SRUN_ARGS
     for kind, code in ((Stop.PREEMPT, EXIT_PREEMPTED), (Stop.TERMINATE, EXIT_TERMINATED), (Stop.ALERT, EXIT_TERMINATED)):

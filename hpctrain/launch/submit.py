@@ -23,8 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hpctrain.core.config import ConfigError
 from hpctrain.core.errors import BAD_INPUT, fail
 from hpctrain.parallel.layout import job_shape, min_nodes, restarts_in_allocation
-from hpctrain.runtime.job import SRUN_ARGS
-from hpctrain.runtime.task_exits import exit_trap
+from hpctrain.runtime.task_exits import SRUN_ARGS, exit_trap
 
 log = logging.getLogger("hpctrain")
 _INIT_KEYS = {"submitit_folder", "max_num_timeout"}

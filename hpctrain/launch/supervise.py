@@ -26,8 +26,8 @@ import time
 
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
 from hpctrain.parallel.process_group import hostnames, job_port
-from hpctrain.runtime.job import EXIT_PREEMPTED, SRUN_ARGS, requeue_job
-from hpctrain.runtime.task_exits import MAX_EXITS, annotate, parse, said_by_srun
+from hpctrain.runtime.job import EXIT_PREEMPTED, requeue_job
+from hpctrain.runtime.task_exits import MAX_EXITS, SRUN_ARGS, annotate, parse, said_by_srun
 
 log = logging.getLogger("hpctrain")
 

@@ -57,13 +57,6 @@ _STOP_STATUS = {Stop.NONE: RunStatus.completed, Stop.PREEMPT: RunStatus.preempte
                 Stop.TERMINATE: RunStatus.terminated, Stop.ALERT: RunStatus.stopped}
 
 
-# Every srun that starts ranks: a task that dies (crash, OOM kill, lost node) ends the whole step at once —
-# the others get SIGTERM, then SIGKILL after Slurm's KillWait — instead of waiting in a collective until
-# cluster.pg_timeout_s (NCCL). On gloo the survivors still name the dead rank first: their collective fails
-# within ~3 s, and a deliberate stop ends the non-main ranks with 0 (Stopped.exit_code).
-SRUN_ARGS = ("--kill-on-bad-exit=1",)
-
-
 class Stopped(RuntimeError):
     """The run stopped at a step boundary on a signal, after writing a checkpoint."""
 

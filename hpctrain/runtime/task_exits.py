@@ -21,6 +21,12 @@ import sys
 
 from hpctrain.core.files import RESULT_FILE, read_result, read_tail, write_json
 
+# Every srun that starts ranks: a task that dies (crash, OOM kill, lost node) ends the whole step at once —
+# the others get SIGTERM, then SIGKILL after Slurm's KillWait — instead of waiting in a collective until
+# cluster.pg_timeout_s (NCCL). On gloo the survivors still name the dead rank first: their collective fails
+# within ~3 s, and a deliberate stop ends the non-main ranks with 0 (runtime.job's Stopped.exit_code).
+SRUN_ARGS = ("--kill-on-bad-exit=1",)
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, run the same command again to resume
 EXIT_TERMINATED = 128 + signal.SIGTERM  # stopped on purpose by SIGTERM, after a checkpoint
 
