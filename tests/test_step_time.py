@@ -54,8 +54,9 @@ def test_one_gpu_is_its_flops_at_the_gemm_rate_plus_memory_bound_work():
     assert got.step_s == pytest.approx(sum(got.parts.values()))
     assert got.tokens_per_s_per_gpu == pytest.approx(tokens / got.step_s)
     assert got.mfu == pytest.approx(SPEC.flops_per_token(ARGS_7B, 4096) * tokens / got.step_s / 312e12)
-    # fused kernels (parallel.compile) read and write a quarter of the eager bytes
-    assert predict(replace(x, compiled=True), A100).parts["elementwise"] == pytest.approx(got.parts["elementwise"] / 4)
+    # fused kernels (parallel.compile) read and write 20 values where eager kernels (as measured) move 133
+    assert predict(replace(x, compiled=True), A100).parts["elementwise"] == pytest.approx(
+        got.parts["elementwise"] * 20 / 133)
 
 
 def test_a_document_mask_costs_what_the_h200_measured():

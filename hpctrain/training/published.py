@@ -142,7 +142,7 @@ def _torchtitan() -> list[Published]:
                   5605, "tokens/s", zero_stage=3, ac="selective", assumed=op_sac, gpu_mem_gb=96),
         Published(TITAN, "Llama 3.1 405B, 128 GPUs, FSDP 16 × TP 8 (2024-08)", "H100-500W", LLAMA3_405B,
                   Layout(dp=16, tp=8), 2, 1, 8192, 109, "tokens/s", zero_stage=3, ac="full",
-                  gpu_mem_gb=96),
+                  sequence_parallel=True, gpu_mem_gb=96),  # (torchtitan's TP plan shards the norms: SequenceParallel)
         Published(TITAN, "Llama 3 8B, 64 A100s, FSDP, selective layer AC (2024-04)", "A100", LLAMA3_8B,
                   Layout(dp=64), 1, 1, 8192, 2904, "tokens/s", zero_stage=3, ac="selective",
                   assumed="every 2nd block checkpointed"),

@@ -46,8 +46,10 @@ from hpctrain.parallel.layout import Layout, layer_map
 # dim-wide values a block's memory-bound kernels read or write per token in its forward pass. Fused (torch.compile,
 # Megatron's fused kernels): the norms, residual adds, RoPE and the SwiGLU product each read and write once, ~20.
 # Eager PyTorch, as hpctrain's blocks run without parallel.compile: RMSNorm in fp32 (~18 per norm), RoPE through
-# complex views (~15), the residual adds (6), SwiGLU's silu and product (~17), attention's layout copies (~5): ~80.
-ELEMENTWISE_FUSED, ELEMENTWISE_EAGER = 20, 80
+# complex views (~15), the residual adds (6), SwiGLU's silu and product (~17), attention's layout copies (~5): ~80
+# counted, 133 measured (llama_1b bf16 eager: 45,581 tokens/s on an H100 and 51,593 on an H200, both within 0.3 %
+# with 133; 80 said +17 % and +12 %).
+ELEMENTWISE_FUSED, ELEMENTWISE_EAGER = 20, 133
 OPTIMIZER_BYTES_PER_PARAM = 30  # AdamW: read param, grad, two moments; write param, moments, the compute copy
 SHAPE_HALF = 128  # the per-rank width at which a GEMM reaches half its large-matrix rate
 OVERLAP_COST = 0.12  # NCCL's kernels take ~1/8 of the SMs: overlapped communication slows compute this much
