@@ -59,16 +59,33 @@ def test_one_gpu_is_its_flops_at_the_gemm_rate_plus_memory_bound_work():
         got.parts["elementwise"] * 20 / 133)
 
 
-def test_a_document_mask_costs_what_the_h200_measured():
-    """train.document_mask: SDPA's memory-efficient kernel computes every score (no causal half skipped) at
-    MASKED_ATTN_FRAC of the causal kernel's rate. On one H200, llama_1b bf16 compiled at micro-batch 16 × 4 measured
-    67,832 tokens/s without the mask (the logits-loss row: the same matmuls) and 59,143 with it."""
+def test_an_explicit_mask_costs_what_the_gpus_measured():
+    """An explicit mask (document masking; hpctrain's context-parallel chunks; a window shorter than the sequence)
+    keeps SDPA off the causal kernels: every score the mask spans is computed, at MASKED_ATTN_FRAC of their rate.
+    llama_1b bf16 compiled, fused loss, measured: on one H200 at micro-batch 16 × 4, 67,832 tokens/s without a mask
+    (the logits-loss row: the same matmuls) and 59,143 with document masking (the row the share was fitted to); on
+    one H100 at 8 × 4, 54,106 with it (not fitted)."""
     cfg = compose(["model=llama_1b", "precision=bf16", "parallel.compile=true"])
-    base = StepInputs.of(cfg.model, cfg.parallel, cfg.precision, SimpleNamespace(layout=Layout(), micro_batch=16, grad_accum=4), 2048)
-    plain, masked = (predict(replace(base, document_mask=m), HARDWARE["H200"]) for m in (False, True))
+
+    def inputs(micro_batch, accum, document_mask=False, **layout):
+        shape = SimpleNamespace(layout=Layout(**layout), micro_batch=micro_batch, grad_accum=accum)
+        return StepInputs.of(cfg.model, cfg.parallel, cfg.precision, shape, 2048, document_mask=document_mask)
+
+    h200 = HARDWARE["H200"]
+    plain, masked = predict(inputs(16, 4), h200), predict(inputs(16, 4, True), h200)
     assert masked.parts["attention"] == pytest.approx(plain.parts["attention"] * 2 / step_time.MASKED_ATTN_FRAC)
     assert plain.tokens_per_s_per_gpu == pytest.approx(67_832, rel=0.03)
     assert masked.tokens_per_s_per_gpu == pytest.approx(59_143, rel=0.03)
+    assert predict(inputs(8, 4, True), HARDWARE["H100"]).tokens_per_s_per_gpu == pytest.approx(54_106, rel=0.10)
+    # a window shorter than the sequence is a mask over every pair too
+    windowed = predict(replace(inputs(16, 4), window=1024), h200)
+    assert windowed.parts["attention"] == pytest.approx(masked.parts["attention"])
+    # cp=2: a rank's chunks i and 3−i of c = seq/4 tokens see their prefixes, c²·5 of its 8·c² pairs
+    cp2 = predict(inputs(16, 4, cp=2), h200)
+    assert cp2.parts["attention"] == pytest.approx(plain.parts["attention"] * (5 / 8) / step_time.MASKED_ATTN_FRAC)
+    # Llama 3's context parallelism (a causal kernel): the published rows keep the causal count
+    causal = predict(inputs(16, 4, cp=2), h200, step_time.Software(cp_prefix_mask=False))
+    assert causal.parts["attention"] == pytest.approx(plain.parts["attention"] / 2)
 
 
 def test_each_layout_pays_its_own_communication():
@@ -138,7 +155,7 @@ def test_search_prints_the_fastest_that_fit_and_writes_a_parallel_file(tmp_path,
     from hpctrain.runs.resolve import resolve
 
     plan = resolve(cfg, 64)
-    again = predict(StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, 4096),
+    again = predict(StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, 4096, document_mask=False),
                     step_time.hardware_of(cfg.cluster, "bf16"))
     assert f"{again.step_s:.3g} s/step" in text.splitlines()[1]
     with pytest.raises(SystemExit):  # never overwritten

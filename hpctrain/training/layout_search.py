@@ -105,7 +105,7 @@ class Searcher:
                               "splits)")
         self.cfg, self.gpus = cfg, gpus
         self.base = step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, _single(cfg), cfg.train.seq_len,
-                                             cfg.train.document_mask)
+                                             document_mask=cfg.train.document_mask)
         self.typed = typed(cfg)  # (the schema's dataclasses: the memory estimate reads them ten times faster)
         self.usable = cfg.cluster.gpu_mem_gb * planner.HEADROOM * planner.GiB
         self._stages = {}

@@ -280,7 +280,7 @@ def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
     if hw is None:
         return ["predicted: no step time without a GPU type: set cluster.gpu_type (A100, H100, H200)"]
     got = step_time.predict(step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, seq_len,
-                                                         cfg.train.document_mask), hw)
+                                                         document_mask=cfg.train.document_mask), hw)
     return [got.line(), got.breakdown(), f"  hardware {hw.describe()}"]
 
 

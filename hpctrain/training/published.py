@@ -119,7 +119,7 @@ def _llama3() -> list[Published]:
     # Parameters kept gathered from forward to backward, gradients and optimizer state sharded: ZeRO-2; fp32
     # reduce-scatter; no activation checkpointing at 8K. Not given: the micro-batch (1 sequence assumed), the
     # interleaving (4 virtual stages per rank assumed: ~2 of the rank's ~8 layers each).
-    sw = Software(gather_once_per_step=True)
+    sw = Software(gather_once_per_step=True, cp_prefix_mask=False)  # (its CP kernel is causal)
     assumed = "micro-batch 1, 4 virtual stages per pipeline rank, sequence parallel, fused kernels"
     rows = []
     for gpus, cp, dp, seq, per_dp, tflops in ((8192, 1, 64, 8192, 32, 430), (16384, 1, 128, 8192, 16, 400),

@@ -7,10 +7,12 @@ busiest pipeline stage (one GPU of it):
 
   compute       2·tokens·matmul weights per pass (forward 1, backward 2, recomputation 1 for every checkpointed
                 block) / tp, at `gemm_tflops` × a shape factor (h/tp)/(h/tp + 128); attention's 4·tokens·seq·dim
-                per pass at `attn_frac` of that (flash attention skips the masked half); a materialized score
-                matrix (no flash kernel) costs its reads and writes at `hbm_gbps` instead
+                per pass at `attn_frac` of that (the causal kernel skips the masked half); under an explicit mask
+                (document masking, context parallelism's chunks, a window shorter than the sequence) every score
+                the mask spans, at MASKED_ATTN_FRAC of that rate; a materialized score matrix (no fused kernel)
+                costs its reads and writes at `hbm_gbps` instead
   elementwise   norms, residual adds, RoPE, the SwiGLU product: ~20·dim values read or written per token, layer
-                and forward pass fused (parallel.compile), ~80 eager, at `hbm_gbps` (sharded by tp where sequence
+                and forward pass fused (parallel.compile), 133 eager (measured), at `hbm_gbps` (sharded by tp where sequence
                 parallelism shards them)
   tp            per layer and pass two all-reduces (or all-gather + reduce-scatter) of the micro-batch's activations
   cp, ep        the K/V all-gathers (parallel/context.gathered_bytes), the experts' all-to-alls
@@ -80,10 +82,11 @@ class Hardware:
 # direction per GPU, NVLink 4: 450; HDR InfiniBand 200 Gb/s per GPU, NDR 400) at the share nccl-tests reaches
 # (~77 % of NVLink, ~92 % of a NIC). The GEMM rate is what cuBLAS sustains on large bf16 matrices under training's
 # power and clocks (A100: 73 % of peak, H100: 62 %); flash attention runs at ~75 % / ~65 % of that (FlashAttention-2
-# on A100, SDPA's kernels on H100). These two are the model's only fitted numbers: one value per GPU type for every
-# row of the validation table (docs/choosing-a-layout.md).
-# Attention under an explicit mask (train.document_mask) runs SDPA's memory-efficient kernel: no causal half skipped,
-# and at this share of the causal kernel's rate. Measured on one H200 (docs/benchmarks.md): llama_1b, bf16,
+# on A100, SDPA's kernels on H100). These two were fitted once per GPU type, the same for every row of the validation
+# table (docs/choosing-a-layout.md); ELEMENTWISE_EAGER and MASKED_ATTN_FRAC were fitted later, to hpctrain's own rows.
+# Attention under an explicit mask (document masking, a window shorter than the sequence, hpctrain's context-parallel
+# chunks) cannot use the causal kernels: every score the mask spans is
+# computed, at this share of the causal kernel's rate (the mask's reads folded in). Measured on one H200 (docs/benchmarks.md): llama_1b, bf16,
 # compiled, micro-batch 16 × 4, 59,143 tokens/s with the mask against the 67,553 the model gives without it.
 MASKED_ATTN_FRAC = 0.68
 HARDWARE = {
@@ -127,6 +130,8 @@ class Software:
     # FSDP2 gathers again for every micro-batch
     gather_once_per_step: bool = False
     scatter_gather: bool = False  # Megatron's: a pipeline stage sends its activation split over tp, gathered after
+    # hpctrain's context parallelism passes each chunk's prefix mask to SDPA: no causal kernel (Llama 3's does not)
+    cp_prefix_mask: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,14 +153,15 @@ class StepInputs:
     grad_bytes: int = 4
     sharded_accumulation: bool = True
     compiled: bool = False  # parallel.compile: fused memory-bound kernels
-    document_mask: bool = False  # train.document_mask: attention under an explicit mask (no causal kernel)
+    document_mask: bool = False  # train.document_mask: SDPA under an explicit mask
+    window: int | None = None  # model.sliding_window: a mask too where shorter than seq_len
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.layout.dp
 
     @classmethod
-    def of(cls, model, parallel, precision, plan, seq_len: int, document_mask: bool = False) -> StepInputs:
+    def of(cls, model, parallel, precision, plan, seq_len: int, *, document_mask: bool) -> StepInputs:
         """From the run's `model`, `parallel` and `precision` groups, its RunShape and train.document_mask."""
         from hpctrain.models import spec_of
         from hpctrain.parallel.parallelize import REDUCE_DTYPES
@@ -166,7 +172,8 @@ class StepInputs:
                    c=(compute_dtype(precision) or torch.float32).itemsize, zero_stage=p.zero_stage,
                    sequence_parallel=p.sequence_parallel, ac=ActCkpt(p.activation_checkpointing).value,
                    ac_every=p.ac_every, grad_bytes=REDUCE_DTYPES[ReduceDtype(p.grad_reduce_dtype)].itemsize,
-                   sharded_accumulation=p.sharded_accumulation, compiled=p.compile, document_mask=document_mask)
+                   sharded_accumulation=p.sharded_accumulation, compiled=p.compile, document_mask=document_mask,
+                   window=getattr(model, "sliding_window", None))
 
 
 @dataclass
@@ -275,8 +282,12 @@ def _compute(x: StepInputs, w: _Work, hw: Hardware, sw: Software) -> dict[str, f
     dense = 2.0 * w.tokens * w.layer_params * w.layers / tp * w.passes
     head = 2.0 * w.tokens * w.head_params / tp * 3.0  # on the last stage (not recomputed)
     attn_fwd = 4.0 * w.tokens * x.seq_len * w.attn_width / tp * w.layers  # this rank's queries against every key
-    if sw.flash_attention and x.document_mask:  # SDPA's memory-efficient kernel: every score, at a share of flash's rate
-        attention = attn_fwd * w.passes / (w.rate * hw.attn_frac * MASKED_ATTN_FRAC)
+    masked = x.document_mask or bool(x.window and x.window < x.seq_len) or (cp > 1 and sw.cp_prefix_mask)
+    if sw.flash_attention and masked:
+        # every score the mask spans: all of them in one process; under cp a rank's two chunks (i and 2cp−1−i of
+        # c = seq/2cp tokens) see their prefixes, c²·(2cp+1) of its 4cp·c² pairs
+        spanned = (2 * cp + 1) / (4 * cp) if cp > 1 else 1.0
+        attention = attn_fwd * spanned * w.passes / (w.rate * hw.attn_frac * MASKED_ATTN_FRAC)
     elif sw.flash_attention:
         attention = attn_fwd * 0.5 * w.passes / (w.rate * hw.attn_frac)
     else:  # the score matrix written and read: ~4 values per score element and pass
