@@ -78,7 +78,8 @@ def test_an_explicit_mask_costs_what_the_gpus_measured():
     assert masked.tokens_per_s_per_gpu == pytest.approx(59_143, rel=0.03)
     assert predict(inputs(8, 4, True), HARDWARE["H100"]).tokens_per_s_per_gpu == pytest.approx(54_106, rel=0.10)
     # a window shorter than the sequence is a mask over every pair too
-    windowed = predict(replace(inputs(16, 4), window=1024), h200)
+    unmasked = inputs(16, 4)
+    windowed = predict(replace(unmasked, args=replace(unmasked.args, sliding_window=1024)), h200)
     assert windowed.parts["attention"] == pytest.approx(masked.parts["attention"])
     # cp=2: a rank's chunks i and 3−i of c = seq/4 tokens see their prefixes, c²·5 of its 8·c² pairs
     cp2 = predict(inputs(16, 4, cp=2), h200)

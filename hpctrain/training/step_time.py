@@ -154,7 +154,6 @@ class StepInputs:
     sharded_accumulation: bool = True
     compiled: bool = False  # parallel.compile: fused memory-bound kernels
     document_mask: bool = False  # train.document_mask: SDPA under an explicit mask
-    window: int | None = None  # model.sliding_window: a mask too where shorter than seq_len
 
     @property
     def global_batch(self) -> int:
@@ -172,8 +171,7 @@ class StepInputs:
                    c=(compute_dtype(precision) or torch.float32).itemsize, zero_stage=p.zero_stage,
                    sequence_parallel=p.sequence_parallel, ac=ActCkpt(p.activation_checkpointing).value,
                    ac_every=p.ac_every, grad_bytes=REDUCE_DTYPES[ReduceDtype(p.grad_reduce_dtype)].itemsize,
-                   sharded_accumulation=p.sharded_accumulation, compiled=p.compile, document_mask=document_mask,
-                   window=getattr(model, "sliding_window", None))
+                   sharded_accumulation=p.sharded_accumulation, compiled=p.compile, document_mask=document_mask)
 
 
 @dataclass
@@ -282,7 +280,8 @@ def _compute(x: StepInputs, w: _Work, hw: Hardware, sw: Software) -> dict[str, f
     dense = 2.0 * w.tokens * w.layer_params * w.layers / tp * w.passes
     head = 2.0 * w.tokens * w.head_params / tp * 3.0  # on the last stage (not recomputed)
     attn_fwd = 4.0 * w.tokens * x.seq_len * w.attn_width / tp * w.layers  # this rank's queries against every key
-    masked = x.document_mask or bool(x.window and x.window < x.seq_len) or (cp > 1 and sw.cp_prefix_mask)
+    window = getattr(a, "sliding_window", None)  # a mask too where shorter than the sequence
+    masked = x.document_mask or bool(window and window < x.seq_len) or (cp > 1 and sw.cp_prefix_mask)
     if sw.flash_attention and masked:
         # every score the mask spans: all of them in one process; under cp a rank's two chunks (i and 2cp−1−i of
         # c = seq/2cp tokens) see their prefixes, c²·(2cp+1) of its 4cp·c² pairs
