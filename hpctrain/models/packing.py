@@ -78,6 +78,19 @@ def attention_mask(docs: torch.Tensor, dtype: torch.dtype, window: int | None = 
     return mask.masked_fill_(allowed, 0.0).unsqueeze(1)
 
 
+def packed_masks(document_mask: bool, cp: int) -> bool:
+    """Whether attention is given a mask with every batch (`Packing.mask`): under document masking, and in every
+    context-parallel run (each chunk's prefix mask, parallel.context). A sliding window then lives inside it."""
+    return document_mask or cp > 1
+
+
+def window_masks(args, seq_len: int) -> bool:
+    """Whether a sliding window is shorter than the sequence: without packed masks, attention builds the window's
+    [T, T] mask itself (`sliding_window_mask`)."""
+    window = getattr(args, "sliding_window", None)
+    return bool(window and window < seq_len)
+
+
 def mask_bytes(micro_batch: int, seq_len: int, compute_bytes: int, in_flight: int) -> Term:
     """The masks held through backward: one [B, 1, T, T] per micro-batch in flight on a pipeline stage's chunk."""
     return Term(backward=micro_batch * seq_len * seq_len * compute_bytes * in_flight)

@@ -33,7 +33,7 @@ from hpctrain.core.memory import Term, merge, peak
 from hpctrain.core.shard_format import DataError
 from hpctrain.models import ModelSpec, spec_of
 from hpctrain.models.cross_entropy import loss_buffers
-from hpctrain.models.packing import mask_bytes
+from hpctrain.models.packing import mask_bytes, packed_masks
 from hpctrain.parallel import compression
 from hpctrain.parallel.context import cp_mask_bytes, gathered_bytes
 from hpctrain.parallel.layout import layer_map, world_of
@@ -206,7 +206,8 @@ def _activations(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     kind = saved_activation_kind(r.c, 1 if r.compressed else layout.reduce_ranks)
     saved, kept_input = r.spec.block_activations(r.args, r.tokens, kind, layout.tp,
                                                  layout.tp if p.sequence_parallel else 1, r.seq_len,
-                                                 r.cfg.train.document_mask or layout.cp > 1, layout.cp, p.compile)
+                                                 packed_masks(r.cfg.train.document_mask, layout.cp), layout.cp,
+                                                 p.compile)
     layers = [j for chunk in st.layers for j in chunk]
     return {mode.value: checkpointed_activations(mode, p.ac_every, layers, saved, kept_input,
                                                  layout.in_flight(i, r.m)) for mode in ActCkpt}
@@ -359,7 +360,7 @@ def _memory_lines(cfg, plan: RunShape, e: dict, mode: str) -> list[str]:
              (f"optimizer temporary ({optimizer.implementation(cfg.optim, plan.world > plan.pp).value})", "opt_temp"),
              (f"compute copies ({'bf16/fp16' if e['c'] == 2 else 'fp32'})", "copies"),
              ("loss buffers", "logits"), ("last unit being reduced", "reducing")]
-    if cfg.train.document_mask or plan.layout.cp > 1:
+    if packed_masks(cfg.train.document_mask, plan.layout.cp):
         lines.insert(-1, ("attention masks" if plan.layout.cp > 1 else "document masks", "masks"))
     for label, key in lines:
         out.append(f"  {label:28}" + "".join(f"{gib(r[key]):>10}" for r in rows))

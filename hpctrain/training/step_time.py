@@ -40,6 +40,7 @@ import torch
 
 from hpctrain.core.config import ActCkpt, ConfigError, PrecisionName, ReduceDtype
 from hpctrain.models.moe import expert_hidden, is_sparse
+from hpctrain.models.packing import packed_masks, window_masks
 from hpctrain.monitoring.metrics import PEAK_TFLOPS
 from hpctrain.parallel.context import gathered_bytes
 from hpctrain.parallel.experts import all_to_all_bytes
@@ -280,8 +281,8 @@ def _compute(x: StepInputs, w: _Work, hw: Hardware, sw: Software) -> dict[str, f
     dense = 2.0 * w.tokens * w.layer_params * w.layers / tp * w.passes
     head = 2.0 * w.tokens * w.head_params / tp * 3.0  # on the last stage (not recomputed)
     attn_fwd = 4.0 * w.tokens * x.seq_len * w.attn_width / tp * w.layers  # this rank's queries against every key
-    window = getattr(a, "sliding_window", None)  # a mask too where shorter than the sequence
-    masked = x.document_mask or bool(window and window < x.seq_len) or (cp > 1 and sw.cp_prefix_mask)
+    # (Llama 3's published context parallelism keeps the causal kernel: no prefix masks)
+    masked = packed_masks(x.document_mask, cp if sw.cp_prefix_mask else 1) or window_masks(a, x.seq_len)
     if sw.flash_attention and masked:
         # every score the mask spans: all of them in one process; under cp a rank's two chunks (i and 2cp−1−i of
         # c = seq/2cp tokens) see their prefixes, c²·(2cp+1) of its 4cp·c² pairs
