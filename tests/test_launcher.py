@@ -205,6 +205,14 @@ def test_job_ports_stay_below_the_ephemeral_range_and_differ_per_step():
     ports = [job_port(job, slot) for job in (1, 2023, 999_999) for slot in range(64)]
     assert all(1024 < p < min(lo, 32768) for p in ports)
     assert len({job_port(2023, slot) for slot in range(64)}) == 64
+    # Jobs sharing a node: first steps meet only 8000 ids apart (they were 375 apart), a later step or packed point
+    # never takes a first step's port, and the first restarts (slots 1-8) of two jobs meet only ~500 ids apart.
+    jobs = range(50_000, 58_000)
+    assert len({job_port(job) for job in jobs}) == len(jobs)
+    assert not {job_port(job) for job in jobs} & {job_port(job, slot) for job in jobs for slot in range(1, 64)}
+    first_eight = {job_port(50_000, slot) for slot in range(1, 9)}
+    near = {job_port(job, slot) for job in range(50_000 - 496, 50_000 + 497) if job != 50_000 for slot in range(1, 9)}
+    assert not first_eight & near
 
 
 def test_a_local_worlds_port_is_below_the_ephemeral_range_apart_from_job_ports_and_not_held(monkeypatch):
@@ -277,13 +285,13 @@ def test_srun_task_environment_becomes_torch_rank(monkeypatch):
     assert launched_world() == 8
     _slurm_env()
     assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")} == {
-        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_PORT": "26976"}
-    assert job_port(1234) == 20000 + 1234 * 64 % 12000 == 26976
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_PORT": "21234"}
+    assert job_port(1234) == 20000 + 1234 == 21234
     if shutil.which("scontrol"):  # Slurm's own hostlist expansion
         assert os.environ["MASTER_ADDR"] == "gpu07"
-    # Two jobs sharing a node derive the same port when their ids are 375 apart: the job's own MASTER_PORT wins
-    # (docs/troubleshooting.md).
-    assert job_port(1234 + 375) == job_port(1234)
+    # Two jobs sharing a node derive the same port only when their ids are 8000 apart: the job's own MASTER_PORT
+    # wins (docs/troubleshooting.md).
+    assert job_port(1234 + 8000) == job_port(1234)
     monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1609", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "23456"})
     _slurm_env()
