@@ -8,9 +8,12 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 DEMO_DIR ?= outputs/demo
 DEMO_STEPS ?= 600
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist): three on 2 cores, as one of them mostly waits on the Slurm cluster (its tests run
-# first, one at a time): measured 661 s against 760 s with two, both cores ~99 % busy; 0: no workers (pdb, -s).
-TEST_WORKERS ?= 3
+# Test processes (pytest-xdist): one per core and one more, as one of them mostly waits on the Slurm cluster (its
+# tests run first, one at a time): on 2 cores three took 661 s against 760 s with two, both cores ~99 % busy. At
+# most 9 (each holds torch and forks ranks); 0: no workers (pdb, -s).
+ifeq ($(origin TEST_WORKERS),undefined)
+TEST_WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n + 1 : 9 )))
+endif
 
 # --- shell quoting ------------------------------------------------------------------------------------------
 # Every user-supplied variable reaches the shell only through $(call arg,VAR) / $(call args,VAR): its text
