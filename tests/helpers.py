@@ -80,6 +80,21 @@ def job_gone(job: str) -> bool:
     return not p.stdout.strip() if p.returncode == 0 else "Invalid job id" in p.stderr
 
 
+def ranks_of(pid: int) -> list[int]:
+    """The rank processes a local launcher (`pid`) forked, in rank order: the order it forked them in."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f, open("/proc/sys/kernel/pid_max") as m:
+        return fork_order([int(c) for c in f.read().split()], int(m.read()))
+
+
+def fork_order(pids: list[int], pid_max: int) -> list[int]:
+    """PIDs forked one after another, in that order. They rise from one fork to the next but wrap at pid_max (32768
+    here, passed several times by a suite's processes and threads): the first is the one after the widest gap."""
+    pids = sorted(pids)
+    gaps = [(pids[(i + 1) % len(pids)] - p) % pid_max for i, p in enumerate(pids)]
+    first = (gaps.index(max(gaps)) + 1) % len(pids) if pids else 0
+    return pids[first:] + pids[:first]
+
+
 def wait_job(job: str, timeout: float = 240) -> str:
     """Wait for a Slurm job to end; return its final state, lowercased ("completed", "failed", ...). Polls:
     `sbatch --wait` sleeps 2, 8, then 32 s between its checks."""

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from helpers import cli_args, last_step, records, until, written
+from helpers import cli_args, last_step, ranks_of, records, until, written
 
 from hpctrain.launch.sweep import format_table, report
 from hpctrain.monitoring.comm_sample import comm_seconds
@@ -65,8 +65,7 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
         until("the first sampled step", lambda: any("stragglers" in r for r in written(run / "metrics.jsonl"))
               if (run / "metrics.jsonl").exists() else proc.poll() is not None, 240, every=0.2)  # (a fresh start)
         assert proc.poll() is None, proc.stderr.read()
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            rank1 = sorted(int(c) for c in f.read().split())[1]  # forked in rank order
+        rank1 = ranks_of(proc.pid)[1]
         # Only what follows the throttle counts: on a loaded machine (another test worker) rank 0 may straggle
         # before, and rank 1 may already have been named (an alert names a change only: the records are read).
         before = last_step(run)

@@ -15,9 +15,11 @@ from helpers import (
     LAYOUT_RUN,
     cli_args,
     deltas,
+    fork_order,
     fsdp_unsharded_bytes,
     held_grad_bytes,
     model_on,
+    ranks_of,
     read,
     records,
     run_layout,
@@ -187,9 +189,12 @@ def test_torchrun(make_cfg, demo_data, tmp_path):
     assert dloss <= 1e-5 and dnorm <= 1e-5, (dloss, dnorm)
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return sorted(int(c) for c in f.read().split())
+def test_ranks_are_told_apart_by_fork_order_across_the_pid_wrap():
+    """The dead/stalled-rank and straggler tests kill or throttle a rank found by its PID: forked in rank order, and
+    the order holds where PIDs wrap at pid_max (sorting alone would name rank 2 as rank 0)."""
+    assert fork_order([7012, 7010, 7011], 32768) == [7010, 7011, 7012]
+    assert fork_order([5, 32766, 300, 32760], 32768) == [32760, 32766, 5, 300]
+    assert fork_order([], 32768) == []
 
 
 def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[subprocess.Popen, list[int]]:
@@ -202,7 +207,7 @@ def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[subprocess
         time.sleep(0.05)
     assert proc.poll() is None, proc.stderr.read()
     assert metrics.exists() and '"step"' in metrics.read_text(), "no step logged in 240 s"
-    return proc, _children(proc.pid)  # forked in rank order
+    return proc, ranks_of(proc.pid)
 
 
 @pytest.mark.multiproc
