@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers import run_forked
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from hpctrain import cli
 from hpctrain.core.config import ConfigError
 from hpctrain.models.llama.model import num_params
 from hpctrain.runs.resolve import resolve, scaled_lr
@@ -87,17 +87,14 @@ def test_lr_scaling_and_schedule(make_cfg):
 
 def test_cli_batch_error_is_one_line(tmp_path):
     """`python -m hpctrain train.global_batch=7 train.micro_batch=2` exits non-zero with one line."""
-    env = dict(os.environ, HPCTRAIN_CACHE=str(tmp_path / "cache"))
-    p = subprocess.run([sys.executable, "-m", "hpctrain", "train.global_batch=7", "train.micro_batch=2",
-                        f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode != 0
-    err = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(err) == 1, p.stderr
-    assert "global_batch=7" in err[0] and "2" in err[0] and "Traceback" not in p.stderr + p.stdout
+    p = run_forked(cli.main, ["train.global_batch=7", "train.micro_batch=2", f"run_dir={tmp_path / 'run'}"],
+                   cwd=tmp_path, env={"HPCTRAIN_CACHE": str(tmp_path / "cache")})
+    assert p.code != 0
+    err = p.err_lines
+    assert len(err) == 1, p.err
+    assert "global_batch=7" in err[0] and "2" in err[0] and "Traceback" not in p.err + p.out
 
 
 def test_cli_unknown_key_uses_hydra_message(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "hpctrain", "train.bogus=1", f"run_dir={tmp_path / 'run'}"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "bogus" in p.stderr and "Traceback" not in p.stderr
+    p = run_forked(cli.main, ["train.bogus=1", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert p.code != 0 and "bogus" in p.err and "Traceback" not in p.err

@@ -116,22 +116,20 @@ def test_the_supervisor_shrinks_to_the_most_nodes_that_keep_the_batch(make_cfg, 
 ])
 def test_bad_submission_is_refused_before_sbatch(demo_data, tmp_path, bad, words):
     """Checked on the login node: no job, no sbatch call, one line."""
-    env = dict(os.environ, PATH="/usr/bin/nonexistent")  # an sbatch call would fail differently
-    p = subprocess.run([sys.executable, "-m", "hpctrain", "hydra/launcher=slurm", f"run_dir={tmp_path / 'r'}",
-                        f"data.path={demo_data}", *SMALL_MODEL, *bad],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and words in p.stderr, p.stderr
+    p = run_forked(cli.main, ["hydra/launcher=slurm", f"run_dir={tmp_path / 'r'}", f"data.path={demo_data}",
+                              *SMALL_MODEL, *bad],
+                   cwd=ROOT, env={"PATH": "/usr/bin/nonexistent"}, timeout=180)  # an sbatch call would fail otherwise
+    assert p.code == 2, p.err
+    assert p.err.strip().splitlines() == [p.err.strip()] and words in p.err, p.err
     assert not (tmp_path / "r" / ".submitit").exists()
 
 
 @pytest.mark.timeout(200)
 def test_bad_sweep_point_is_refused_before_submitting(demo_data, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "train.global_batch=8,7", "hydra/launcher=local",
-                        f"hydra.sweep.dir={tmp_path / 's'}", f"data.path={demo_data}", *SMALL_MODEL,
-                        "train.micro_batch=4"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "sweep point #1 (train.global_batch=7)" in p.stderr and "not divisible" in p.stderr
+    p = run_forked(cli.main, ["-m", "train.global_batch=8,7", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path / 's'}",
+                              f"data.path={demo_data}", *SMALL_MODEL, "train.micro_batch=4"], cwd=ROOT, timeout=180)
+    assert p.code == 2, p.out + p.err
+    assert "sweep point #1 (train.global_batch=7)" in p.err and "not divisible" in p.err
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
@@ -349,9 +347,8 @@ def test_a_sweep_beyond_the_clusters_array_size_is_refused_before_anything(slurm
     from hpctrain.launch.submit import max_array_size
 
     n = (max_array_size() or 1001) + 1
-    p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path}/s",
-                        f"data.path={demo_data}", "optim.lr=" + ",".join(f"{i + 1}e-6" for i in range(n))], cwd=ROOT,
-                       capture_output=True, text=True, timeout=100)
-    err = [line for line in p.stderr.splitlines() if line.strip()]
-    assert p.returncode == 2 and len(err) == 1 and f"has {n} points" in err[0] and "MaxArraySize" in err[0], p.stderr
+    p = run_forked(cli.main, ["-m", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path}/s", f"data.path={demo_data}",
+                              "optim.lr=" + ",".join(f"{i + 1}e-6" for i in range(n))], cwd=ROOT, timeout=100)
+    err = p.err_lines
+    assert p.code == 2 and len(err) == 1 and f"has {n} points" in err[0] and "MaxArraySize" in err[0], p.err
     assert not (tmp_path / "s" / "0").exists() and not (tmp_path / "s" / ".submitit").exists()

@@ -21,8 +21,20 @@ from unittest.mock import ANY
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import job_gone, last_step, list_unused_node, losses, read, records, sbatch_run, until, wait_job
+from helpers import (
+    job_gone,
+    last_step,
+    list_unused_node,
+    losses,
+    read,
+    records,
+    run_forked,
+    sbatch_run,
+    until,
+    wait_job,
+)
 
+from hpctrain import cli
 from hpctrain.parallel.process_group import hostnames
 from hpctrain.runtime import bad_nodes
 from hpctrain.runtime.task_exits import exit_trap
@@ -597,10 +609,9 @@ def test_sbatch_refusing_the_job_is_one_line(slurm, demo_data, tmp_path, sweep):
     """A partition that does not exist: sbatch's refusal becomes one line naming the settings to check, exit 2, and
     a single run leaves no run directory."""
     where = ["-m", f"hydra.sweep.dir={tmp_path / 's'}", "optim.lr=1e-2,3e-3"] if sweep else [f"run_dir={tmp_path / 'r'}"]
-    p = subprocess.run([sys.executable, "-m", "hpctrain", *where, "hydra/launcher=slurm", f"data.path={demo_data}",
-                        "data.prepare_demo=false", *SMALL_MODEL, "cluster.partition=no_such_partition"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=100)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert "sbatch refused the job (sbatch: error: invalid partition" in p.stderr and "cluster.partition" in p.stderr
+    p = run_forked(cli.main, [*where, "hydra/launcher=slurm", f"data.path={demo_data}", "data.prepare_demo=false",
+                              *SMALL_MODEL, "cluster.partition=no_such_partition"], cwd=ROOT, timeout=100)
+    assert p.code == 2, p.out + p.err
+    assert len(p.err.strip().splitlines()) == 1 and "Traceback" not in p.err, p.err
+    assert "sbatch refused the job (sbatch: error: invalid partition" in p.err and "cluster.partition" in p.err
     assert not (tmp_path / "r").exists()
