@@ -196,9 +196,47 @@ def test_pytest_args_reach_pytest_unevaluated(tmp_path):
     p = _make("test", f"PY={py}", f"PYTEST_ARGS={args}")
     assert p.returncode == 0, p.stdout + p.stderr
     assert not marker.exists()
-    assert _calls(bin_dir) == [["-m", "pytest", "-q", "-n", "3", "--dist", "loadgroup"]]
+    assert _calls(bin_dir) == [["-m", "pytest", "-q", "-n", _default_workers(), "--dist", "loadgroup"]]
     assert (bin_dir / "addopts").read_text() == args
     assert shlex.split(args)[:4] == ["-k", "resume", "-m", "not slurm"]
+
+
+def _default_workers(cores: int | None = None) -> str:
+    """What `make test` should pass to -n: a worker per core and one more, at most 9."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return str(min(cores + 1, 9))
+
+
+def _test_workers(bin_dir: Path, *prefix: str, env: dict[str, str] | None = None) -> str:
+    """The -n that `make test` passes (PY replaced by a recorder), run under `prefix` (a shell command's words)."""
+    py = _recorder(bin_dir, "python")
+    p = subprocess.run([*prefix, "make", "-s", "-C", str(REPO), "test", f"PY={py}"], env=env or _env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (call,) = _calls(bin_dir)
+    return call[call.index("-n") + 1]
+
+
+def test_make_test_runs_a_worker_per_core_and_one_more(tmp_path):
+    """Not OMP_NUM_THREADS (which `nproc` would print, and clusters often set to 1); TEST_WORKERS still wins."""
+    assert _test_workers(tmp_path / "a", env=_env(OMP_NUM_THREADS="1")) == _default_workers()
+    assert _test_workers(tmp_path / "b", env=_env(TEST_WORKERS="5")) == "5"
+
+
+def test_make_test_counts_the_cores_of_a_cpu_quota(tmp_path):
+    """In a cgroup with a CPU quota (a container's --cpus), the cores are the quota's, not the machine's: half a core
+    runs 2 workers. A real cgroup (v1's cpu controller, as on this machine), made and removed by the test."""
+    base = Path("/sys/fs/cgroup/cpu")
+    if os.geteuid() != 0 or not (base / "cpu.cfs_quota_us").exists() or not os.access(base, os.W_OK):
+        pytest.skip("needs root and cgroup v1's cpu controller")
+    group = base / f"hpctrain-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_quota_us").write_text(str(int((group / "cpu.cfs_period_us").read_text()) // 2))
+        enter = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+        assert _test_workers(tmp_path, *enter) == _default_workers(1) == "2"
+    finally:
+        group.rmdir()  # (empty again: its one process has exited)
 
 
 @pytest.mark.parametrize("run_dir, path", [
