@@ -29,6 +29,7 @@ from data_prep.demo import stdlib_files  # noqa: E402
 from data_prep.packing import DEFAULT_BATCH_CHARS  # noqa: E402
 from data_prep.shards import read_text  # noqa: E402
 from data_prep.tokenizer import load_tokenizer, train_tokenizer_from_docs  # noqa: E402
+from hpctrain.core.host import usable_cpus
 
 
 def make_corpus(dir_: str, max_bytes: int, files: int = 8) -> tuple[list[str], list[str]]:
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             one, many = max(one, r1), max(many, rn)
         n_bare = sum(len(ids) for ids in tok.encode_batch(docs))
     assert n_one == n_many, (n_one, n_many)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cpus()
     print(f"corpus: {a.mb:g} MB stdlib jsonl, {len(docs)} documents, {n_bare:,} tokens (vocab {a.vocab}); "
           f"{cores} cores, load avg {os.getloadavg()[0]:.1f}")
     print(f"bare tokenizer (1 core):       {bare:12,.0f} tokens/s")

@@ -41,6 +41,7 @@ from data_prep.tokenizer import (
     train_tokenizer_from_docs,
 )
 from hpctrain.core.files import fsync_dir, read_json, write_json
+from hpctrain.core.host import usable_cpus
 from hpctrain.core.shard_format import (
     MANIFEST_NAME,
     MAX_BLOCK_LEN,
@@ -421,7 +422,7 @@ def _check_arguments(files, out_dir, config: BuildConfig, tokenizer, vocab_size,
     if not files:
         raise DataError(f"no input files for {out_dir}: pass a non-empty CORPUS glob")
     if workers < 1:
-        raise DataError(f"workers={workers} must be >= 1: pass e.g. --workers {os.cpu_count() or 1}")
+        raise DataError(f"workers={workers} must be >= 1: pass e.g. --workers {usable_cpus()}")
     if not (num_tasks >= 1 and 0 <= task_index < num_tasks):
         raise DataError(f"task {task_index} of {num_tasks}: need 0 <= --task-index < --num-tasks")
     if tokenizer is None and num_tasks > 1:

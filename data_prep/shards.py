@@ -35,6 +35,7 @@ from data_prep.sources import expand_corpus
 from data_prep.tokenizer import TextTokenizer
 from hpctrain.core.command import run_command
 from hpctrain.core.files import fsync_dir
+from hpctrain.core.host import usable_cpus
 from hpctrain.core.shard_format import (
     MANIFEST_NAME,
     SPLITS,
@@ -155,7 +156,7 @@ def _default_workers() -> int:
     slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
     if slurm.isdigit():
         return max(1, int(slurm))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return usable_cpus()
 
 
 def _parser() -> argparse.ArgumentParser:

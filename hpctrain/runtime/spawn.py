@@ -21,6 +21,8 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
+from hpctrain.core.host import usable_cpus
+
 
 class LaunchError(RuntimeError):
     """A rank failed; the message names it."""
@@ -100,7 +102,7 @@ def spawn(world: int, fn: Callable, args: tuple = (), threads: int | None = None
     A rank's `quiet` error (bad input) becomes part of the LaunchError's one line; any other error is also
     printed by the rank with its traceback.
     """
-    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    threads = threads or max(1, usable_cpus() // world)
     base = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port())}
     ctx = mp.get_context("fork")

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.core.files import read_metrics, write_json
+from hpctrain.core.host import usable_cpus
 from hpctrain.models import model_args
 from hpctrain.runs.compose import compose, register
 from hpctrain.runs.resolve import resolve
@@ -111,7 +112,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default fp32,bf16)")
     p.add_argument("--repeats", type=int, default=1, help="alternating rounds; the median is reported")
     p.add_argument("--no-compile", action="store_true", help="skip the parallel.compile=true variant")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: CPUs)")
+    p.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads (default: CPUs)")
     p.add_argument("--json", metavar="PATH", help="write every measurement to PATH")
     p.add_argument("--quick", action="store_true", help="smoke run: --steps 6 --warmup 2 --no-compile")
     a = p.parse_args(argv)

@@ -21,6 +21,7 @@ import time
 import torch
 
 from hpctrain.core.files import read_metrics, write_json
+from hpctrain.core.host import usable_cpus
 from hpctrain.data import loader as data_mod
 from hpctrain.data.loader import ShardStream, read_manifest, read_shard_wds
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--samples", type=int, default=20_000, help="samples per stream measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train-steps", type=int, default=10, help="tiny-model training steps (0: skip)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for training")
+    p.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads for training")
     p.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     a = p.parse_args(argv)
     data_dir = a.data

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from hpctrain.core.host import usable_cpus
+
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "they", "which", "this", "have", "are", "were", "be", "had", "not", "one", "all", "but", "when", "there", "can", "more", "other", "new", "first", "time", "year", "two", "also", "after", "people", "into", "only", "most"]
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--docs", type=int, default=200, help="multiple-choice documents (4 requests each)")
     p.add_argument("--batch", type=int, default=16, help="requests per forward, both sides")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=usable_cpus())
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

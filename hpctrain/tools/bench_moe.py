@@ -11,11 +11,12 @@ dispatched and combined, forward and backward — against the planner's even-loa
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
+
+from hpctrain.core.host import usable_cpus
 
 
 def _layer(a):
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ep", type=int, default=2, help="ranks the experts are shared out over (the all-to-all line)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=usable_cpus())
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     from hpctrain.core.config import MoEDims
