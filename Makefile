@@ -10,17 +10,12 @@ DEMO_STEPS ?= 600
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core and one more, as one of them mostly waits on the Slurm cluster (its
 # tests run first, one at a time): on 2 cores three took 661 s against 760 s with two, both cores ~99 % busy. Cores:
-# nproc (not OMP_NUM_THREADS, which nproc would print), or fewer where this process's cgroup has a CPU quota (a
-# container's --cpus: nproc counts the host's). At most 9 (each holds torch and forks ranks); 0: no workers (pdb, -s).
+# the ones this process may use (core/host.usable_cpus, plain Python: its affinity, fewer under a cgroup CPU quota
+# such as a container's --cpus, where nproc would count the host's). At most 9 (each holds torch and forks ranks);
+# 0: no workers (pdb, -s).
 ifeq ($(origin TEST_WORKERS),undefined)
-TEST_WORKERS := $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); q=; \
-  v2=$$(awk -F: '$$1 == "0" {print $$3}' /proc/self/cgroup 2>/dev/null); \
-  v1=$$(awk -F: '$$2 ~ /(^|,)cpu(,|$$)/ {print $$3}' /proc/self/cgroup 2>/dev/null); \
-  if [ -r "/sys/fs/cgroup$$v2/cpu.max" ]; then read -r q p < "/sys/fs/cgroup$$v2/cpu.max"; \
-  elif [ -r "/sys/fs/cgroup/cpu$$v1/cpu.cfs_quota_us" ]; then q=$$(cat "/sys/fs/cgroup/cpu$$v1/cpu.cfs_quota_us"); \
-    p=$$(cat "/sys/fs/cgroup/cpu$$v1/cpu.cfs_period_us"); fi; \
-  case "$$q" in (''|max|-*) ;; (*) c=$$(( (q + p - 1) / p )); [ "$$c" -lt "$$n" ] && n=$$c;; esac; \
-  echo $$(( n < 8 ? n + 1 : 9 )))
+TEST_WORKERS := $(shell $(PYTHON) -c 'from hpctrain.core.host import usable_cpus; print(min(usable_cpus() + 1, 9))' \
+  2>/dev/null || echo 3)
 endif
 
 # --- shell quoting ------------------------------------------------------------------------------------------
