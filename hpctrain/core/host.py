@@ -1,4 +1,5 @@
-"""What this machine can still give: the bound every check of "does it fit here" compares against."""
+"""What this machine can still give this process (memory, CPUs), its cgroup's limits included: the bound every check
+of "does it fit here" compares against."""
 
 from __future__ import annotations
 
@@ -6,16 +7,63 @@ import math
 import os
 
 
-def available_memory() -> float | None:
-    """Bytes this machine can still give (MemAvailable), or None where /proc/meminfo does not say."""
+def memory_headroom() -> tuple[float, str] | None:
+    """(bytes this process can still get, what bounds them): the machine's MemAvailable, or less under a cgroup
+    memory limit (a Slurm job's --mem, a container's --memory), whose kernel kills the job at the limit however much
+    the machine has left. None where neither says."""
+    found = []
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    found.append((int(line.split()[1]) * 1024, "this machine's available memory"))
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    left = _cgroup_memory_left()
+    if left is not None:
+        found.append((left, "the memory left under this job's cgroup limit"))
+    return min(found, key=lambda f: f[0], default=None)
+
+
+def _cgroup_memory_left() -> float | None:
+    """Bytes left under this process's cgroup memory limit (v2 memory.max, v1 memory.limit_in_bytes), its
+    reclaimable page cache (inactive files) counted as left; None without a limit."""
+    lefts = []
+    for version, path in _cgroups("memory"):
+        try:
+            if version == 2:
+                limit, usage, stat = (f"/sys/fs/cgroup{path}/memory.{n}" for n in ("max", "current", "stat"))
+                inactive = "inactive_file"
+            else:
+                limit, usage, stat = (f"/sys/fs/cgroup/memory{path}/memory.{n}"
+                                      for n in ("limit_in_bytes", "usage_in_bytes", "stat"))
+                inactive = "total_inactive_file"
+            cap = _read(limit)
+            if cap == "max" or int(cap) >= 1 << 60:  # (v1's "no limit" is a page-rounded 2^63)
+                continue
+            cache = next((int(line.split()[1]) for line in _read(stat).splitlines()
+                          if line.split()[0] == inactive), 0)
+            lefts.append(int(cap) - (int(_read(usage)) - cache))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(0, min(lefts)) if lefts else None
+
+
+def _cgroups(controller: str) -> list[tuple[int, str]]:
+    """(version, path) of this process's cgroups that may hold `controller`'s files: v2's, and v1's of it."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            out.append((2, path))
+        elif controller in controllers.split(","):
+            out.append((1, path))
+    return out
 
 
 def usable_cpus() -> int:
@@ -29,22 +77,14 @@ def usable_cpus() -> int:
 
 def _cpu_quota() -> float | None:
     """CPUs' worth of time this process's cgroup may use (cgroup v2 cpu.max, v1 cfs quota), or None: no quota."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
     quotas = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        try:
-            if controllers == "":  # v2 (in a hybrid layout its files may not be there: then v1's count)
+    for version, path in _cgroups("cpu"):
+        try:  # (in a hybrid layout v2's files may not be there: then v1's count)
+            if version == 2:
                 quota, period = _read(f"/sys/fs/cgroup{path}/cpu.max").split()
-            elif "cpu" in controllers.split(","):
+            else:
                 quota = _read(f"/sys/fs/cgroup/cpu{path}/cpu.cfs_quota_us")
                 period = _read(f"/sys/fs/cgroup/cpu{path}/cpu.cfs_period_us")
-            else:
-                continue
             if quota not in ("max", "-1"):
                 quotas.append(int(quota) / int(period))
         except (OSError, ValueError):

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from hpctrain.core.config import check_values
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import MiB, free_name, read_object, read_yaml
-from hpctrain.core.host import available_memory
+from hpctrain.core.host import memory_headroom
 
 log = logging.getLogger("hpctrain")
 
@@ -299,10 +299,10 @@ def _check_run_config(cfg: DictConfig, config: str) -> None:
         params, buffers = resident_bytes(cfg.model)
     except Exception as e:  # noqa: BLE001 - a range, a missing key, a wrong type: one line whatever it is
         raise RunDirError(f"{config}: {' '.join(str(e).split())}: restore it from a copy of the run") from None
-    cap = available_memory()
+    cap, where = memory_headroom() or (None, "")
     if cap is not None and params + buffers > cap:
         raise RunDirError(
-            f"the model of {config} needs {(params + buffers) / 2**30:.1f} GiB before any activation, more than this "
-            f"machine's available memory ({cap / 2**30:.1f} GiB): parameters {params / 2**30:.1f} GiB, buffers (the "
+            f"the model of {config} needs {(params + buffers) / 2**30:.1f} GiB before any activation, more than "
+            f"{where} ({cap / 2**30:.1f} GiB): parameters {params / 2**30:.1f} GiB, buffers (the "
             f"RoPE tables, model.max_seq_len={cfg.model.max_seq_len} × head_dim) {buffers / 2**30:.1f} GiB; "
             "restore the config from a copy of the run, or use a larger machine")

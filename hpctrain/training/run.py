@@ -13,7 +13,7 @@ import torch
 from hpctrain.core.config import signal_number
 from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
 from hpctrain.core.files import RESULT_FILE, read_json
-from hpctrain.core.host import available_memory
+from hpctrain.core.host import memory_headroom
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.data.mixture import MixtureStream, Source, check_sources
 from hpctrain.models import init_source
@@ -174,7 +174,7 @@ def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float)
     if torch.backends.cuda.is_built():  # one rank per device
         cap, where, ranks = (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}", 1
     else:  # every rank started here shares this machine
-        cap, where = available_memory() or 0, "this machine's available memory"
+        cap, where = memory_headroom() or (0, "")
         ranks = shape.world if process_group.launched_world() is None else 1
         worst += host
         hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""

@@ -1,0 +1,66 @@
+"""What this machine can give a run, inside a cgroup's limits (a Slurm job's --mem and cpuset, a container's --memory
+and --cpus): real cgroups (v1, as on this machine), made and removed by the tests; root only, skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+@pytest.fixture
+def cgroup():
+    """cgroup(controller, **files) -> argv prefix that runs a command inside a new v1 cgroup of `controller` with
+    those files written (e.g. cpu.cfs_quota_us); every cgroup is removed at the end (empty again by then)."""
+    made = []
+
+    def make(controller: str, **files: str) -> list[str]:
+        base = Path("/sys/fs/cgroup") / controller
+        if os.geteuid() != 0 or not base.is_dir() or not os.access(base, os.W_OK) or (base / "cgroup.controllers").exists():
+            pytest.skip(f"needs root and cgroup v1's {controller} controller")
+        group = base / f"hpctrain-test-{os.getpid()}-{len(made)}"
+        group.mkdir()
+        made.append(group)
+        for name, value in files.items():
+            (group / name).write_text(value)
+        return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+
+    yield make
+    for group in reversed(made):
+        group.rmdir()
+
+
+def test_the_usable_cpus_are_a_cgroup_quotas(cgroup):
+    """Under a CPU quota the CPUs are the quota's, rounded up, not the machine's: half a core is one CPU."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+    inside = cgroup("cpu", **{"cpu.cfs_quota_us": str(period // 2)})
+    code = "from hpctrain.core.host import usable_cpus; print(usable_cpus())"
+    p = subprocess.run([*inside, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.split() == ["1"], p.stdout + p.stderr
+
+
+def test_a_run_larger_than_its_cgroup_memory_limit_is_refused_before_it_starts(cgroup, demo_data, tmp_path):
+    """A job's memory limit (Slurm's --mem) is what the run can have, not the machine's free memory: a llama_350m run
+    (~6 GiB planned) in a 2 GiB cgroup on a machine with more free is one line naming the limit, before any rank
+    starts. Checked against the machine alone it started, and the kernel killed it at the limit."""
+    from hpctrain.core.host import memory_headroom
+
+    limit = 2 * 2**30
+    if (memory_headroom() or (0,))[0] < 8 * 2**30:
+        pytest.skip("needs 8 GiB free: the run must fit the machine and not the cgroup")
+    inside = cgroup("memory", **{"memory.limit_in_bytes": str(limit)})
+    p = subprocess.run([*inside, sys.executable, "-m", "hpctrain", "model=llama_350m", f"run_dir={tmp_path / 'run'}",
+                        f"data.path={demo_data}", "data.prepare_demo=false", "train.global_batch=2",
+                        "train.micro_batch=1", "train.max_steps=1", "train.eval_every=0", "logging.trackers=[]"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(err) == 1, p.stdout + p.stderr
+    assert "the memory left under this job's cgroup limit" in err[0] and "needs about" in err[0], err[0]
+    assert float(err[0].split("cgroup limit (")[1].split(" GiB")[0]) <= limit / 2**30
