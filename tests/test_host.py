@@ -19,7 +19,9 @@ def cgroup():
     those files written (e.g. cpu.cfs_quota_us); every cgroup is removed at the end (empty again by then)."""
     made = []
 
-    def make(controller: str, **files: str) -> list[str]:
+    def make(controller: str, below: str = "", **files: str) -> list[str]:
+        """`below`: the command runs in a group of that name under the limited one (as Slurm puts a task's group
+        under its job's and step's)."""
         base = Path("/sys/fs/cgroup") / controller
         if os.geteuid() != 0 or not base.is_dir() or not os.access(base, os.W_OK) or (base / "cgroup.controllers").exists():
             pytest.skip(f"needs root and cgroup v1's {controller} controller")
@@ -28,6 +30,10 @@ def cgroup():
         made.append(group)
         for name, value in files.items():
             (group / name).write_text(value)
+        if below:
+            group = group / below
+            group.mkdir()
+            made.append(group)
         return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
 
     yield make
@@ -48,14 +54,15 @@ def test_the_usable_cpus_are_a_cgroup_quotas(cgroup):
 
 def test_a_run_larger_than_its_cgroup_memory_limit_is_refused_before_it_starts(cgroup, demo_data, tmp_path):
     """A job's memory limit (Slurm's --mem) is what the run can have, not the machine's free memory: a llama_350m run
-    (~6 GiB planned) in a 2 GiB cgroup on a machine with more free is one line naming the limit, before any rank
-    starts. Checked against the machine alone it started, and the kernel killed it at the limit."""
+    (~6 GiB planned) under a 2 GiB cgroup on a machine with more free is one line naming the limit, before any rank
+    starts. Checked against the machine alone it started, and the kernel killed it at the limit. The limit is on the
+    group above the process's own, as Slurm sets it on the job and step and puts each task in a group below."""
     from hpctrain.core.host import memory_headroom
 
     limit = 2 * 2**30
     if (memory_headroom() or (0,))[0] < 8 * 2**30:
         pytest.skip("needs 8 GiB free: the run must fit the machine and not the cgroup")
-    inside = cgroup("memory", **{"memory.limit_in_bytes": str(limit)})
+    inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(limit)})
     p = subprocess.run([*inside, sys.executable, "-m", "hpctrain", "model=llama_350m", f"run_dir={tmp_path / 'run'}",
                         f"data.path={demo_data}", "data.prepare_demo=false", "train.global_batch=2",
                         "train.micro_batch=1", "train.max_steps=1", "train.eval_every=0", "logging.trackers=[]"],

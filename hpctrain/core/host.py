@@ -50,7 +50,8 @@ def _cgroup_memory_left() -> float | None:
 
 
 def _cgroups(controller: str) -> list[tuple[int, str]]:
-    """(version, path) of this process's cgroups that may hold `controller`'s files: v2's, and v1's of it."""
+    """(version, path) of this process's cgroups that may hold `controller`'s files, v2's and v1's of it, with every
+    ancestor: a limit may be set above the process's own group (Slurm's on the job and step, a task's group below)."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
@@ -59,10 +60,12 @@ def _cgroups(controller: str) -> list[tuple[int, str]]:
     out = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            out.append((2, path))
-        elif controller in controllers.split(","):
-            out.append((1, path))
+        version = 2 if controllers == "" else 1 if controller in controllers.split(",") else 0
+        while version:
+            out.append((version, path.rstrip("/")))
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path.rstrip("/")) or "/"
     return out
 
 
