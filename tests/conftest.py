@@ -4,10 +4,12 @@ gate of the tests that need a Slurm cluster."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import pytest
 import torch
@@ -118,3 +120,47 @@ def slurm_jobs():
     yield ids
     for job in ids:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def cgroup():
+    """cgroup(controller, below="", **files) -> an argv prefix that runs a command inside a new cgroup (v1's
+    `controller`) with those files written (e.g. cpu.cfs_quota_us=...); `below`: in a group of that name under the
+    limited one (as Slurm puts a task's group under its job's and step's). Root and cgroup v1 only, else the test
+    skips. Every group is removed at the end, whatever is left in it killed first."""
+    import signal
+    from pathlib import Path
+
+    made = []
+
+    def make(controller: str, below: str = "", **files: str) -> list[str]:
+        base = Path("/sys/fs/cgroup") / controller
+        if os.geteuid() != 0 or not (base / "cgroup.procs").exists() or not os.access(base, os.W_OK):
+            pytest.skip(f"needs root and cgroup v1's {controller} controller")
+        group = base / f"hpctrain-test-{os.getpid()}-{len(made)}"
+        group.mkdir()
+        made.append(group)
+        for name, value in files.items():
+            (group / name).write_text(value)
+        if below:
+            group = group / below
+            group.mkdir()
+            made.append(group)
+        return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+
+    yield make
+    failed = []
+    for group in reversed(made):  # children first
+        for _ in range(100):
+            pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+            if not pids:
+                break
+            for pid in pids:  # (a command the test gave up on: its ranks, its loader's workers)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        try:
+            group.rmdir()
+        except OSError as e:
+            failed.append(f"{group}: {e}")
+    assert not failed, failed

@@ -1,5 +1,6 @@
 """What this machine can give a run, inside a cgroup's limits (a Slurm job's --mem and cpuset, a container's --memory
-and --cpus): real cgroups (v1, as on this machine), made and removed by the tests; root only, skipped elsewhere."""
+and --cpus): real cgroups (v1, as on this machine; conftest's `cgroup`), made and removed by the tests; root only,
+skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -13,37 +14,9 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
 
-@pytest.fixture
-def cgroup():
-    """cgroup(controller, **files) -> argv prefix that runs a command inside a new v1 cgroup of `controller` with
-    those files written (e.g. cpu.cfs_quota_us); every cgroup is removed at the end (empty again by then)."""
-    made = []
-
-    def make(controller: str, below: str = "", **files: str) -> list[str]:
-        """`below`: the command runs in a group of that name under the limited one (as Slurm puts a task's group
-        under its job's and step's)."""
-        base = Path("/sys/fs/cgroup") / controller
-        if os.geteuid() != 0 or not base.is_dir() or not os.access(base, os.W_OK) or (base / "cgroup.controllers").exists():
-            pytest.skip(f"needs root and cgroup v1's {controller} controller")
-        group = base / f"hpctrain-test-{os.getpid()}-{len(made)}"
-        group.mkdir()
-        made.append(group)
-        for name, value in files.items():
-            (group / name).write_text(value)
-        if below:
-            group = group / below
-            group.mkdir()
-            made.append(group)
-        return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
-
-    yield make
-    for group in reversed(made):
-        group.rmdir()
-
-
 def test_the_usable_cpus_are_a_cgroup_quotas(cgroup):
     """Under a CPU quota the CPUs are the quota's, rounded up, not the machine's: half a core is one CPU."""
-    if len(os.sched_getaffinity(0)) < 2:
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs")
     period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
     inside = cgroup("cpu", **{"cpu.cfs_quota_us": str(period // 2)})

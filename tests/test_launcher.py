@@ -204,13 +204,18 @@ def test_job_ports_stay_below_the_ephemeral_range_and_differ_per_step():
     assert all(1024 < p < min(lo, 32768) for p in ports)
     assert len({job_port(2023, slot) for slot in range(64)}) == 64
     # Jobs sharing a node: first steps meet only 8000 ids apart (they were 375 apart), a later step or packed point
-    # never takes a first step's port, and the first restarts (slots 1-8) of two jobs meet only ~500 ids apart.
+    # never takes a first step's port, any two of two jobs' later slots (restarts, packed points 1-63: a sweep's
+    # packed jobs have consecutive ids) meet only 63 ids apart or more, slots 1-8 127 or more, one slot 4000.
     jobs = range(50_000, 58_000)
     assert len({job_port(job) for job in jobs}) == len(jobs)
     assert not {job_port(job) for job in jobs} & {job_port(job, slot) for job in jobs for slot in range(1, 64)}
-    first_eight = {job_port(50_000, slot) for slot in range(1, 9)}
-    near = {job_port(job, slot) for job in range(50_000 - 496, 50_000 + 497) if job != 50_000 for slot in range(1, 9)}
-    assert not first_eight & near
+
+    def others(slots, within):
+        return {job_port(job, s) for job in range(50_000 - within, 50_000 + within + 1) if job != 50_000 for s in slots}
+
+    assert not {job_port(50_000, s) for s in range(1, 64)} & others(range(1, 64), 62)
+    assert not {job_port(50_000, s) for s in range(1, 9)} & others(range(1, 9), 126)
+    assert len({job_port(job, 5) for job in range(50_000, 54_000)}) == 4000
 
 
 def test_a_local_worlds_port_is_below_the_ephemeral_range_apart_from_job_ports_and_not_held(monkeypatch):
@@ -365,7 +370,7 @@ def test_local_ranks_take_their_threads_from_the_cpus_this_process_may_use(tmp_p
     of an 8-CPU allocation on a 128-core node each started 32 threads. Here one CPU allowed: one thread."""
     from hpctrain.runtime.spawn import spawn
 
-    if len(os.sched_getaffinity(0)) < 2:
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs")
 
     def main(argv):

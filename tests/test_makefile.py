@@ -202,9 +202,10 @@ def test_pytest_args_reach_pytest_unevaluated(tmp_path):
 
 
 def _default_workers(cores: int | None = None) -> str:
-    """What `make test` should pass to -n: a worker per core and one more, at most 9."""
-    cores = cores or len(os.sched_getaffinity(0))
-    return str(min(cores + 1, 9))
+    """What `make test` should pass to -n: a worker per usable core and one more, at most 9."""
+    from hpctrain.core.host import usable_cpus
+
+    return str(min((cores or usable_cpus()) + 1, 9))
 
 
 def _test_workers(bin_dir: Path, *prefix: str, env: dict[str, str] | None = None) -> str:
@@ -223,20 +224,14 @@ def test_make_test_runs_a_worker_per_core_and_one_more(tmp_path):
     assert _test_workers(tmp_path / "b", env=_env(TEST_WORKERS="5")) == "5"
 
 
-def test_make_test_counts_the_cores_of_a_cpu_quota(tmp_path):
+def test_make_test_counts_the_cores_of_a_cpu_quota(tmp_path, cgroup):
     """In a cgroup with a CPU quota (a container's --cpus), the cores are the quota's, not the machine's: half a core
-    runs 2 workers. A real cgroup (v1's cpu controller, as on this machine), made and removed by the test."""
-    base = Path("/sys/fs/cgroup/cpu")
-    if os.geteuid() != 0 or not (base / "cpu.cfs_quota_us").exists() or not os.access(base, os.W_OK):
-        pytest.skip("needs root and cgroup v1's cpu controller")
-    group = base / f"hpctrain-test-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_quota_us").write_text(str(int((group / "cpu.cfs_period_us").read_text()) // 2))
-        enter = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
-        assert _test_workers(tmp_path, *enter) == _default_workers(1) == "2"
-    finally:
-        group.rmdir()  # (empty again: its one process has exited)
+    runs 2 workers. A real cgroup (conftest's `cgroup`)."""
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+    inside = cgroup("cpu", **{"cpu.cfs_quota_us": str(period // 2)})
+    assert _test_workers(tmp_path, *inside) == _default_workers(1) == "2"
 
 
 @pytest.mark.parametrize("run_dir, path", [

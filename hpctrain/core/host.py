@@ -26,23 +26,24 @@ def memory_headroom() -> tuple[float, str] | None:
 
 
 def _cgroup_memory_left() -> float | None:
-    """Bytes left under this process's cgroup memory limit (v2 memory.max, v1 memory.limit_in_bytes), its
-    reclaimable page cache (inactive files) counted as left; None without a limit."""
+    """Bytes left under this process's cgroup memory limits (v2 memory.max, v1 memory.limit_in_bytes), its file
+    cache counted as left (the kernel reclaims it before it kills: active and inactive files, not tmpfs); None
+    without a limit."""
     lefts = []
     for version, path in _cgroups("memory"):
         try:
             if version == 2:
                 limit, usage, stat = (f"/sys/fs/cgroup{path}/memory.{n}" for n in ("max", "current", "stat"))
-                inactive = "inactive_file"
+                cached = ("active_file", "inactive_file")
             else:
                 limit, usage, stat = (f"/sys/fs/cgroup/memory{path}/memory.{n}"
                                       for n in ("limit_in_bytes", "usage_in_bytes", "stat"))
-                inactive = "total_inactive_file"
+                cached = ("total_active_file", "total_inactive_file")
             cap = _read(limit)
             if cap == "max" or int(cap) >= 1 << 60:  # (v1's "no limit" is a page-rounded 2^63)
                 continue
-            cache = next((int(line.split()[1]) for line in _read(stat).splitlines()
-                          if line.split()[0] == inactive), 0)
+            cache = sum(int(line.split()[1]) for line in _read(stat).splitlines() if line.split()[:1] in
+                        ([c] for c in cached))
             lefts.append(int(cap) - (int(_read(usage)) - cache))
         except (OSError, ValueError, IndexError):
             continue
@@ -59,6 +60,8 @@ def _cgroups(controller: str) -> list[tuple[int, str]]:
         return []
     out = []
     for line in lines:
+        if line.count(":") < 2:  # (not a cgroup line)
+            continue
         _, controllers, path = line.split(":", 2)
         version = 2 if controllers == "" else 1 if controller in controllers.split(",") else 0
         while version:

@@ -222,7 +222,7 @@ class PackedRuns:
         job = os.environ["SLURM_JOB_ID"]
         steps, started = [], time.time()
         for i, (run_dir, nodes, tasks) in enumerate(self.points):
-            env = dict(os.environ, MASTER_PORT=str(job_port(int(job), 32 + i % 32)))
+            env = dict(os.environ, MASTER_PORT=str(job_port(int(job), 1 + i % 63)))
             env.pop("MASTER_ADDR", None)
             cmd = ["srun", *SRUN_ARGS, "--exact", f"--nodes={nodes}", f"--ntasks={tasks}",
                    *([f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []),

@@ -82,12 +82,12 @@ def job_port(job: int, slot: int = 0) -> int:
     """The rendezvous port of a Slurm job's training (`slot`: a supervised job's step, a packed point): derived, so
     that every node agrees without talking, and below Linux's ephemeral range (32768-60999), where any process's
     outgoing connection may hold it (measured: a supervisor's restart found its port 36185 taken, EADDRINUSE).
-    A job's first step has 20000-27999: jobs sharing a node meet only 8000 ids apart (it was 375). Its later steps and
-    packed points (slots 1-63) have 28000-31999, never a first step's port; ×499 spreads jobs so that slots 1-8 of
-    two jobs meet only ~500 ids apart or more."""
+    A job's first step has 20000-27999: jobs sharing a node meet only 8000 ids apart (it was 375). Its later steps
+    and packed points (slots 1-63) have 28000-31999, never a first step's port: the same slot of two jobs meets 4000
+    ids apart, any two slots 63 or more (×63 spreads them; 127 or more for slots 1-8)."""
     if slot == 0:
         return 20000 + job % 8000
-    return 28000 + (job * 499 + slot - 1) % 4000
+    return 28000 + (job * 63 + slot - 1) % 4000
 
 
 def apply_env(settings: dict[str, str | None] | None) -> dict[str, str]:

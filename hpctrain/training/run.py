@@ -166,20 +166,22 @@ def _check_init_from(cfg, data_dir: str) -> None:
 
 def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float) -> None:
     """Refuse a micro-batch that cannot fit. A CPU-only torch trains on the host: against this machine's
-    available memory, for all its local ranks; a CUDA build trains on GPUs: against cluster.gpu_mem_gb when
-    given. No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's
-    estimate (`worst`: the most loaded device's bytes; `host`: a rank's host memory besides, which a CPU rank's
-    device is) is approximate, so only what exceeds the whole capacity is refused."""
+    available memory or the job's cgroup limit, whichever is less (core/host.memory_headroom), for all its local
+    ranks (under srun each rank for itself); a CUDA build trains on GPUs: against cluster.gpu_mem_gb when given.
+    No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's estimate
+    (`worst`: the most loaded device's bytes; `host`: a rank's host memory besides, which a CPU rank's device is) is
+    approximate, so only what exceeds the whole capacity is refused."""
     hint = ""
     if torch.backends.cuda.is_built():  # one rank per device
-        cap, where, ranks = (cfg.cluster.gpu_mem_gb or 0) * 2**30, f"cluster.gpu_mem_gb={cfg.cluster.gpu_mem_gb}", 1
+        gib = cfg.cluster.gpu_mem_gb
+        cap, where, ranks = gib * 2**30 if gib else None, f"cluster.gpu_mem_gb={gib}", 1
     else:  # every rank started here shares this machine
-        cap, where = memory_headroom() or (0, "")
+        cap, where = memory_headroom() or (None, "")
         ranks = shape.world if process_group.launched_world() is None else 1
         worst += host
         hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""
-    need = worst * ranks if cap else 0  # an unknown capacity refuses nothing
-    if need > cap:
+    need = worst * ranks
+    if cap is not None and need > cap:  # (an unknown capacity refuses nothing)
         from hpctrain.training.planner import largest_part
 
         what, size, fix = largest_part(cfg, shape, seq_len)
