@@ -164,3 +164,15 @@ def cgroup():
         except OSError as e:
             failed.append(f"{group}: {e}")
     assert not failed, failed
+
+
+@pytest.fixture
+def half_a_core(cgroup):
+    """The argv prefix of a cgroup with a CPU quota of half a core (a container's --cpus=0.5), on a machine with at
+    least 2 CPUs (so that the quota is what lowers the count)."""
+    from pathlib import Path
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    return cgroup("cpu", **{"cpu.cfs_quota_us": str(int(period.read_text()) // 2 if period.exists() else 50000)})

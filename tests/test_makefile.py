@@ -224,14 +224,10 @@ def test_make_test_runs_a_worker_per_core_and_one_more(tmp_path):
     assert _test_workers(tmp_path / "b", env=_env(TEST_WORKERS="5")) == "5"
 
 
-def test_make_test_counts_the_cores_of_a_cpu_quota(tmp_path, cgroup):
+def test_make_test_counts_the_cores_of_a_cpu_quota(tmp_path, half_a_core):
     """In a cgroup with a CPU quota (a container's --cpus), the cores are the quota's, not the machine's: half a core
-    runs 2 workers. A real cgroup (conftest's `cgroup`)."""
-    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 CPUs")
-    period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
-    inside = cgroup("cpu", **{"cpu.cfs_quota_us": str(period // 2)})
-    assert _test_workers(tmp_path, *inside) == _default_workers(1) == "2"
+    runs 2 workers. A real cgroup (conftest's `half_a_core`)."""
+    assert _test_workers(tmp_path, *half_a_core) == _default_workers(1) == "2"
 
 
 @pytest.mark.parametrize("run_dir, path", [

@@ -396,7 +396,7 @@ class ClusterConfig:
     tasks_per_node: int = 1  # ranks per node without GPUs (with GPUs: one rank per GPU)
     nodes: int | None = None  # None: dp·tp·pp / ranks per node; required with parallel.dp=auto
     cpus_per_task: int | None = None
-    num_threads: int | None = None  # torch intra-op threads per rank; None: torch's default (local ranks: usable CPUs/N)
+    num_threads: int | None = None  # torch intra-op threads per rank; None: torch's (local ranks: usable CPUs/N)
     pg_timeout_s: float = 600.0  # every process group, sub-groups included: a dead or stalled rank fails the rest
     mem_gb: int | None = None
     time_min: int = 60

@@ -42,8 +42,8 @@ def _cgroup_memory_left() -> float | None:
             cap = _read(limit)
             if cap == "max" or int(cap) >= 1 << 60:  # (v1's "no limit" is a page-rounded 2^63)
                 continue
-            cache = sum(int(line.split()[1]) for line in _read(stat).splitlines() if line.split()[:1] in
-                        ([c] for c in cached))
+            fields = dict(line.split()[:2] for line in _read(stat).splitlines())
+            cache = sum(int(fields.get(name, 0)) for name in cached)
             lefts.append(int(cap) - (int(_read(usage)) - cache))
         except (OSError, ValueError, IndexError):
             continue

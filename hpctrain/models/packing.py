@@ -84,10 +84,9 @@ def packed_masks(document_mask: bool, cp: int) -> bool:
     return document_mask or cp > 1
 
 
-def window_masks(args, seq_len: int) -> bool:
+def window_masks(window: int | None, seq_len: int) -> bool:
     """Whether a sliding window is shorter than the sequence: without packed masks, attention builds the window's
-    [T, T] mask itself (`sliding_window_mask`)."""
-    window = getattr(args, "sliding_window", None)
+    [T, T] mask itself (llama.model.Sdpa); within the window, causal attention is the same thing."""
     return bool(window and window < seq_len)
 
 

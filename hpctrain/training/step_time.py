@@ -12,8 +12,8 @@ busiest pipeline stage (one GPU of it):
                 the mask spans, at MASKED_ATTN_FRAC of that rate; a materialized score matrix (no fused kernel)
                 costs its reads and writes at `hbm_gbps` instead
   elementwise   norms, residual adds, RoPE, the SwiGLU product: ~20·dim values read or written per token, layer
-                and forward pass fused (parallel.compile), 133 eager (measured), at `hbm_gbps` (sharded by tp where sequence
-                parallelism shards them)
+                and forward pass fused (parallel.compile), 133 eager (measured), at `hbm_gbps` (sharded by tp where
+                sequence parallelism shards them)
   tp            per layer and pass two all-reduces (or all-gather + reduce-scatter) of the micro-batch's activations
   cp, ep        the K/V all-gathers (parallel/context.gathered_bytes), the experts' all-to-alls
                 (parallel/experts.all_to_all_bytes)
@@ -86,9 +86,9 @@ class Hardware:
 # on A100, SDPA's kernels on H100). These two were fitted once per GPU type, the same for every row of the validation
 # table (docs/choosing-a-layout.md); ELEMENTWISE_EAGER and MASKED_ATTN_FRAC were fitted later, to hpctrain's own rows.
 # Attention under an explicit mask (document masking, a window shorter than the sequence, hpctrain's context-parallel
-# chunks) cannot use the causal kernels: every score the mask spans is
-# computed, at this share of the causal kernel's rate (the mask's reads folded in). Measured on one H200 (docs/benchmarks.md): llama_1b, bf16,
-# compiled, micro-batch 16 × 4, 59,143 tokens/s with the mask against the 67,553 the model gives without it.
+# chunks) cannot use the causal kernels: every score the mask spans is computed, at this share of the causal kernel's
+# rate (the mask's reads folded in). Measured on one H200 (docs/benchmarks.md): llama_1b, bf16, compiled, micro-batch
+# 16 × 4, 59,143 tokens/s with the mask against the 67,553 the model gives without it.
 MASKED_ATTN_FRAC = 0.68
 HARDWARE = {
     "A100": Hardware("A100", 312.0, 228.0, 0.75, 2039.0, 230.0, 23.0),
@@ -282,7 +282,8 @@ def _compute(x: StepInputs, w: _Work, hw: Hardware, sw: Software) -> dict[str, f
     head = 2.0 * w.tokens * w.head_params / tp * 3.0  # on the last stage (not recomputed)
     attn_fwd = 4.0 * w.tokens * x.seq_len * w.attn_width / tp * w.layers  # this rank's queries against every key
     # (Llama 3's published context parallelism keeps the causal kernel: no prefix masks)
-    masked = packed_masks(x.document_mask, cp if sw.cp_prefix_mask else 1) or window_masks(a, x.seq_len)
+    masked = (packed_masks(x.document_mask, cp if sw.cp_prefix_mask else 1)
+              or window_masks(getattr(a, "sliding_window", None), x.seq_len))
     if sw.flash_attention and masked:
         # every score the mask spans: all of them in one process; under cp a rank's two chunks (i and 2cp−1−i of
         # c = seq/2cp tokens) see their prefixes, c²·(2cp+1) of its 4cp·c² pairs

@@ -21,7 +21,7 @@ from torch import nn
 from hpctrain.core.config import ConfigError, MoEDims, RopeScaling, RopeType, TransformerDims
 from hpctrain.models.cross_entropy import linear_cross_entropy
 from hpctrain.models.moe import MoE, SwiGLU, expert_hidden, is_sparse
-from hpctrain.models.packing import Packing, attention_mask
+from hpctrain.models.packing import Packing, attention_mask, window_masks
 
 
 @dataclass
@@ -125,7 +125,7 @@ class Sdpa(nn.Module):
         T = q.shape[2]
         if packed is not None and packed.mask is not None:  # the documents' mask (the window folded in)
             mask = packed.mask
-        elif self.window and self.window < T:
+        elif window_masks(self.window, T):
             mask = sliding_window_mask(T, self.window, q.device)
         else:  # within the window, causal attention is the same thing: no mask (and its slower kernel)
             mask = None

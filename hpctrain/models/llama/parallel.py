@@ -110,7 +110,7 @@ def block_activations(args, tokens: int, kind: str, tp: int, sp: int, seq_len: i
                  + 8 + 4 * args.n_heads / tp  # RMSNorm statistics, attention log-sum-exp
                  + (QK_NORM_BYTES[kind] * args.head_dim + 4) * heads / tp)  # q/k norms: input, output, statistics
     saved = tokens * per_token
-    if window_masks(args, seq_len) and not packed:
+    if window_masks(args.sliding_window, seq_len) and not packed:
         # The window's [T, T] mask: SDPA keeps it as an additive mask of the compute dtype, one per micro-batch.
         saved += seq_len * seq_len * (4 if kind == "fp32" else 2)
     return saved, tokens * (2 if kind == "lowp" else 4) * args.dim / sp
