@@ -12,11 +12,9 @@ PYTEST_ARGS ?=
 # tests run first, one at a time): on 2 cores three took 661 s against 760 s with two, both cores ~99 % busy. Cores:
 # the ones this process may use (core/host.usable_cpus, plain Python: its affinity, fewer under a cgroup CPU quota
 # such as a container's --cpus, where nproc would count the host's). At most 9 (each holds torch and forks ranks);
-# 0: no workers (pdb, -s).
-ifeq ($(origin TEST_WORKERS),undefined)
-TEST_WORKERS := $(shell $(PYTHON) -c 'from hpctrain.core.host import usable_cpus; print(min(usable_cpus() + 1, 9))' \
+# 0: no workers (pdb, -s). Counted only when `make test` runs (a recursive variable), not at every make.
+DEFAULT_WORKERS = $(shell $(PYTHON) -c 'from hpctrain.core.host import usable_cpus; print(min(usable_cpus() + 1, 9))' \
   2>/dev/null || echo 3)
-endif
 
 # --- shell quoting ------------------------------------------------------------------------------------------
 # Every user-supplied variable reaches the shell only through $(call arg,VAR) / $(call args,VAR): its text
@@ -65,7 +63,8 @@ demo: install
 # PYTEST_ARGS reaches pytest whole, in PYTEST_ADDOPTS: pytest splits it like a shell (PYTEST_ARGS='-m "not slurm"'
 # is two words) but never evaluates it.
 test: install
-	PYTEST_ADDOPTS=$(call arg,PYTEST_ARGS) $(PY) -m pytest -q -n $(call arg,TEST_WORKERS) --dist loadgroup
+	PYTEST_ADDOPTS=$(call arg,PYTEST_ARGS) $(PY) -m pytest -q -n $(if $(filter undefined,$(origin TEST_WORKERS)),$(DEFAULT_WORKERS),$(call arg,TEST_WORKERS)) \
+		--dist loadgroup
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.pipelining  # noqa: F401  (imported once here: each forked pipeline rank took ~0.5 core-s)
 
 from hpctrain.runs.compose import register
 

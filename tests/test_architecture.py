@@ -189,6 +189,15 @@ def test_the_command_s_front_does_not_load_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_supervisor_does_not_load_torch():
+    """The in-allocation supervisor (cluster.spare_nodes) is no rank: it starts and watches srun steps, and loading
+    torch cost each job 1.7 core-s and 210 MB of memory on its batch node."""
+    code = ("import sys, hpctrain.launch.supervise; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
 def test_families_come_from_the_registry():
     from hpctrain.models import get_spec
     from hpctrain.models.llama.model import Llama

@@ -197,7 +197,7 @@ def test_only_the_main_rank_reports_a_deliberate_stop_in_its_exit_code():
 def test_job_ports_stay_below_the_ephemeral_range_and_differ_per_step():
     """A supervised restart's rendezvous port was once taken by some process's outgoing connection (EADDRINUSE):
     derived ports stay below Linux's ephemeral range; each step of a job, and each packed point, gets its own."""
-    from hpctrain.parallel.process_group import job_port
+    from hpctrain.core.slurm import job_port
 
     lo, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     ports = [job_port(job, slot) for job in (1, 2023, 999_999) for slot in range(64)]
@@ -225,7 +225,7 @@ def test_a_local_worlds_port_is_below_the_ephemeral_range_apart_from_job_ports_a
     import random
     import socket
 
-    from hpctrain.parallel.process_group import job_port
+    from hpctrain.core.slurm import job_port
     from hpctrain.runtime.spawn import LOCAL_PORTS, free_port
 
     lo, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
@@ -281,7 +281,8 @@ def test_srun_task_environment_becomes_torch_rank(monkeypatch):
     the job id (the same on every node, different per job)."""
     import shutil
 
-    from hpctrain.parallel.process_group import _slurm_env, job_port, launched_world
+    from hpctrain.core.slurm import job_port
+    from hpctrain.parallel.process_group import _slurm_env, launched_world
 
     monkeypatch.setattr(os, "environ", {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
                                         "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-10]"})

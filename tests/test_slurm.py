@@ -35,7 +35,7 @@ from helpers import (
 )
 
 from hpctrain import cli
-from hpctrain.parallel.process_group import hostnames
+from hpctrain.core.slurm import hostnames
 from hpctrain.runtime import bad_nodes
 from hpctrain.runtime.task_exits import exit_trap
 

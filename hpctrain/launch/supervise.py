@@ -25,9 +25,8 @@ import threading
 import time
 
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
-from hpctrain.parallel.process_group import hostnames, job_port
-from hpctrain.runtime.job import EXIT_PREEMPTED, requeue_job
-from hpctrain.runtime.task_exits import MAX_EXITS, SRUN_ARGS, annotate, parse, said_by_srun
+from hpctrain.core.slurm import hostnames, job_port, requeue_job
+from hpctrain.runtime.task_exits import EXIT_PREEMPTED, MAX_EXITS, SRUN_ARGS, annotate, parse, said_by_srun
 
 log = logging.getLogger("hpctrain")
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from hpctrain.core.slurm import hostnames, job_port
 
 
 @dataclass(frozen=True)
@@ -70,24 +71,6 @@ def _slurm_env() -> None:
             host = (hostnames(nodes) or [host])[0]
         e["MASTER_ADDR"] = host
     e.setdefault("MASTER_PORT", str(job_port(int(e.get("SLURM_JOB_ID", "0")))))
-
-
-def hostnames(nodelist: str) -> list[str]:
-    """Slurm's node list (`n[1-3]`) as names."""
-    return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                          timeout=60).stdout.split()
-
-
-def job_port(job: int, slot: int = 0) -> int:
-    """The rendezvous port of a Slurm job's training (`slot`: a supervised job's step, a packed point): derived, so
-    that every node agrees without talking, and below Linux's ephemeral range (32768-60999), where any process's
-    outgoing connection may hold it (measured: a supervisor's restart found its port 36185 taken, EADDRINUSE).
-    A job's first step has 20000-27999: jobs sharing a node meet only 8000 ids apart (it was 375). Its later steps
-    and packed points (slots 1-63) have 28000-31999, never a first step's port: the same slot of two jobs meets 4000
-    ids apart, any two slots 63 or more (×63 spreads them; 127 or more for slots 1-8)."""
-    if slot == 0:
-        return 20000 + job % 8000
-    return 28000 + (job * 63 + slot - 1) % 4000
 
 
 def apply_env(settings: dict[str, str | None] | None) -> dict[str, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from enum import Enum, IntEnum
@@ -20,7 +19,7 @@ import torch.distributed as dist
 
 from hpctrain.core.config import signal_number
 from hpctrain.core.files import RESULT_FILE, read_json, read_object, write_json
-from hpctrain.parallel.process_group import hostnames
+from hpctrain.core.slurm import exclude_nodes, outlive_the_requeue, requeue_job
 from hpctrain.parallel.vote import OverlappedVote
 from hpctrain.runtime.task_exits import EXIT_PREEMPTED, EXIT_TERMINATED
 
@@ -155,44 +154,6 @@ class StopSignals:
         self._vote.drop(drain)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
-
-
-def outlive_the_requeue() -> None:
-    """Requeueing cancels the job's steps, this one included: Slurm's SIGTERM can arrive before scontrol returns and
-    would cut off the line saying what happened, or kill the scontrol that sets ExcNodeList after the requeue
-    (measured: killed, empty stderr). The caller is stopping anyway (it exits right after, well within KillWait), so
-    the signal is ignored from here on, by it and by the scontrol processes it starts (an ignored signal stays
-    ignored across exec; a Python handler, submitit's, does not)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def requeue_job(job: str, exclude: list[str] = ()) -> bool:
-    """`scontrol requeue`, then `exclude` added to the job's ExcNodeList (Slurm takes it only from a pending job).
-    The calling process ignores SIGTERM from here on (`outlive_the_requeue`)."""
-    outlive_the_requeue()
-    p = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    if p.returncode != 0:
-        log.error("could not requeue Slurm job %s (%s): resubmit it to resume", job, p.stderr.strip())
-        return False
-    log.info("requeued Slurm job %s", job)
-    if exclude:
-        exclude_nodes(job, exclude)
-    return True
-
-
-def exclude_nodes(job: str, nodes: list[str]) -> None:
-    """Add `nodes` to the job's ExcNodeList (kept by a requeue), beside what it already leaves out."""
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60).stdout
-    current = next((w.split("=", 1)[1] for w in shown.split() if w.startswith("ExcNodeList=")), "(null)")
-    have = set() if current == "(null)" else set(hostnames(current))
-    if set(nodes) <= have:
-        return
-    p = subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(have | set(nodes)))}"],
-                       capture_output=True, text=True, timeout=60)
-    if p.returncode == 0:
-        log.info("job %s leaves out %s when it runs again (bad-node list)", job, ",".join(sorted(nodes)))
-    else:
-        log.error("could not leave out %s in job %s (%s)", ",".join(sorted(nodes)), job, p.stderr.strip())
 
 
 def quiet_other_ranks() -> None:
