@@ -137,77 +137,120 @@ class Ran:
         return [line for line in self.err.splitlines() if line.strip()]
 
 
-def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = None, timeout: float = 120,
-               interrupt_when=None) -> Ran:
-    """A command's `main(argv)` in a forked child of this process (torch already imported: milliseconds instead
-    of a new interpreter's seconds), with its own stdout/stderr files, cwd and environment. The exit code is
-    main's return value, a SystemExit's code, or 1 with the traceback on stderr, as `python -m` would give.
-    `interrupt_when()`: polled while the child runs; once true, the child gets SIGINT (a Ctrl-C)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+class Forked:
+    """A command's `main(argv)` running in a forked child of this process (torch already imported: milliseconds
+    instead of a new interpreter's seconds), with its own stdout/stderr files, cwd and environment; what a test
+    needs of a Popen: `pid`, `poll`, `wait`, `communicate`, `send_signal`. The exit code is main's return value, a
+    SystemExit's code, or 1 with the traceback on stderr, as `python -m` would give."""
+
+    def __init__(self, main, argv: list[str], cwd, env: dict[str, str | None] | None = None):
+        self.argv, self.returncode = argv, None
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 - closed with this object
         gc.collect()  # as hpctrain.runtime.spawn does: garbage process groups destroyed here, never in the child
         gc.freeze()  # and what lives on is not walked again by the next collect (~0.25 s each in this process)
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            gc.freeze()
-            code = 1
-            try:
-                # One thread: this process's OpenMP pool (torch ran here, 2 threads) does not survive fork, and a
-                # child asking it for 2 threads waits forever in libgomp (hpctrain's launcher forks with
-                # cpus // world threads from a parent that computes nothing; runtime/spawn.py).
-                torch.set_num_threads(1)
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                # pytest's capture replaced sys.stdout/err with its own files: write to the fds instead.
-                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-                faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True)  # a hang explains itself
-                # Ctrl-C as in a new interpreter, whatever an earlier test left in this process (a handler, a
-                # blocked mask, an event loop's wakeup fd).
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                signal.pthread_sigmask(signal.SIG_SETMASK, set())
-                signal.set_wakeup_fd(-1)
-                os.chdir(cwd)
-                for key, value in (env or {}).items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
-                sys.argv = ["python", *argv]
-                code = main(argv) or 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-            except BaseException:  # noqa: BLE001 - reported like the interpreter would
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        deadline, hung = time.time() + timeout, None
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into pytest
+            self._child(main, argv, cwd, env)
+
+    def _child(self, main, argv, cwd, env) -> None:
+        gc.freeze()
+        code = 1
         try:
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if interrupt_when is not None and interrupt_when():
-                    os.kill(pid, signal.SIGINT)
-                    interrupt_when = None
-                if time.time() > deadline:
-                    hung = _hung(pid, argv, timeout, err)  # (it kills and reaps the child)
-                    break
-                time.sleep(0.02)
-        except BaseException:  # interrupt_when raised (or this test was interrupted): the child must not outlive it
-            with contextlib.suppress(ProcessLookupError, ChildProcessError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            raise
-        if hung:
-            raise AssertionError(hung)
-        out.seek(0)
-        err.seek(0)
-        return Ran(os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"),
-                   err.read().decode(errors="replace"))
+            # One thread: this process's OpenMP pool (torch ran here, 2 threads) does not survive fork, and a
+            # child asking it for 2 threads waits forever in libgomp (hpctrain's launcher forks with
+            # cpus // world threads from a parent that computes nothing; runtime/spawn.py).
+            torch.set_num_threads(1)
+            os.dup2(self._out.fileno(), 1)
+            os.dup2(self._err.fileno(), 2)
+            # pytest's capture replaced sys.stdout/err with its own files: write to the fds instead.
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True)  # a hang explains itself
+            # Ctrl-C as in a new interpreter, whatever an earlier test left in this process (a handler, a
+            # blocked mask, an event loop's wakeup fd).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            signal.set_wakeup_fd(-1)
+            os.chdir(cwd)
+            for key, value in (env or {}).items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            sys.argv = ["python", *argv]
+            code = main(argv) or 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - reported like the interpreter would
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(self.argv, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) once the child has ended."""
+        self.wait(timeout)
+        return self.out, self.err
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL and reap it (a test that fails must not leave it running)."""
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(self.pid, signal.SIGKILL)
+            self.wait()
+
+    @property
+    def out(self) -> str:
+        self._out.seek(0)
+        return self._out.read().decode(errors="replace")
+
+    @property
+    def err(self) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")
+
+
+def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = None, timeout: float = 120,
+               interrupt_when=None) -> Ran:
+    """A command's `main(argv)` in a forked child (`Forked`), to its end. `interrupt_when()`: polled while the
+    child runs; once true, the child gets SIGINT (a Ctrl-C)."""
+    child, deadline, hung = Forked(main, argv, cwd, env), time.time() + timeout, None
+    try:
+        while child.poll() is None:
+            if interrupt_when is not None and interrupt_when():
+                child.send_signal(signal.SIGINT)
+                interrupt_when = None
+            if time.time() > deadline:
+                hung = _hung(child.pid, argv, timeout, child._err)  # (it kills and reaps the child)
+                break
+            time.sleep(0.02)
+    except BaseException:  # interrupt_when raised (or this test was interrupted): the child must not outlive it
+        child.kill()
+        raise
+    if hung:
+        raise AssertionError(hung)
+    return Ran(child.returncode, child.out, child.err)
 
 
 def _hung(pid: int, argv: list[str], timeout: float, err) -> str:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import last_step, losses, run_forked, run_layout
-from test_train import _args, _cli, read_json, read_text
+from helpers import Forked, last_step, losses, run_forked, run_layout, until
+from test_train import _args, read_json, read_text
 
 from hpctrain import cli
 from hpctrain.core.errors import TrainingError
@@ -109,19 +107,20 @@ def test_a_failed_final_write_fails_the_run(make_cfg, tmp_path, monkeypatch):
 
 
 # Runs hpctrain with checkpoint 4's write held for a minute once it has started (a slow filesystem).
-_SLOW_WRITE = """
-import sys, time
-from torch.distributed.checkpoint import FileSystemWriter
-real = FileSystemWriter.write_data
-def write_data(self, plan, planner):
-    if str(self.path).endswith("step-0000004"):
-        print("writing step 4", flush=True)
-        time.sleep(60)
-    return real(self, plan, planner)
-FileSystemWriter.write_data = write_data
-from hpctrain.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+def _slow_write_main(argv: list[str]) -> int:
+    """The CLI with checkpoint 4's write held back a minute (in the forked run only)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if str(self.path).endswith("step-0000004"):
+            print("writing step 4", flush=True)
+            time.sleep(60)
+        return real(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+    return cli.main(argv)
 
 
 @pytest.mark.slow
@@ -131,13 +130,10 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
     steps = ("train.max_steps=10", ASYNC)
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert run_forked(cli.main, _args(ref, demo_data, *steps), cwd=tmp_path, timeout=300).code == 0
-    err = tmp_path / "stderr"  # a file: nothing reads the pipe while the run goes on
-    with open(err, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, *_cli(run, demo_data, *steps)[3:]],
-                                stdout=subprocess.PIPE, stderr=f, text=True)
+    proc = Forked(_slow_write_main, _args(run, demo_data, *steps), tmp_path)
     try:
-        assert any(line.strip() == "writing step 4" for line in proc.stdout), \
-            f"checkpoint 4 was never written (exit {proc.wait()}): {err.read_text()[-3000:]}"
+        until("checkpoint 4's write", lambda: "writing step 4" in proc.out or proc.poll() is not None, 240)
+        assert "writing step 4" in proc.out, f"checkpoint 4 was never written (exit {proc.wait()}): {proc.err[-3000:]}"
         deadline = time.time() + 60
         while last_step(run) < 6 and time.time() < deadline:
             time.sleep(0.05)

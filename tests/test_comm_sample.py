@@ -8,14 +8,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from helpers import cli_args, last_step, ranks_of, records, until, written
+from helpers import Forked, cli_args, last_step, ranks_of, records, until, written
 
+from hpctrain import cli
 from hpctrain.launch.sweep import format_table, report
 from hpctrain.monitoring.comm_sample import comm_seconds
 from hpctrain.parallel.process_group import node_name
@@ -53,18 +52,16 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
     run = tmp_path / "sweep" / "0"
     # Measured on 2 cores (ddp, dp=2): synchronization_time ~0.0001-0.002 s, 0.007-0.012 s with rank 1's core
     # shared; communication_overhead (the least of the ranks) anywhere in 3-39 %, sample to sample.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpctrain", *cli_args(
-            run, demo_data, "parallel=ddp", "parallel.dp=2", "train.max_steps=1000000", "train.ckpt_every=0",
-            "train.micro_batch=4", "monitor.sample_every=5", "train.log_every=5", "monitor.straggler_frac=0.3",
-            "monitor.rules.synchronization_time.threshold=0.005", "monitor.rules.synchronization_time.for_s=0",
-            "monitor.rules.communication_overhead.threshold=15", "monitor.rules.communication_overhead.for_s=0")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = Forked(cli.main, cli_args(
+        run, demo_data, "parallel=ddp", "parallel.dp=2", "train.max_steps=1000000", "train.ckpt_every=0",
+        "train.micro_batch=4", "monitor.sample_every=5", "train.log_every=5", "monitor.straggler_frac=0.3",
+        "monitor.rules.synchronization_time.threshold=0.005", "monitor.rules.synchronization_time.for_s=0",
+        "monitor.rules.communication_overhead.threshold=15", "monitor.rules.communication_overhead.for_s=0"), tmp_path)
     named, done, throttle = f"rank 1 ({node_name()})", threading.Event(), None
     try:
         until("the first sampled step", lambda: any("stragglers" in r for r in written(run / "metrics.jsonl"))
-              if (run / "metrics.jsonl").exists() else proc.poll() is not None, 240, every=0.2)  # (a fresh start)
-        assert proc.poll() is None, proc.stderr.read()
+              if (run / "metrics.jsonl").exists() else proc.poll() is not None, 240, every=0.2)
+        assert proc.poll() is None, proc.err[-3000:]
         rank1 = ranks_of(proc.pid)[1]
         # Only what follows the throttle counts: on a loaded machine (another test worker) rank 0 may straggle
         # before, and rank 1 may already have been named (an alert names a change only: the records are read).

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import last_step, losses, run_forked, until
+from helpers import Forked, last_step, losses, run_forked, until
 
 from hpctrain import cli
 from hpctrain.core.config import ConfigError
@@ -141,12 +139,11 @@ def test_local_launcher_runs_a_sweep(demo_data, tmp_path):
     from hpctrain.launch.sweep import report
 
     sweep = tmp_path / "s"
-    p = subprocess.run([sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "hydra/launcher=local",
-                        f"hydra.sweep.dir={sweep}", f"data.path={demo_data}", "data.prepare_demo=false",
-                        *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=4",
-                        "train.eval_every=0", "cluster.num_threads=1", "cluster.wait=true"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_forked(cli.main, ["-m", "optim.lr=1e-2,3e-3", "hydra/launcher=local", f"hydra.sweep.dir={sweep}",
+                              f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL, "train.global_batch=8",
+                              "train.micro_batch=4", "train.max_steps=4", "train.eval_every=0", "cluster.num_threads=1",
+                              "cluster.wait=true"], ROOT, timeout=200)
+    assert p.code == 0, p.out + p.err
     rows = report(str(sweep))
     assert [r["status"] for r in rows] == ["completed", "completed"], rows
     assert rows[0]["final_loss"] != rows[1]["final_loss"]
@@ -165,18 +162,17 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
               "train.ckpt_every=0", "train.eval_every=0", "train.log_every=1"]
     train(make_cfg(*common), str(tmp_path / "ref"))
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hpctrain", f"run_dir={run}", f"data.path={demo_data}", "data.prepare_demo=false",
-           *SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "optim.lr=1e-2", "optim.warmup_steps=2",
-           *common]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    until("step 5 of the run", lambda: last_step(run) >= 5, 240, every=0.2)  # (a fresh interpreter on a busy machine)
+    args = [f"run_dir={run}", f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL,
+            "train.global_batch=8", "train.micro_batch=4", "optim.lr=1e-2", "optim.warmup_steps=2", *common]
+    proc = Forked(cli.main, args, ROOT)  # the command, forked from this process
+    until("step 5 of the run", lambda: last_step(run) >= 5, 240, every=0.2)  # (on a busy machine)
     proc.send_signal(signal.SIGUSR2)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "preempted" and 5 <= result["steps"] < steps, (result, err)
     assert "stopped by SIGUSR2" in err and "checkpoint written" in err
-    p = run_forked(cli.main, cmd[3:], cwd=ROOT, timeout=200)  # the same command, forked from this process
+    p = run_forked(cli.main, args, cwd=ROOT, timeout=200)  # the same command again
     assert p.code == 0, p.err
     got, ref = losses(run), losses(tmp_path / "ref")
     assert sorted(got) == sorted(ref)

@@ -13,6 +13,7 @@ import time
 import pytest
 from helpers import (
     LAYOUT_RUN,
+    Forked,
     cli_args,
     deltas,
     fork_order,
@@ -26,6 +27,7 @@ from helpers import (
     step_metrics,
 )
 
+from hpctrain import cli
 from hpctrain.core.config import ConfigError
 from hpctrain.runs.resolve import resolve
 from hpctrain.training.run import TrainingError, train
@@ -197,15 +199,14 @@ def test_ranks_are_told_apart_by_fork_order_across_the_pid_wrap():
     assert fork_order([], 32768) == []
 
 
-def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, "-m", "hpctrain", *cli_args(run_dir, demo_data, *extra)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[Forked, list[int]]:
+    proc = Forked(cli.main, cli_args(run_dir, demo_data, *extra), run_dir.parent)
     # A logged step: every rank has joined its collectives, so every rank's hang watchdog is running.
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240  # (a fresh interpreter on a busy machine)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240  # (on a busy machine)
     while proc.poll() is None and time.time() < deadline and not (
             metrics.exists() and '"step"' in metrics.read_text()):
         time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read()
+    assert proc.poll() is None, proc.err[-3000:]
     assert metrics.exists() and '"step"' in metrics.read_text(), "no step logged in 240 s"
     return proc, ranks_of(proc.pid)
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
-from helpers import cli_args, deltas, run_layout, step_metrics
+from helpers import cli_args, deltas, run_forked, run_layout, step_metrics
 
+from hpctrain import cli
 from hpctrain.core.config import ConfigError
 from hpctrain.runs.resolve import resolve
 
@@ -85,10 +84,9 @@ def test_eval_through_the_schedule(make_cfg, tmp_path):
 def test_dp2_tp2_pp2_through_the_cli(make_cfg, demo_data, tmp_path):
     """8 forked ranks via the public CLI: ZeRO-3 × tensor+sequence parallel × 1F1B pipeline, with accumulation."""
     run_dir = tmp_path / "3d"
-    p = subprocess.run([sys.executable, "-m", "hpctrain", "parallel=dp2_tp2_pp2",
-                        *cli_args(run_dir, demo_data, *PP_MODEL, "train.max_steps=3", "train.ckpt_every=0")],
-                       capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_forked(cli.main, ["parallel=dp2_tp2_pp2", *cli_args(run_dir, demo_data, *PP_MODEL, "train.max_steps=3",
+                                                                "train.ckpt_every=0")], tmp_path, timeout=240)
+    assert p.code == 0, p.err[-3000:]
     with open(run_dir / "result.json") as f:
         assert json.load(f)["world"] == 8
     ref = run_layout(make_cfg, tmp_path / "single", *PP_MODEL)

@@ -11,7 +11,9 @@ import sys
 
 import pytest
 from conftest import SMALL_MODEL
+from helpers import run_forked
 
+from hpctrain import cli
 from hpctrain.launch.sweep import main, report
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
@@ -26,13 +28,13 @@ def sweep(demo_data, tmp_path_factory) -> str:
     """One real multirun, shared: tests that change it work on a copy."""
     out = str(tmp_path_factory.mktemp("sweep") / "multirun")
     # Outside Slurm on purpose: a SLURM_JOB_ID inherited from a batch job would make runs look like Slurm jobs.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    cmd = [sys.executable, "-m", "hpctrain", "-m", "optim.lr=1e-2,3e-3", "train.global_batch=8,16",
-           f"hydra.sweep.dir={out}", f"data.path={demo_data}", "data.prepare_demo=false", "train.micro_batch=4",
-           "train.max_steps=4", "train.log_every=1", "train.eval_every=4", "train.eval_batches=2",
-           "train.ckpt_every=0", "optim.warmup_steps=2", "cluster.num_threads=1", *SMALL_MODEL]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {k: None for k in os.environ if k.startswith("SLURM_")}
+    argv = ["-m", "optim.lr=1e-2,3e-3", "train.global_batch=8,16", f"hydra.sweep.dir={out}", f"data.path={demo_data}",
+            "data.prepare_demo=false", "train.micro_batch=4", "train.max_steps=4", "train.log_every=1",
+            "train.eval_every=4", "train.eval_batches=2", "train.ckpt_every=0", "optim.warmup_steps=2",
+            "cluster.num_threads=1", *SMALL_MODEL]
+    ran = run_forked(cli.main, argv, ROOT, env=env, timeout=240)
+    assert ran.code == 0, ran.err[-3000:]
     return out
 
 

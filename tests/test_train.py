@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from helpers import run_forked
+from helpers import Forked, run_forked
 
 from hpctrain import cli
 from hpctrain.training.run import TrainingError, train
@@ -223,10 +221,6 @@ def test_nonfinite_step_does_not_touch_weights(make_cfg):
     assert not opt.state
 
 
-def _cli(run_dir, demo_data, *extra):
-    return [sys.executable, "-m", "hpctrain", *_args(run_dir, demo_data, *extra)]
-
-
 def _args(run_dir, demo_data, *extra) -> list[str]:
     """`python -m hpctrain`'s arguments of a small run (for `cli.main` in a forked child: `run_forked`)."""
     from conftest import SMALL_MODEL
@@ -242,9 +236,9 @@ def test_resume_after_kill_equals_uninterrupted(demo_data, tmp_path):
     """SIGKILL a run right after a checkpoint; rerunning in the same directory continues exactly."""
     steps = "train.max_steps=40"
     ref, run = tmp_path / "ref", tmp_path / "run"
-    # (The run that is killed is a process of its own; the others fork this one: the same CLI, torch imported.)
+    # (Each run is the CLI in a forked child of this process: torch imported, and the killed one a process apart.)
     assert run_forked(cli.main, _args(ref, demo_data, steps), cwd=tmp_path, timeout=300).code == 0
-    proc = subprocess.Popen(_cli(run, demo_data, steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = Forked(cli.main, _args(run, demo_data, steps), tmp_path)
     latest = run / "checkpoints" / "latest"
     deadline = time.time() + 240
     while not latest.exists() and proc.poll() is None and time.time() < deadline:
