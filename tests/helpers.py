@@ -145,7 +145,7 @@ class Forked:
 
     def __init__(self, main, argv: list[str], cwd, env: dict[str, str | None] | None = None):
         self.argv, self.returncode = argv, None
-        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 - closed with this object
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 - close()
         gc.collect()  # as hpctrain.runtime.spawn does: garbage process groups destroyed here, never in the child
         gc.freeze()  # and what lives on is not walked again by the next collect (~0.25 s each in this process)
         self.pid = os.fork()
@@ -192,9 +192,12 @@ class Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (`_hung`): it was killed
+                done, status = self.pid, -signal.SIGKILL
             if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
+                self.returncode = os.waitstatus_to_exitcode(status) if status >= 0 else status
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -215,10 +218,23 @@ class Forked:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        """SIGKILL and reap it (a test that fails must not leave it running)."""
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(self.pid, signal.SIGKILL)
+        """SIGKILL and reap it, if it still runs (never a reaped PID: it may be another process's by now)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
             self.wait()
+
+    def close(self) -> None:
+        """Kill it if it still runs, and close its output files."""
+        self.kill()
+        self._out.close()
+        self._err.close()
+
+    def __enter__(self) -> Forked:
+        return self
+
+    def __exit__(self, *exc) -> None:  # a test that fails leaves no run behind (nor a zombie)
+        self.close()
 
     @property
     def out(self) -> str:
@@ -235,22 +251,16 @@ def run_forked(main, argv: list[str], cwd, env: dict[str, str | None] | None = N
                interrupt_when=None) -> Ran:
     """A command's `main(argv)` in a forked child (`Forked`), to its end. `interrupt_when()`: polled while the
     child runs; once true, the child gets SIGINT (a Ctrl-C)."""
-    child, deadline, hung = Forked(main, argv, cwd, env), time.time() + timeout, None
-    try:
+    with Forked(main, argv, cwd, env) as child:  # (interrupt_when raising, or the test interrupted: killed)
+        deadline = time.time() + timeout
         while child.poll() is None:
             if interrupt_when is not None and interrupt_when():
                 child.send_signal(signal.SIGINT)
                 interrupt_when = None
             if time.time() > deadline:
-                hung = _hung(child.pid, argv, timeout, child._err)  # (it kills and reaps the child)
-                break
+                raise AssertionError(_hung(child.pid, argv, timeout, child._err))  # (it kills and reaps the child)
             time.sleep(0.02)
-    except BaseException:  # interrupt_when raised (or this test was interrupted): the child must not outlive it
-        child.kill()
-        raise
-    if hung:
-        raise AssertionError(hung)
-    return Ran(child.returncode, child.out, child.err)
+        return Ran(child.returncode, child.out, child.err)
 
 
 def _hung(pid: int, argv: list[str], timeout: float, err) -> str:

@@ -143,8 +143,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
         assert not (ck / ".tmp-step-0000006").exists() and (ck / ".tmp-step-0000004").is_dir()
         assert checkpoint.latest(str(run)).endswith("step-0000002")
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.close()  # SIGKILL, reaped
     assert checkpoint.latest(str(run)).endswith("step-0000002") and not (run / "checkpoints" / "step-0000004").exists()
     p = run_forked(cli.main, _args(run, demo_data, *steps), cwd=tmp_path, timeout=300)
     assert p.code == 0, p.err

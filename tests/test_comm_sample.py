@@ -81,7 +81,10 @@ def test_a_slow_rank_is_named_and_the_sampled_rules_fire_and_clear(demo_data, tm
         if throttle is not None:
             throttle.join()
         proc.send_signal(signal.SIGTERM)  # a clean stop: result.json written
-        proc.wait(120)
+        try:
+            proc.wait(120)
+        finally:
+            proc.close()
     straggled = next(e for e in _alerts(run) if e["event"] == "straggler" and e["ranks"] == [named])
     assert straggled["compute_s_by_rank"][1] > 1.3 * straggled["compute_s_by_rank"][0], straggled
     assert _seen(run, "firing", "communication_overhead")

@@ -164,10 +164,10 @@ def test_local_run_stops_on_usr2_and_resumes_exactly(make_cfg, demo_data, tmp_pa
     run = tmp_path / "run"
     args = [f"run_dir={run}", f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL,
             "train.global_batch=8", "train.micro_batch=4", "optim.lr=1e-2", "optim.warmup_steps=2", *common]
-    proc = Forked(cli.main, args, ROOT)  # the command, forked from this process
-    until("step 5 of the run", lambda: last_step(run) >= 5, 240, every=0.2)  # (on a busy machine)
-    proc.send_signal(signal.SIGUSR2)
-    _, err = proc.communicate(timeout=120)
+    with Forked(cli.main, args, ROOT) as proc:  # the command, forked from this process
+        until("step 5 of the run", lambda: last_step(run) >= 5, 240, every=0.2)  # (on a busy machine)
+        proc.send_signal(signal.SIGUSR2)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "preempted" and 5 <= result["steps"] < steps, (result, err)

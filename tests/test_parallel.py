@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -201,13 +202,16 @@ def test_ranks_are_told_apart_by_fork_order_across_the_pid_wrap():
 
 def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[Forked, list[int]]:
     proc = Forked(cli.main, cli_args(run_dir, demo_data, *extra), run_dir.parent)
-    # A logged step: every rank has joined its collectives, so every rank's hang watchdog is running.
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240  # (on a busy machine)
-    while proc.poll() is None and time.time() < deadline and not (
-            metrics.exists() and '"step"' in metrics.read_text()):
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.err[-3000:]
-    assert metrics.exists() and '"step"' in metrics.read_text(), "no step logged in 240 s"
+    with contextlib.ExitStack() as on_failure:
+        on_failure.callback(proc.close)
+        # A logged step: every rank has joined its collectives, so every rank's hang watchdog is running.
+        metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240  # (on a busy machine)
+        while proc.poll() is None and time.time() < deadline and not (
+                metrics.exists() and '"step"' in metrics.read_text()):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.err[-3000:]
+        assert metrics.exists() and '"step"' in metrics.read_text(), "no step logged in 240 s"
+        on_failure.pop_all()
     return proc, ranks_of(proc.pid)
 
 
@@ -225,8 +229,9 @@ def test_a_dead_or_stalled_rank_fails_the_job_fast(demo_data, tmp_path, how):
                                                "monitor.heartbeat_s=1")
     victim = len(ranks) - 1
     t0 = time.time()
-    os.kill(ranks[victim], signal.SIGKILL if how == "dies" else signal.SIGSTOP)
-    _, err = proc.communicate(timeout=timeout + 60)
+    with proc:  # (killed if it outlives the test)
+        os.kill(ranks[victim], signal.SIGKILL if how == "dies" else signal.SIGSTOP)
+        _, err = proc.communicate(timeout=timeout + 60)
     took = time.time() - t0
     assert proc.returncode != 0
     assert took < timeout + 60, took  # (loose: the suite's cores are shared; the run alone never ends)

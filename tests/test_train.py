@@ -238,13 +238,13 @@ def test_resume_after_kill_equals_uninterrupted(demo_data, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     # (Each run is the CLI in a forked child of this process: torch imported, and the killed one a process apart.)
     assert run_forked(cli.main, _args(ref, demo_data, steps), cwd=tmp_path, timeout=300).code == 0
-    proc = Forked(cli.main, _args(run, demo_data, steps), tmp_path)
     latest = run / "checkpoints" / "latest"
-    deadline = time.time() + 240
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with Forked(cli.main, _args(run, demo_data, steps), tmp_path) as proc:
+        deadline = time.time() + 240
+        while not latest.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     resumed_from = read_json(latest / "trainer_state.json")["run"]["step"]
     assert resumed_from < 40, "the run finished before it could be killed"
     p = run_forked(cli.main, _args(run, demo_data, steps), cwd=tmp_path, timeout=300)

@@ -29,7 +29,7 @@ class LaunchError(RuntimeError):
 
 
 # A local world's rendezvous port: below Linux's ephemeral range (32768-60999), apart from a Slurm job's
-# (process_group.job_port, 20000-31999) and from the local test cluster's slurmd ports (17001-). A port from bind(0)
+# (core.slurm.job_port, 20000-31999) and from the local test cluster's slurmd ports (17001-). A port from bind(0)
 # is free only until rank 0 binds it, and any process's outgoing connection or bind(0) may take it in between
 # (EADDRINUSE, as measured for job ports).
 LOCAL_PORTS = range(10000, 17000)
