@@ -195,9 +195,10 @@ class Forked:
             try:
                 done, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:  # reaped elsewhere (`_hung`): it was killed
-                done, status = self.pid, -signal.SIGKILL
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status) if status >= 0 else status
+                self.returncode = -signal.SIGKILL
+            else:
+                if done:
+                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -202,8 +201,7 @@ def test_ranks_are_told_apart_by_fork_order_across_the_pid_wrap():
 
 def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[Forked, list[int]]:
     proc = Forked(cli.main, cli_args(run_dir, demo_data, *extra), run_dir.parent)
-    with contextlib.ExitStack() as on_failure:
-        on_failure.callback(proc.close)
+    try:
         # A logged step: every rank has joined its collectives, so every rank's hang watchdog is running.
         metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240  # (on a busy machine)
         while proc.poll() is None and time.time() < deadline and not (
@@ -211,7 +209,9 @@ def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[Forked, li
             time.sleep(0.05)
         assert proc.poll() is None, proc.err[-3000:]
         assert metrics.exists() and '"step"' in metrics.read_text(), "no step logged in 240 s"
-        on_failure.pop_all()
+    except BaseException:  # no run left behind
+        proc.close()
+        raise
     return proc, ranks_of(proc.pid)
 
 
