@@ -205,7 +205,10 @@ class Llama(nn.Module):
             raise ValueError(f"need n_heads % n_kv_heads == 0 and an even head_dim; got n_heads={args.n_heads}, "
                              f"n_kv_heads={args.kv_heads}, head_dim={args.head_dim}")
         self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # Without nn.Embedding's own N(0, 1) draw: init_weights (or the sharded init) draws every weight, and
+        # normal_ on the meta device imports torch._dynamo: 0.6 of the 3.8 core-s `hpctrain plan` took.
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim,
+                                                                _weight=torch.empty(args.vocab_size, args.dim))
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
