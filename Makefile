@@ -63,7 +63,8 @@ demo: install
 # PYTEST_ARGS reaches pytest whole, in PYTEST_ADDOPTS: pytest splits it like a shell (PYTEST_ARGS='-m "not slurm"'
 # is two words) but never evaluates it. Bytecode is written even where the environment says not to
 # (PYTHONDONTWRITEBYTECODE, set on these machines): otherwise each worker rewrites every test module's asserts
-# again (2.3 core-s measured) and each of the suite's ~290 fresh interpreters compiles hpctrain again (~0.1).
+# again (2.3 core-s measured) and each of the suite's ~290 fresh interpreters compiles hpctrain again (~0.1
+# core-s each).
 test: install
 	PYTHONDONTWRITEBYTECODE= PYTEST_ADDOPTS=$(call arg,PYTEST_ARGS) $(PY) -m pytest -q -n $(if $(filter undefined,$(origin TEST_WORKERS)),$(DEFAULT_WORKERS),$(call arg,TEST_WORKERS)) \
 		--dist loadgroup

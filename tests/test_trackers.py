@@ -179,7 +179,8 @@ def test_an_mlflow_server_gets_the_run(demo_data, tmp_path):
              "--default-artifact-root", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
              "--workers", "1"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             # no server-side job runner: MLflow 3 starts seven huey consumers for it, each importing mlflow
-            # whole (~60 core-s in all, measured), and a run logging over HTTP needs none
+            # whole (this test took 26.4 core-s with them, ~15 without, measured), and a run logging over HTTP
+            # needs none
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         until("the MLflow server to answer", lambda: _answers(f"{url}/health") or server.poll() is not None, 120)
