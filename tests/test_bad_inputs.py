@@ -538,6 +538,8 @@ CASES = [
      ["not finite from the first step on", "model.init_std=1e+30"]),
     # 18. Schedules that make no sense.
     ("decay-steps-zero", *_hp("optim.decay_steps=0"), ["optim.decay_steps=0 must be >= 1"]),
+    ("gc-every-negative", *_hp("train.gc_every=-1"),
+     ["train.gc_every=-1 must be >= 0", "0 leaves garbage collection automatic"]),
     ("decay-ends-before-warmup", *_hp("optim.decay_steps=50", "optim.warmup_steps=100"),
      ["optim.decay_steps=50 must be > optim.warmup_steps=100"]),
     ("scaled-lr-above-the-cap", *_hp("optim.lr=900", "optim.lr_scaling=linear", "optim.ref_global_batch=1"),

@@ -415,6 +415,37 @@ def test_checkpointing_off_writes_nothing_but_still_refuses_nonfinite_weights(ma
     assert read_json(tmp_path / "nan" / "result.json")["status"] == "failed"
 
 
+def test_garbage_is_collected_every_gc_every_steps_and_never_automatically_in_between(make_cfg, tmp_path):
+    """train.gc_every=2: automatic collection is off while the run trains, generation-1 collections run after steps
+    2 and 4 (their seconds in those steps' records), and collection is automatic again afterwards. With
+    train.gc_every=0 the same run's allocations trigger Python's automatic collections."""
+    import gc
+
+    def collections(every: int) -> list[tuple[int, bool]]:
+        seen = []
+
+        def note(phase, info):  # (gc.isenabled() is False only inside the schedule: collections there are its own)
+            if phase == "start":
+                seen.append((info["generation"], gc.isenabled()))
+
+        gc.callbacks.append(note)
+        try:
+            result = train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=0",
+                                    f"train.gc_every={every}"), str(tmp_path / f"every{every}"))
+        finally:
+            gc.callbacks.remove(note)
+        assert result["status"] == "completed" and gc.isenabled()
+        return seen
+
+    scheduled = [c for c in collections(2) if not c[1]]
+    assert scheduled == [(1, False), (1, False)], scheduled
+    gc_s = {r["step"]: r.get("gc_s") for r in records(tmp_path / "every2") if "loss" in r}
+    assert [s for s, v in gc_s.items() if v is not None] == [2, 4] and all(gc_s[s] >= 0 for s in (2, 4)), gc_s
+    automatic = collections(0)
+    assert automatic and all(enabled for _, enabled in automatic), automatic
+    assert not any("gc_s" in r for r in records(tmp_path / "every0"))
+
+
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
 def test_fused_and_foreach_optimizers_agree(make_cfg, tmp_path, optim):
     """optim.implementation: the fused kernel (default; no parameter-sized temporary) and the grouped foreach

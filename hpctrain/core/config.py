@@ -285,6 +285,9 @@ class TrainConfig:
     export_hf_at_end: bool = False  # the final checkpoint also as a transformers model in <run_dir>/hf/step-N
     resume: str = "auto"  # auto | never | path of a checkpoint directory
     max_nonfinite: int = 5  # consecutive skipped non-finite steps before the run stops
+    # Python's garbage collector off during training, run every N steps on every rank (hpctrain.training.gc_schedule);
+    # 0: automatic collection
+    gc_every: int = 50
     # The loss computed with the output projection, chunk by chunk: the [tokens, vocab] logits are never held
     # whole (hpctrain.models.cross_entropy). Not with pipeline or tensor parallelism.
     fused_loss: bool = False
@@ -545,7 +548,8 @@ _RANGES = {
                      "cluster.tasks_per_node", "cluster.nodes", "cluster.cpus_per_task", "cluster.num_threads",
                      "cluster.mem_gb", "cluster.time_min", "cluster.pack", "cluster.min_nodes"), _AT_LEAST_1),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
-                     "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "cluster.gpus_per_node",
+                     "data.num_workers", "train.seed", "train.eval_every", "train.ckpt_every", "train.gc_every",
+                     "cluster.gpus_per_node",
                      "cluster.signal_lead_s", "cluster.max_timeouts", "cluster.max_stalled_restarts",
                      "cluster.spare_nodes", "cluster.max_restarts",
                      "monitor.loss_spike.max_rollbacks", "monitor.sample_every",
@@ -580,7 +584,8 @@ _RANGES = {
 _WORDS = {"train.ckpt_every": ("auto",)}
 # What a key's zero or null means, where users may expect another value to mean it.
 _HINTS = {"train.seq_len": "null takes it from the shards", "train.eval_every": "0 disables evaluation",
-          "train.ckpt_every": "0 saves only at the end", "optim.grad_clip": "0 disables clipping"}
+          "train.ckpt_every": "0 saves only at the end", "optim.grad_clip": "0 disables clipping",
+          "train.gc_every": "0 leaves garbage collection automatic"}
 
 
 def _interval(low, low_in, high, high_in) -> str:

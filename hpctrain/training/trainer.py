@@ -39,6 +39,7 @@ from hpctrain.training.eval_jobs import EvalJobs
 from hpctrain.training.evaluator import Evaluator
 from hpctrain.training.expert_balance import ExpertBalance
 from hpctrain.training.feed import TrainFeed, ValSplit
+from hpctrain.training.gc_schedule import GcSchedule
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optimizer import build_optimizer, build_scheduler, step_passes
 from hpctrain.training.precision import compute_dtype, setup_precision
@@ -69,6 +70,7 @@ class Trainer:
         self.rollback = Rollback(self.checkpointer, self.state, self.feed, self.metrics, self.alerts, run_dir,
                                  cfg.monitor.loss_spike.max_rollbacks)
         self.signals = job.StopSignals(cfg.cluster.signal)
+        self.gc = GcSchedule(cfg.train.gc_every)
         # last: its thread is stopped by fit(); a rank lost before its first heartbeat is named so
         m = cfg.monitor
         self.hang = HangWatch(run_dir, env.rank, env.world, m.hang_s or 0.9 * cfg.cluster.pg_timeout_s, m.heartbeat_s,
@@ -165,7 +167,7 @@ class Trainer:
         self.start_step = self.state.step
         self.applied = self.overflowed = 0  # steps of this session applied, and skipped by fp16's loss scaling
         try:
-            with self.metrics.redirect():
+            with self.metrics.redirect(), self.gc:
                 while self.state.step < self.cfg.train.max_steps:
                     self.hang.begin(self.state.step + 1)  # the whole iteration: step, checkpoint, evaluation
                     if self._train_step():  # rolled back to the last checkpoint: nothing to save or evaluate
@@ -226,6 +228,7 @@ class Trainer:
         if sample:
             self.metrics.note(sample.metrics())
         self.metrics.note(self.balance.after_step(result.status == StepStatus.ok))
+        self.metrics.note(self.gc.after_step(self.state.step))
         rollback = self._account(result)
         if self.state.step == self.peaks.at_step:
             self.peaks.report(self.memory.peak(), self.env.world)
