@@ -563,8 +563,9 @@ def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, s
     # Niced once it trains, its endless steps leave the CPU to the rest of the suite (it otherwise burns one core
     # until the signal); not before: at nice 19 beside a busy suite, its import of torch could take minutes.
     for pid, _ in _job_processes(job):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, pid, 19)
+        with contextlib.suppress(OSError):  # every thread: on Linux a priority is a thread's (OpenMP's pool too)
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), 19)
     limit = _seconds(_scontrol_job(job)["RunTime"]) // 60 + 2  # (minutes: 60-120 s left)
     subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], check=True, timeout=30)
     until("the requeue", lambda: int(_scontrol_job(job).get("Restarts", 0)) >= 1, 180, every=0.5)
