@@ -543,6 +543,19 @@ def _seconds(slurm_time: str) -> int:
     return int(days or 0) * 86400 + sum(v * 60**k for k, v in enumerate(reversed(parts)))
 
 
+def _nice(pid: int) -> None:
+    """Nice 19 for a job's process, as the scheduler applies it. Each job runs in a session of its own, and with
+    kernel.sched_autogroup_enabled (Debian's default) a session is a scheduling group that gets as much CPU as the
+    whole pytest session: a nice value inside it yields only to its own session's threads; the group's nice
+    (/proc/PID/autogroup) yields to the rest. Without autogroups, every thread's own (on Linux a priority is a
+    thread's: the OpenMP pool's too)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/autogroup", "w") as f:
+        f.write("19")
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+
+
 @pytest.mark.timeout(300)
 def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, slurm_jobs):
     """A run reaching its time limit: USR2 arrives `signal_lead_s` before the limit, the job checkpoints, submitit
@@ -563,9 +576,7 @@ def test_time_limit_requeues_as_timeout_and_resumes(slurm, data_env, tmp_path, s
     # Niced once it trains, its endless steps leave the CPU to the rest of the suite (it otherwise burns one core
     # until the signal); not before: at nice 19 beside a busy suite, its import of torch could take minutes.
     for pid, _ in _job_processes(job):
-        with contextlib.suppress(OSError):  # every thread: on Linux a priority is a thread's (OpenMP's pool too)
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+        _nice(pid)
     limit = _seconds(_scontrol_job(job)["RunTime"]) // 60 + 2  # (minutes: 60-120 s left)
     subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], check=True, timeout=30)
     until("the requeue", lambda: int(_scontrol_job(job).get("Restarts", 0)) >= 1, 180, every=0.5)
