@@ -29,6 +29,8 @@ from hpctrain.tools import generate
 from hpctrain.tools import summary as metrics
 from hpctrain.weights import export_hf
 
+# 1.5 GiB per device planned (fp32, Adam, micro-batches of 4), on the tests' 512-token vocabulary
+BIG_MODEL = ["model.dim=768", "model.n_layers=12", "model.n_heads=12", "model.n_kv_heads=12", "model.ffn_hidden=2048"]
 BASE = [*SMALL_MODEL, "train.global_batch=8", "train.micro_batch=4", "train.max_steps=2", "train.log_every=1",
         "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1"]
 
@@ -442,6 +444,16 @@ CASES = [
     ("slurm-launcher-without-slurm", *_hp("hydra/launcher=slurm"), ["sbatch", "hydra/launcher=local"]),
     ("slurm-sweep-without-slurm", cli.main, ["-m", "hydra/launcher=slurm", "hydra.sweep.dir={w}/sweep2",
                                              "data.path={w}/data", *BASE, "optim.lr=1e-3,3e-3"], ["sbatch"]),
+    # What a job asks of its nodes, checked before it is submitted (before sbatch is looked for): a 1.5 GiB model
+    # on 1 GiB of a CPU node's --mem, of a GPU, and two GPU ranks' asynchronous checkpoint copies on the host.
+    ("submit-over-a-nodes-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.mem_gb=1"),
+     ["needs about 1.5 GiB", "more than cluster.mem_gb=1, a node's --mem (1.0 GiB"]),
+    ("submit-over-a-gpus-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=1",
+                                       "cluster.gpu_mem_gb=1"), ["needs about 1.5 GiB", "cluster.gpu_mem_gb=1"]),
+    ("submit-async-copies-over-a-nodes-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=2",
+                                                     "parallel=ddp", "parallel.dp=2", "train.ckpt_async=true",
+                                                     "cluster.mem_gb=1"),
+     ["host copy", "(2 ranks × ", "cluster.mem_gb=1", "train.ckpt_async=false"]),
     # --- Second round (issue 26), by the issue's class numbers ---
     # 1. data_prep never deletes or overwrites what it cannot prove it made.
     ("prep-over-an-unfinished-build", shards_cli.main, [*PREP, "--out", "{w}/unfinished"],

@@ -39,3 +39,28 @@ def test_a_run_larger_than_its_cgroup_memory_limit_is_refused_before_it_starts(c
     assert p.returncode == 2 and len(err) == 1, p.stdout + p.stderr
     assert "the memory left under this job's cgroup limit" in err[0] and "needs about" in err[0], err[0]
     assert float(err[0].split("cgroup limit (")[1].split(" GiB")[0]) <= limit / 2**30
+
+
+def test_the_ranks_a_launcher_starts_on_a_node_share_its_memory(cgroup, demo_data, tmp_path):
+    """Ranks that torchrun or srun start on one node each check, before the process group starts, that all of them
+    fit: a rank of a two-rank node (torchrun's variables) whose share alone fits the job's 2 GiB cgroup (1.1 GiB
+    planned) is refused for the two together, one line naming both, before it waits for its peer. Each rank
+    checked for itself, both started and the kernel would kill them at the limit."""
+    from hpctrain.core.host import memory_headroom
+
+    if (memory_headroom() or (0,))[0] < 8 * 2**30:
+        pytest.skip("needs 8 GiB free: the run must fit the machine and not the cgroup")
+    inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(2 * 2**30)})
+    big = ["model.dim=768", "model.n_layers=6", "model.n_heads=12", "model.n_kv_heads=12", "model.ffn_hidden=2048"]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # (no peer: a rank that got past the check fails at once)
+    p = subprocess.run([*inside, sys.executable, "-m", "hpctrain", *big, "model.vocab_size=512", "model.max_seq_len=64",
+                        f"run_dir={tmp_path / 'run'}", f"data.path={demo_data}", "data.prepare_demo=false",
+                        "parallel=ddp", "parallel.dp=2", "train.global_batch=8", "train.micro_batch=4",
+                        "train.max_steps=1", "train.eval_every=0", "logging.trackers=[]", "cluster.pg_timeout_s=10"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(err) == 1, p.stdout + p.stderr
+    assert "needs about 2.2 GiB (2 ranks × 1.1 GiB), more than the memory left under this job's cgroup limit" \
+        in err[0], err[0]
+    assert 1.1 < float(err[0].split("cgroup limit (")[1].split(" GiB")[0]) <= 2, err[0]  # one rank alone fits

@@ -190,6 +190,37 @@ def test_only_the_main_rank_reports_a_deliberate_stop_in_its_exit_code():
         assert Stopped(kind, 3, "SIGUSR2", main=False).exit_code == 0
 
 
+def test_a_node_s_ranks_are_the_launchers(monkeypatch):
+    """The memory check counts every rank the launcher starts on the node (they share its memory): torchrun's
+    LOCAL_WORLD_SIZE, or an srun step's tasks on this node, which _slurm_env also exports as LOCAL_WORLD_SIZE. The
+    variables are the ones srun set on the local cluster for `srun -N2 -n3` on n2,n3 (within a job of n1-n3 too,
+    the step's own node numbers): SLURM_STEP_TASKS_PER_NODE=2,1 and SLURM_NODEID 0 on n2, 1 on n3."""
+    from hpctrain.core.slurm import tasks_on_node
+    from hpctrain.parallel.process_group import _slurm_env, launched_local_world
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_STEP_ID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # (recorded, so that what _slurm_env sets is undone too)
+        monkeypatch.delenv(name)
+    assert launched_local_world() is None  # started alone
+    assert [tasks_on_node("2(x3),1", n) for n in range(5)] == [2, 2, 2, 1, None]
+    assert [tasks_on_node(bad, 0) for bad in ("", "2(x", "2(x)", "x", "(x3),2")] == [None] * 5
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # (no scontrol call for the master's name)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for var, value in {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_STEP_ID": "0",
+                       "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_NODEID": "1"}.items():
+        monkeypatch.setenv(var, value)
+    assert launched_local_world() == 1
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert launched_local_world() == 2
+    _slurm_env()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"]) == ("2", "3", "2")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "garbled")  # what torchrun says wins; a list not understood: 1
+    assert launched_local_world() == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert launched_local_world() == 1
+
+
 def test_job_ports_stay_below_the_ephemeral_range_and_differ_per_step():
     """A supervised restart's rendezvous port was once taken by some process's outgoing connection (EADDRINUSE):
     derived ports stay below Linux's ephemeral range; each step of a job, and each packed point, gets its own."""

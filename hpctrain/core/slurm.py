@@ -7,6 +7,7 @@ never loads torch (1.7 core-s and 210 MB less on the batch node, measured), shar
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 
@@ -17,6 +18,19 @@ def hostnames(nodelist: str) -> list[str]:
     """Slurm's node list (`n[1-3]`) as names."""
     return subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                           timeout=60).stdout.split()
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int | None:
+    """The tasks Slurm started on the step's `node`-th node, from its tasks-per-node list (`2(x3),1`: three nodes with
+    2, then one with 1; SLURM_STEP_TASKS_PER_NODE, indexed by SLURM_NODEID); None for a list not in that form."""
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if m is None or node < 0:
+            return None
+        node -= int(m[2] or 1)
+        if node < 0:
+            return int(m[1])
+    return None
 
 
 def job_port(job: int, slot: int = 0) -> int:

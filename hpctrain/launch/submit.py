@@ -31,13 +31,13 @@ _ARRAY_TABLE_BYTES = 1 << 20  # an array's run-directory table in its script (sb
 
 
 def check(cfg) -> None:
-    """Everything a job would check at its start, run on the login node before submitting (its memory is
-    not the compute nodes': the memory check is left to the job)."""
+    """Everything a job would check at its start, run on the login node before submitting: the memory check against
+    what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's."""
     from hpctrain.training.run import prepare
 
     shape = job_shape(cfg.parallel, cfg.cluster)
     min_nodes(cfg.parallel, cfg.cluster)
-    prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False)
+    prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
 
 
 _BAD_INPUT = (*BAD_INPUT, OSError)  # OSError: a sweep or submitit folder that cannot be made

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpctrain.core.slurm import hostnames, job_port
+from hpctrain.core.slurm import hostnames, job_port, tasks_on_node
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,18 @@ def launched_world() -> int | None:
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_STEP_ID" in os.environ:
         return int(os.environ["SLURM_NTASKS"])  # a task of `srun`, not just a batch script in an allocation
     return None
+
+
+def launched_local_world() -> int | None:
+    """Ranks the launcher started on this node: torchrun's (or our own launcher's) LOCAL_WORLD_SIZE, an srun step's
+    tasks on this node; 1 where a launcher says only the world; None when this process was started alone. (The
+    points of a packed sweep are steps of their own: another point's ranks on the node are not counted.)"""
+    e = os.environ
+    if "LOCAL_WORLD_SIZE" in e:
+        return int(e["LOCAL_WORLD_SIZE"])
+    if launched_world() is None:
+        return None
+    return tasks_on_node(e.get("SLURM_STEP_TASKS_PER_NODE", ""), int(e.get("SLURM_NODEID", "0"))) or 1
 
 
 def local_device_count() -> int:
@@ -64,6 +76,7 @@ def _slurm_env() -> None:
         return
     e["RANK"], e["WORLD_SIZE"] = e["SLURM_PROCID"], e["SLURM_NTASKS"]
     e.setdefault("LOCAL_RANK", e.get("SLURM_LOCALID", "0"))
+    e.setdefault("LOCAL_WORLD_SIZE", str(launched_local_world()))
     if "MASTER_ADDR" not in e:
         host = "127.0.0.1"
         nodes = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST")

@@ -47,10 +47,11 @@ class Prepared:
     planned: tuple[float, ...]
 
 
-def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
+def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | None = None) -> Prepared:
     """Every check a run makes before it spawns, submits or writes anything; one-line errors.
 
-    `world`: the job's ranks (else this launch's); `local`: the run will use this machine's memory.
+    `world`: the job's ranks (else this launch's); `local`: the run will use this machine's memory, else (submitting)
+    its nodes' requested memory for `per_node` ranks each.
     """
     world = world or process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
@@ -66,8 +67,9 @@ def prepare(cfg, world: int | None = None, local: bool = True) -> Prepared:
 
     stages = stage_bytes(cfg, shape, seq_len)
     planned = tuple(device for device, _ in stages)
-    if local:
-        _check_memory(cfg, shape, seq_len, max(planned), max(host for _, host in stages))
+    node = NodeMemory.here(shape.world) if local else NodeMemory.requested(cfg.cluster, per_node) if per_node else None
+    if node is not None:
+        _check_memory(cfg, shape, seq_len, max(planned), max(host for _, host in stages), node)
     return Prepared(shape, data_dir, seq_len, planned)
 
 
@@ -164,31 +166,64 @@ def _check_init_from(cfg, data_dir: str) -> None:
         raise TrainingError(f"model.init_from={cfg.model.init_from}: {e.reason}: {fix}") from None
 
 
-def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float) -> None:
-    """Refuse a micro-batch that cannot fit. A CPU-only torch trains on the host: against this machine's
-    available memory or the job's cgroup limit, whichever is less (core/host.memory_headroom), for all its local
-    ranks (under srun each rank for itself); a CUDA build trains on GPUs: against cluster.gpu_mem_gb when given.
-    No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's estimate
-    (`worst`: the most loaded device's bytes; `host`: a rank's host memory besides, which a CPU rank's device is) is
-    approximate, so only what exceeds the whole capacity is refused."""
-    hint = ""
-    if torch.backends.cuda.is_built():  # one rank per device
-        gib = cfg.cluster.gpu_mem_gb
-        cap, where, ranks = gib * 2**30 if gib else None, f"cluster.gpu_mem_gb={gib}", 1
-    else:  # every rank started here shares this machine
-        cap, where = memory_headroom() or (None, "")
-        ranks = shape.world if process_group.launched_world() is None else 1
-        worst += host
-        hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""
-    need = worst * ranks
-    if cap is not None and need > cap:  # (an unknown capacity refuses nothing)
-        from hpctrain.training.planner import largest_part
+@dataclass(frozen=True)
+class NodeMemory:
+    """What a node gives the run's ranks on it: how many share it, the bytes they may hold together (None: unknown)
+    and what bounds them, and whether each trains on a GPU (its device memory apart from the node's)."""
 
-        what, size, fix = largest_part(cfg, shape, seq_len)
+    ranks: int
+    cap: float | None
+    where: str
+    gpus: bool
+
+    @classmethod
+    def here(cls, world: int) -> NodeMemory:
+        """This machine: the local ranks forked here, or the launcher's ranks on this node (torchrun's, the srun
+        step's), each checking for all of them: they check before the process group starts, so before any holds
+        its model. A CPU-only torch trains on the host; a CUDA build on GPUs."""
+        cap, where = memory_headroom() or (None, "")
+        ranks = world if process_group.launched_world() is None else process_group.launched_local_world() or 1
+        return cls(ranks, cap, where, torch.backends.cuda.is_built())
+
+    @classmethod
+    def requested(cls, cluster, per_node: int) -> NodeMemory:
+        """A node of the job about to be submitted: cluster.mem_gb (sbatch --mem, per node) for its tasks."""
+        gib = cluster.mem_gb
+        return cls(per_node, gib * 2**30 if gib else None, f"cluster.mem_gb={gib}, a node's --mem",
+                   bool(cluster.gpus_per_node))
+
+
+def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float, node: NodeMemory) -> None:
+    """Refuse a micro-batch that cannot fit: on a GPU against cluster.gpu_mem_gb when given; on the host, what all the
+    node's ranks hold there (on a CPU their devices; train.ckpt_async's copies either way) against the node's memory.
+    No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's estimate
+    (`worst`: the most loaded device's bytes; `host`: a rank's host memory besides) is approximate, so only what
+    exceeds the whole capacity is refused."""
+    gib = cfg.cluster.gpu_mem_gb
+    if node.gpus and gib and worst > gib * 2**30:  # one rank per device
+        _refuse_micro_batch(cfg, shape, seq_len, f"{worst / 2**30:.1f} GiB", f"cluster.gpu_mem_gb={gib}", gib, "")
+    per_rank = host if node.gpus else worst + host
+    need = per_rank * node.ranks
+    if node.cap is None or need <= node.cap:  # (an unknown capacity refuses nothing)
+        return
+    need_text = f"{need / 2**30:.1f} GiB" + (f" ({node.ranks} ranks × {per_rank / 2**30:.1f} GiB)" if node.ranks > 1 else "")
+    if node.gpus:
         raise TrainingError(
-            f"train.micro_batch={shape.micro_batch} (seq_len {seq_len}) needs about {need / 2**30:.1f} GiB, more "
-            f"than {where} ({cap / 2**30:.1f} GiB; `python -m hpctrain plan ...` shows the parts); the largest part "
-            f"is {what}, {size / 2**30:.1f} GiB per device: {fix}{hint}")
+            f"train.ckpt_async=true keeps a host copy of each rank's checkpoint shard: a node's ranks need about "
+            f"{need_text} of host memory, more than {node.where} ({node.cap / 2**30:.1f} GiB): "
+            "train.ckpt_async=false, more host memory per node (cluster.mem_gb), or fewer ranks per node")
+    hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""
+    _refuse_micro_batch(cfg, shape, seq_len, need_text, node.where, node.cap / 2**30, hint)
+
+
+def _refuse_micro_batch(cfg, shape: RunShape, seq_len: int, need: str, where: str, cap_gib: float, hint: str):
+    from hpctrain.training.planner import largest_part
+
+    what, size, fix = largest_part(cfg, shape, seq_len)
+    raise TrainingError(
+        f"train.micro_batch={shape.micro_batch} (seq_len {seq_len}) needs about {need}, more than {where} "
+        f"({cap_gib:.1f} GiB; `python -m hpctrain plan ...` shows the parts); the largest part is {what}, "
+        f"{size / 2**30:.1f} GiB per device: {fix}{hint}")
 
 
 def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
