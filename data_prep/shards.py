@@ -153,10 +153,10 @@ def build_from_files(
 
 
 def _default_workers() -> int:
+    """The CPUs this process may use; fewer where Slurm gave the task fewer (a node without task affinity shows all
+    of its CPUs), never more (the variable also reaches an salloc shell on the login node, and steps inside)."""
     slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    if slurm.isdigit():
-        return max(1, int(slurm))
-    return usable_cpus()
+    return max(1, min(int(slurm), usable_cpus())) if slurm.isdigit() else usable_cpus()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -284,6 +284,15 @@ def test_array_tasks_then_merge_equal_single_build(corpus, tok_dir, reference, t
     assert _tree(out) == _tree(reference)
 
 
+def test_the_default_workers_are_the_tasks_cpus_and_no_more(half_a_core):
+    """`--workers` defaults to the CPUs the process may use (its affinity, a cgroup quota), fewer where Slurm gave
+    the task fewer, never more: under half a core's quota SLURM_CPUS_PER_TASK=8 is 1 worker, 1 is 1."""
+    code = ("import os\nfrom data_prep.shards import _default_workers as w\nfor n in ('8', '1'):\n"
+            "    os.environ['SLURM_CPUS_PER_TASK'] = n\n    print(w())")
+    p = subprocess.run([*half_a_core, sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.split() == ["1", "1"], p.stdout + p.stderr
+
+
 def test_sbatch_submit_mode_chains_the_merge(tmp_path):
     log = tmp_path / "sbatch.log"
     fake = tmp_path / "bin" / "sbatch"

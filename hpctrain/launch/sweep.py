@@ -387,7 +387,8 @@ def _heatmap_axes(rows: list[dict]) -> tuple[str, str] | str:
         return HEATMAP_KEYS
     if len(varying) == 2:
         return varying[0], varying[1]
-    return f"no heatmap: it needs two varying keys,\nthe sweep varies {len(varying)}:\n" + "\n".join(varying)
+    shown = varying[:6] + ([f"... and {len(varying) - 6} more"] if len(varying) > 6 else [])
+    return f"no heatmap: it needs two varying keys,\nthe sweep varies {len(varying)}:\n" + "\n".join(shown)
 
 
 def plot(rows: list[dict], path: str) -> str:
@@ -398,11 +399,12 @@ def plot(rows: list[dict], path: str) -> str:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), layout="constrained")  # (colorbar and long labels)
     for r in rows:
         if r["curve"]:
             steps, losses = zip(*r["curve"])
             name = " ".join(r["overrides"]) or (f"job {r['job']}" if r["job"] is not None else "run")
+            name = name if len(name) <= 60 else name[:59] + "…"  # (a point whose sweep keys are unknown: all of its)
             left.plot(steps, losses, marker="." if len(steps) < 30 else None, label=name)
     left.set(xlabel="step", ylabel="train loss", title="train loss")
     if 0 < len(left.lines) <= 16:  # beyond that a legend hides the curves
@@ -435,7 +437,6 @@ def plot(rows: list[dict], path: str) -> str:
             # Dark text on the light (low loss) end of viridis_r, light text on the dark end.
             color = "black" if np.isnan(v) or v < middle else "white"
             right.text(j, i, "-" if np.isnan(v) else f"{v:.4g}", ha="center", va="center", color=color)
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
