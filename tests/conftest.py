@@ -134,6 +134,12 @@ def slurm_jobs():
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
 
 
+class _InCgroup(list):
+    """An argv prefix that runs a command inside a cgroup, and that cgroup's directory (`group`)."""
+
+    group: object
+
+
 @pytest.fixture
 def cgroup():
     """cgroup(controller, below="", **files) -> an argv prefix that runs a command inside a new cgroup (v1's
@@ -158,7 +164,9 @@ def cgroup():
             group = group / below
             group.mkdir()
             made.append(group)
-        return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+        inside = _InCgroup(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"])
+        inside.group = group
+        return inside
 
     yield make
     failed = []

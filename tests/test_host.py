@@ -4,7 +4,9 @@ skipped elsewhere."""
 
 from __future__ import annotations
 
+import ast
 import os
+import shutil
 import subprocess
 import sys
 
@@ -64,3 +66,26 @@ def test_the_ranks_a_launcher_starts_on_a_node_share_its_memory(cgroup, demo_dat
     assert "needs about 2.2 GiB (2 ranks × 1.1 GiB), more than the memory left under this job's cgroup limit" \
         in err[0], err[0]
     assert 1.1 < float(err[0].split("cgroup limit (")[1].split(" GiB")[0]) <= 2, err[0]  # one rank alone fits
+
+
+def test_the_cgroup_limit_is_found_where_the_hierarchy_is_mounted(cgroup, tmp_path):
+    """The memory hierarchy is found where /proc/self/mountinfo says it is mounted, not only at
+    /sys/fs/cgroup/memory: in a mount namespace with /sys/fs/cgroup hidden, (1) the whole hierarchy mounted elsewhere
+    (a site's own mount point), (2) only the job's group bind-mounted (a container's view: /proc/self/cgroup still
+    names the group by its path in the whole hierarchy). Both find the job's 2 GiB limit; with the fixed paths
+    neither did (this machine's available memory instead)."""
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare (util-linux)")
+    inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(2 * 2**30)})
+    whole, job = tmp_path / "whole", tmp_path / "job"
+    whole.mkdir(), job.mkdir()
+    code = "from hpctrain.core.host import memory_headroom; print(memory_headroom())"
+    limited = f"{whole}/{inside.group.parent.name}"
+    script = (f"mount -t tmpfs none /sys/fs/cgroup && mount -t cgroup -o memory none {whole} && {sys.executable} -c "
+              f"'{code}' && mount --bind {limited} {job} && umount {whole} && {sys.executable} -c '{code}'")
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", *inside, "sh", "-c", script], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    seen = [ast.literal_eval(line) for line in p.stdout.splitlines()]
+    assert [where for _, where in seen] == ["the memory left under this job's cgroup limit"] * 2, seen
+    assert all(0 < left <= 2 * 2**30 for left, _ in seen), seen

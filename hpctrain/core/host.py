@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 
 def memory_headroom() -> tuple[float, str] | None:
@@ -30,14 +31,13 @@ def _cgroup_memory_left() -> float | None:
     cache counted as left (the kernel reclaims it before it kills: active and inactive files, not tmpfs); None
     without a limit."""
     lefts = []
-    for version, path in _cgroups("memory"):
+    for version, group in _cgroups("memory"):
         try:
             if version == 2:
-                limit, usage, stat = (f"/sys/fs/cgroup{path}/memory.{n}" for n in ("max", "current", "stat"))
+                limit, usage, stat = (f"{group}/memory.{n}" for n in ("max", "current", "stat"))
                 cached = ("active_file", "inactive_file")
             else:
-                limit, usage, stat = (f"/sys/fs/cgroup/memory{path}/memory.{n}"
-                                      for n in ("limit_in_bytes", "usage_in_bytes", "stat"))
+                limit, usage, stat = (f"{group}/memory.{n}" for n in ("limit_in_bytes", "usage_in_bytes", "stat"))
                 cached = ("total_active_file", "total_inactive_file")
             cap = _read(limit)
             if cap == "max" or int(cap) >= 1 << 60:  # (v1's "no limit" is a page-rounded 2^63)
@@ -51,25 +51,63 @@ def _cgroup_memory_left() -> float | None:
 
 
 def _cgroups(controller: str) -> list[tuple[int, str]]:
-    """(version, path) of this process's cgroups that may hold `controller`'s files, v2's and v1's of it, with every
-    ancestor: a limit may be set above the process's own group (Slurm's on the job and step, a task's group below)."""
+    """(version, directory) of this process's cgroups that may hold `controller`'s files, v2's and v1's of it, its own
+    group first, then every ancestor visible here: a limit may be set above the process's own group (Slurm's on the
+    job and step, a task's group below). Each hierarchy is found where /proc/self/mountinfo says it is mounted, and
+    a group's path taken relative to the mount's root: a container's hierarchy is its own group mounted at
+    /sys/fs/cgroup[/memory] while /proc/self/cgroup names it by the host's path (Docker on cgroup v1)."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
     except OSError:
         return []
+    mounts = _cgroup_mounts()
     out = []
     for line in lines:
         if line.count(":") < 2:  # (not a cgroup line)
             continue
         _, controllers, path = line.split(":", 2)
         version = 2 if controllers == "" else 1 if controller in controllers.split(",") else 0
-        while version:
-            out.append((version, path.rstrip("/")))
+        if not version:
+            continue
+        default = "/sys/fs/cgroup" if version == 2 else f"/sys/fs/cgroup/{controller}"  # (no mountinfo: the usual)
+        root, point = mounts.get((version, controller if version == 1 else ""), ("/", default))
+        if root != "/" and (path + "/").startswith(root.rstrip("/") + "/"):
+            path = path[len(root.rstrip("/")):] or "/"
+        while True:
+            out.append((version, point.rstrip("/") + path.rstrip("/")))
             if path in ("/", ""):
                 break
             path = os.path.dirname(path.rstrip("/")) or "/"
     return out
+
+
+def _cgroup_mounts() -> dict[tuple[int, str], tuple[str, str]]:
+    """{(1, controller) or (2, ""): (the mounted group's path in its hierarchy, where it is mounted)} from
+    /proc/self/mountinfo (`36 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory`); {} where it cannot
+    be read."""
+    found: dict[tuple[int, str], tuple[str, str]] = {}
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        fstype, *rest = line.split(" - ", 1)[1].split()  # (after the separator: type, source, super options)
+        root, point = _unescape(fields[3]), _unescape(fields[4])
+        keys = [(2, "")] if fstype == "cgroup2" else [(1, o) for o in rest[-1].split(",")] if fstype == "cgroup" else []
+        for key in keys:  # (the first one still in sight: a later mount may hide an earlier one)
+            if key not in found or not os.path.isfile(f"{found[key][1]}/cgroup.procs"):
+                found[key] = (root, point)
+    return found
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in paths as octal escapes (\040)
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
 def usable_cpus() -> int:
@@ -84,13 +122,12 @@ def usable_cpus() -> int:
 def _cpu_quota() -> float | None:
     """CPUs' worth of time this process's cgroup may use (cgroup v2 cpu.max, v1 cfs quota), or None: no quota."""
     quotas = []
-    for version, path in _cgroups("cpu"):
+    for version, group in _cgroups("cpu"):
         try:  # (in a hybrid layout v2's files may not be there: then v1's count)
             if version == 2:
-                quota, period = _read(f"/sys/fs/cgroup{path}/cpu.max").split()
+                quota, period = _read(f"{group}/cpu.max").split()
             else:
-                quota = _read(f"/sys/fs/cgroup/cpu{path}/cpu.cfs_quota_us")
-                period = _read(f"/sys/fs/cgroup/cpu{path}/cpu.cfs_period_us")
+                quota, period = _read(f"{group}/cpu.cfs_quota_us"), _read(f"{group}/cpu.cfs_period_us")
             if quota not in ("max", "-1"):
                 quotas.append(int(quota) / int(period))
         except (OSError, ValueError):
