@@ -25,6 +25,7 @@ from helpers import (
     records,
     run_layout,
     step_metrics,
+    until,
 )
 
 from hpctrain import cli
@@ -203,12 +204,10 @@ def _start_and_wait_for_training(demo_data, run_dir, *extra) -> tuple[Forked, li
     proc = Forked(cli.main, cli_args(run_dir, demo_data, *extra), run_dir.parent)
     try:
         # A logged step: every rank has joined its collectives, so every rank's hang watchdog is running.
-        metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240  # (on a busy machine)
-        while proc.poll() is None and time.time() < deadline and not (
-                metrics.exists() and '"step"' in metrics.read_text()):
-            time.sleep(0.05)
+        metrics = run_dir / "metrics.jsonl"
+        until("a logged step", lambda: proc.poll() is not None or (
+            metrics.exists() and '"step"' in metrics.read_text()), 240, every=0.05)  # (240 s: on a busy machine)
         assert proc.poll() is None, proc.err[-3000:]
-        assert metrics.exists() and '"step"' in metrics.read_text(), "no step logged in 240 s"
     except BaseException:  # no run left behind
         proc.close()
         raise

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
-from helpers import Forked, run_forked
+from helpers import Forked, run_forked, until
 
 from hpctrain import cli
 from hpctrain.training.run import TrainingError, train
@@ -239,9 +238,7 @@ def test_resume_after_kill_equals_uninterrupted(demo_data, tmp_path):
     assert run_forked(cli.main, _args(ref, demo_data, steps), cwd=tmp_path, timeout=300).code == 0
     latest = run / "checkpoints" / "latest"
     with Forked(cli.main, _args(run, demo_data, steps), tmp_path) as proc:
-        deadline = time.time() + 240
-        while not latest.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
+        until("the first checkpoint", lambda: latest.exists() or proc.poll() is not None, 240, every=0.02)
         proc.kill()  # SIGKILL, reaped
     resumed_from = read_json(latest / "trainer_state.json")["run"]["step"]
     assert resumed_from < 40, "the run finished before it could be killed"
