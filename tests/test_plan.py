@@ -148,6 +148,30 @@ def test_does_not_fit_suggests(make_cfg):
     assert fits is None and "set cluster.gpu_mem_gb to check fit" in text
 
 
+def test_the_plans_node_line_is_what_a_submission_checks(make_cfg):
+    """With cluster.mem_gb (--mem, per node) the plan shows a node's ranks' host memory against it (on GPUs the
+    asynchronous checkpoint's copies: 4 tp ranks × 18.8 GiB of a 7B model), and says DOES NOT FIT exactly where a
+    submission is refused before sbatch."""
+    from hpctrain.core.errors import TrainingError
+    from hpctrain.launch.submit import check
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.training.planner import report
+
+    base = ("model=llama_7b", "precision=bf16", "parallel=tp2", "parallel.tp=4", "cluster.gpus_per_node=4",
+            "train.ckpt_async=true", "train.global_batch=8", "train.micro_batch=1")
+    for gib, verdict in ((32, "DOES NOT FIT"), (500, "FITS")):
+        cfg = make_cfg(*base, f"cluster.mem_gb={gib}", small_model=False)
+        text, _ = report(cfg, resolve(cfg, 4), 64, [])
+        line = next(ln for ln in text.splitlines() if ln.startswith("host memory per node: "))
+        assert line.startswith("host memory per node: 4 rank(s) × 18.83 GiB (train.ckpt_async's copy) = 75.32 GiB; "
+                               f"cluster.mem_gb={gib}: {verdict} "), line
+        if verdict == "FITS":
+            check(cfg)
+        else:
+            with pytest.raises(TrainingError, match=r"75\.3 GiB \(4 ranks × 18\.8 GiB\) of host memory"):
+                check(cfg)
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["model=llama_70b", "parallel.tp=3"], ["n_heads=64", "tp=3"]),
     (LLAMA_70B[:-3] + ["train.global_batch=16", "train.micro_batch=1", "train.seq_len=4096"],

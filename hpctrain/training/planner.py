@@ -311,7 +311,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
         line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
                  f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")
     out.append(line)
-    out += _step_time(cfg, plan, seq_len)
+    out += _step_time(cfg, plan, seq_len) + _node_lines(cfg, plan, rows, mode)
     worst = {k: max(total(r, k) for r in rows) for k in ("none", "full", mode)}
     cap = cfg.cluster.gpu_mem_gb
     if not cap:
@@ -329,6 +329,23 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     out.append(f"longest train.seq_len that fits this layout (micro_batch {plan.micro_batch}, ckpt={mode}): "
                + (f"{longest} tokens" if longest else "none (not even the shortest)"))
     return "\n".join(out), fits
+
+
+def _node_lines(cfg, plan: RunShape, rows: list[dict], mode: str) -> list[str]:
+    """With cluster.mem_gb (--mem, per node): what a node's ranks hold in host memory against it, as a submission
+    checks it (training/run.NodeMemory): on GPUs train.ckpt_async's copies, on CPUs their devices' memory too."""
+    gib = cfg.cluster.mem_gb
+    if not gib:
+        return []
+    gpus = bool(cfg.cluster.gpus_per_node)
+    ranks = min(cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node, plan.world)
+    per_rank = max(r["async_copy"] + (0 if gpus else total(r, mode)) for r in rows)
+    what = "train.ckpt_async's copy" if gpus else "its device's memory" + (
+        " and train.ckpt_async's copy" if any(r["async_copy"] for r in rows) else "")
+    need = ranks * per_rank
+    return [f"host memory per node: {ranks} rank(s) × {per_rank / GiB:.2f} GiB ({what}) = {need / GiB:.2f} GiB; "
+            f"cluster.mem_gb={gib}: {'FITS' if need <= gib * GiB else 'DOES NOT FIT'} (the processes' own memory "
+            "not counted)"]
 
 
 def longest_seq_len(cfg, plan: RunShape, mode: str, usable: float, stages: list[StageParams],
