@@ -54,8 +54,10 @@ def test_the_ranks_a_launcher_starts_on_a_node_share_its_memory(cgroup, demo_dat
         pytest.skip("needs 8 GiB free: the run must fit the machine and not the cgroup")
     inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(2 * 2**30)})
     big = ["model.dim=768", "model.n_layers=6", "model.n_heads=12", "model.n_kv_heads=12", "model.ffn_hidden=2048"]
+    from hpctrain.runtime.spawn import free_port
+
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # (no peer: a rank that got past the check fails at once)
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # (no peer: past the check, pg_timeout_s)
     p = subprocess.run([*inside, sys.executable, "-m", "hpctrain", *big, "model.vocab_size=512", "model.max_seq_len=64",
                         f"run_dir={tmp_path / 'run'}", f"data.path={demo_data}", "data.prepare_demo=false",
                         "parallel=ddp", "parallel.dp=2", "train.global_batch=8", "train.micro_batch=4",
@@ -73,19 +75,33 @@ def test_the_cgroup_limit_is_found_where_the_hierarchy_is_mounted(cgroup, tmp_pa
     /sys/fs/cgroup/memory: in a mount namespace with /sys/fs/cgroup hidden, (1) the whole hierarchy mounted elsewhere
     (a site's own mount point), (2) only the job's group bind-mounted (a container's view: /proc/self/cgroup still
     names the group by its path in the whole hierarchy). Both find the job's 2 GiB limit; with the fixed paths
-    neither did (this machine's available memory instead)."""
+    neither did (this machine's available memory instead). (3) Another group mounted (a sibling with a 1 GiB limit)
+    says nothing of this process's: its limit is not taken for the job's."""
+    from hpctrain.core.host import _cgroup_mounts
+
     if not shutil.which("unshare"):
         pytest.skip("needs unshare (util-linux)")
     inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(2 * 2**30)})
-    whole, job = tmp_path / "whole", tmp_path / "job"
-    whole.mkdir(), job.mkdir()
-    code = "from hpctrain.core.host import memory_headroom; print(memory_headroom())"
-    limited = f"{whole}/{inside.group.parent.name}"
-    script = (f"mount -t tmpfs none /sys/fs/cgroup && mount -t cgroup -o memory none {whole} && {sys.executable} -c "
-              f"'{code}' && mount --bind {limited} {job} && umount {whole} && {sys.executable} -c '{code}'")
-    p = subprocess.run(["unshare", "--mount", "--propagation", "private", *inside, "sh", "-c", script], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    sibling = inside.group.parent / "task_1"
+    sibling.mkdir()
+    try:
+        (sibling / "memory.limit_in_bytes").write_text(str(2**30))
+        whole, job = tmp_path / "whole", tmp_path / "job"
+        whole.mkdir(), job.mkdir()
+        # (where the hierarchy mounted whole holds the test's group: below the group this machine's view is rooted at)
+        limited = f"{whole}{_cgroup_mounts().get((1, 'memory'), ('/',))[0].rstrip('/')}/{inside.group.parent.name}"
+        show = f"{sys.executable} -c 'from hpctrain.core.host import memory_headroom; print(memory_headroom())'"
+        script = " && ".join([
+            "mount -t tmpfs none /sys/fs/cgroup", f"mount -t cgroup -o memory none {whole}", show,
+            f"mount --bind {limited} {job}", f"umount {whole}", show,
+            f"umount {job}", f"mount -t cgroup -o memory none {whole}", f"mount --bind {limited}/task_1 {job}",
+            f"umount {whole}", show])
+        p = subprocess.run(["unshare", "--mount", "--propagation", "private", *inside, "sh", "-c", script], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        sibling.rmdir()
     assert p.returncode == 0, p.stdout + p.stderr
     seen = [ast.literal_eval(line) for line in p.stdout.splitlines()]
-    assert [where for _, where in seen] == ["the memory left under this job's cgroup limit"] * 2, seen
-    assert all(0 < left <= 2 * 2**30 for left, _ in seen), seen
+    assert [where for _, where in seen] == ["the memory left under this job's cgroup limit"] * 2 + [
+        "this machine's available memory"], seen
+    assert all(0 < left <= 2 * 2**30 for left, _ in seen[:2]), seen

@@ -211,6 +211,12 @@ def test_a_node_s_ranks_are_the_launchers(monkeypatch):
                        "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_NODEID": "1"}.items():
         monkeypatch.setenv(var, value)
     assert launched_local_world() == 1
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2,3")
+    assert launched_local_world() == 3
+    monkeypatch.setenv("SLURM_HET_SIZE", "2")  # a heterogeneous job's lists are per component: not read
+    assert launched_local_world() == 1
+    monkeypatch.delenv("SLURM_HET_SIZE")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2,1")
     monkeypatch.setenv("SLURM_NODEID", "0")
     assert launched_local_world() == 2
     _slurm_env()

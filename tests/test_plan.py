@@ -172,6 +172,18 @@ def test_the_plans_node_line_is_what_a_submission_checks(make_cfg):
                 check(cfg)
 
 
+def test_a_nodes_ranks_are_summed_by_their_pipeline_stages():
+    """Pipeline stages are the mesh's outermost dimension: on nodes of consecutive ranks a node holds the stages of
+    its own ranks, not the worst stage's bytes on every rank (two stages of 3 and 1 GiB on 4 ranks: nodes of 2 hold
+    6 and 2, one node of 4 holds 8, not 12)."""
+    from hpctrain.training.planner import node_bytes
+
+    assert node_bytes([3.0, 1.0], 4, 2) == (6.0, 2)
+    assert node_bytes([3.0, 1.0], 4, 4) == (8.0, 4) == node_bytes([3.0, 1.0], 4, 8)
+    assert node_bytes([3.0, 1.0], 4, 1) == (3.0, 1)
+    assert node_bytes([1.0, 2.0, 5.0, 1.0], 8, 4) == (2 * 5.0 + 2 * 1.0, 4)
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["model=llama_70b", "parallel.tp=3"], ["n_heads=64", "tp=3"]),
     (LLAMA_70B[:-3] + ["train.global_batch=16", "train.micro_batch=1", "train.seq_len=4096"],

@@ -72,7 +72,9 @@ def _cgroups(controller: str) -> list[tuple[int, str]]:
             continue
         default = "/sys/fs/cgroup" if version == 2 else f"/sys/fs/cgroup/{controller}"  # (no mountinfo: the usual)
         root, point = mounts.get((version, controller if version == 1 else ""), ("/", default))
-        if root != "/" and (path + "/").startswith(root.rstrip("/") + "/"):
+        if root != "/":
+            if not (path + "/").startswith(root.rstrip("/") + "/"):
+                continue  # (another group mounted here: this process's own is not in sight)
             path = path[len(root.rstrip("/")):] or "/"
         while True:
             out.append((version, point.rstrip("/") + path.rstrip("/")))
@@ -99,8 +101,8 @@ def _cgroup_mounts() -> dict[tuple[int, str], tuple[str, str]]:
         fstype, *rest = line.split(" - ", 1)[1].split()  # (after the separator: type, source, super options)
         root, point = _unescape(fields[3]), _unescape(fields[4])
         keys = [(2, "")] if fstype == "cgroup2" else [(1, o) for o in rest[-1].split(",")] if fstype == "cgroup" else []
-        for key in keys:  # (the first one still in sight: a later mount may hide an earlier one)
-            if key not in found or not os.path.isfile(f"{found[key][1]}/cgroup.procs"):
+        for key in keys:  # a later mount on the same point, or on one above it, hides an earlier one
+            if key not in found or found[key][1] == point or not os.path.isfile(f"{found[key][1]}/cgroup.procs"):
                 found[key] = (root, point)
     return found
 

@@ -39,13 +39,16 @@ def launched_world() -> int | None:
 
 def launched_local_world() -> int | None:
     """Ranks the launcher started on this node: torchrun's (or our own launcher's) LOCAL_WORLD_SIZE, an srun step's
-    tasks on this node; 1 where a launcher says only the world; None when this process was started alone. (The
-    points of a packed sweep are steps of their own: another point's ranks on the node are not counted.)"""
+    tasks on this node; 1 where a launcher says only the world (or in a heterogeneous Slurm job); None when this
+    process was started alone. (The points of a packed sweep are steps of their own: another point's ranks on the
+    node are not counted.)"""
     e = os.environ
     if "LOCAL_WORLD_SIZE" in e:
         return int(e["LOCAL_WORLD_SIZE"])
     if launched_world() is None:
         return None
+    if "SLURM_HET_SIZE" in e:  # (a heterogeneous job's lists are per component: not read)
+        return 1
     return tasks_on_node(e.get("SLURM_STEP_TASKS_PER_NODE", ""), int(e.get("SLURM_NODEID", "0"))) or 1
 
 

@@ -69,7 +69,7 @@ def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | N
     planned = tuple(device for device, _ in stages)
     node = NodeMemory.here(shape.world) if local else NodeMemory.requested(cfg.cluster, per_node) if per_node else None
     if node is not None:
-        _check_memory(cfg, shape, seq_len, max(planned), max(host for _, host in stages), node)
+        _check_memory(cfg, shape, seq_len, stages, node)
     return Prepared(shape, data_dir, seq_len, planned)
 
 
@@ -193,25 +193,30 @@ class NodeMemory:
                    bool(cluster.gpus_per_node))
 
 
-def _check_memory(cfg, shape: RunShape, seq_len: int, worst: float, host: float, node: NodeMemory) -> None:
+def _check_memory(cfg, shape: RunShape, seq_len: int, stages: list[tuple[float, float]], node: NodeMemory) -> None:
     """Refuse a micro-batch that cannot fit: on a GPU against cluster.gpu_mem_gb when given; on the host, what all the
     node's ranks hold there (on a CPU their devices; train.ckpt_async's copies either way) against the node's memory.
     No CUDA call here: a process that asked CUDA anything can no longer fork its ranks. The planner's estimate
-    (`worst`: the most loaded device's bytes; `host`: a rank's host memory besides) is approximate, so only what
+    (`stages`: a device's bytes and a rank's host memory besides, per pipeline stage) is approximate, so only what
     exceeds the whole capacity is refused."""
-    gib = cfg.cluster.gpu_mem_gb
+    from hpctrain.training.planner import node_bytes
+
+    gib, worst = cfg.cluster.gpu_mem_gb, max(device for device, _ in stages)
     if node.gpus and gib and worst > gib * 2**30:  # one rank per device
         _refuse_micro_batch(cfg, shape, seq_len, f"{worst / 2**30:.1f} GiB", f"cluster.gpu_mem_gb={gib}", gib, "")
-    per_rank = host if node.gpus else worst + host
-    need = per_rank * node.ranks
+    per_rank = [host + (0 if node.gpus else device) for device, host in stages]
+    need, ranks = node_bytes(per_rank, shape.world, node.ranks)
     if node.cap is None or need <= node.cap:  # (an unknown capacity refuses nothing)
         return
-    need_text = f"{need / 2**30:.1f} GiB" + (f" ({node.ranks} ranks × {per_rank / 2**30:.1f} GiB)" if node.ranks > 1 else "")
+    each = " on average" if len(set(per_rank)) > 1 else ""
+    need_text = f"{need / 2**30:.1f} GiB" + (f" ({ranks} ranks × {need / ranks / 2**30:.1f} GiB{each})" if ranks > 1
+                                             else "")
     if node.gpus:
         raise TrainingError(
             f"train.ckpt_async=true keeps a host copy of each rank's checkpoint shard: a node's ranks need about "
             f"{need_text} of host memory, more than {node.where} ({node.cap / 2**30:.1f} GiB): "
             "train.ckpt_async=false, more host memory per node (cluster.mem_gb), or fewer ranks per node")
+    host = max(host for _, host in stages)
     hint = f", or train.ckpt_async=false (its host copy: {host / 2**30:.1f} GiB per rank)" if host else ""
     _refuse_micro_batch(cfg, shape, seq_len, need_text, node.where, node.cap / 2**30, hint)
 
