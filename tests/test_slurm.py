@@ -70,6 +70,21 @@ def test_two_node_job_equals_one_process(slurm, make_cfg, demo_data, tmp_path):
         assert abs(ref[s] - got[s]) <= 1e-5, (s, ref[s], got[s])
 
 
+@pytest.mark.timeout(120)
+def test_a_steps_ranks_per_node_are_what_srun_says(slurm):
+    """The memory check counts a node's ranks from the variables srun gives each task (core.slurm.tasks_on_node on
+    SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID): both are the step's own, also for a step on part of the allocation
+    (a supervised restart on the healthy nodes): 3 tasks on the last 2 of 3 nodes are 2 on the first, 1 on the other."""
+    code = ("import os\nfrom hpctrain.core.slurm import tasks_on_node\ne = os.environ\nprint(e['SLURM_PROCID'], "
+            "e['SLURMD_NODENAME'], tasks_on_node(e['SLURM_STEP_TASKS_PER_NODE'], int(e['SLURM_NODEID'])))")
+    p = subprocess.run(["salloc", "-N3", "-n6", "srun", "-N2", "-n3", "--relative=1", sys.executable, "-c", code],
+                       cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stdout + p.stderr
+    tasks = sorted(line.split() for line in p.stdout.splitlines())
+    assert [(rank, count) for rank, _, count in tasks] == [("0", "2"), ("1", "2"), ("2", "1")], p.stdout
+    assert tasks[0][1] == tasks[1][1] != tasks[2][1], p.stdout
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_rank_ends_the_job_in_seconds_and_is_named(slurm, slurm_jobs, demo_data, tmp_path, victim):
