@@ -44,7 +44,7 @@ def _restore_full_error() -> None:
 def _task(cfg: DictConfig) -> dict | None:
     from hpctrain.parallel.process_group import launched_rank
     from hpctrain.runtime.job import Stopped, quiet_other_ranks
-    from hpctrain.training.run import prepare, start, train
+    from hpctrain.training.run import check_checkpoint_space, prepare, start, train
 
     global _in_task
     _in_task = True
@@ -67,6 +67,7 @@ def _task(cfg: DictConfig) -> dict | None:
         if launched_rank() == 0:
             rundir.check_owned(run_dir)  # before anything (a log line) is written into someone else's directory
         prepared = prepare(cfg)
+        check_checkpoint_space(prepared, run_dir, cfg.train.ckpt_keep)
     except BAD_INPUT as e:
         rundir.remove_if_fresh(run_dir, _started)
         fail(where + str(e))

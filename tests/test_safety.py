@@ -6,6 +6,7 @@ looking complete. Each test fails on hpctrain before these guards (issue 26), by
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -16,7 +17,7 @@ import time
 
 import pytest
 from conftest import SMALL_MODEL
-from helpers import last_step, read, records, run_forked, tree_digest, until
+from helpers import WarningLines, last_step, read, records, run_forked, tree_digest, until
 
 from data_prep import shards as shards_cli
 from hpctrain import cli
@@ -485,3 +486,45 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
     with pytest.raises(OSError):
         atomic_write(str(tmp_path / "other.json"), "new")
     assert theirs.is_dir()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 4 MiB tmpfs mounted for the test (root only), unmounted after it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small filesystem")
+    path = tmp_path / "small"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)], check=True, timeout=30)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=True, timeout=30)
+
+
+def test_a_checkpoint_larger_than_the_run_dirs_free_space_is_refused_before_the_run(small_filesystem, demo_data,
+                                                                                    make_cfg, tmp_path):
+    """A run whose checkpoint (fp32 weights and Adam's state: 34.7 MiB here) cannot fit in what its run directory's
+    filesystem has free (4 MiB) is one line before it starts, and a submission before sbatch, not a failed save
+    after the queue wait and the steps before it; nothing is written. Where one fits but not train.ckpt_keep of them
+    beside the one being written, a warning."""
+    from hpctrain.training.run import check_checkpoint_space, prepare
+
+    bigger = ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.ffn_hidden=688"]
+    env = {"PATH": os.path.dirname(os.__file__)}  # (no sbatch: the submission is refused before it is looked for)
+    for launcher in ([], ["hydra/launcher=slurm"]):
+        ran = run_forked(cli.main, [*_cli(small_filesystem / "run", demo_data, *bigger), *launcher], cwd=tmp_path,
+                         env=env)
+        assert ran.code == 2 and len(ran.err_lines) == 1, ran.err
+        assert "a checkpoint of this run is about 34.7 MiB" in ran.err_lines[0] and "(fp32 weights and optimizer " \
+            f"state), more than is free on the filesystem of {small_filesystem / 'run'} (4.0 MiB)" in ran.err_lines[0]
+        assert os.listdir(small_filesystem) == [], launcher
+    # The tests' small model: 1.4 MiB a checkpoint; 4 MiB free hold the one kept and the one being written, not six.
+    prepared, logger = prepare(make_cfg()), logging.getLogger("hpctrain")
+    for keep, warned in ((1, False), (5, True)):
+        said = WarningLines()
+        logger.addHandler(said)
+        try:
+            check_checkpoint_space(prepared, str(small_filesystem / "run"), keep)
+        finally:
+            logger.removeHandler(said)
+        assert bool(said.messages) == warned and all(
+            f"train.ckpt_keep={keep}: the checkpoints still to be written" in m for m in said.messages), said.messages

@@ -242,3 +242,17 @@ def no_space(error: BaseException | None, path: str) -> str | None:
     except OSError:
         return None
     return f"no space left on device in {path}" if error is not None and st.f_bavail * st.f_frsize < MiB else None
+
+
+def free_bytes(path: str) -> float | None:
+    """Bytes the filesystem that holds (or would hold) `path` has free for this user (statvfs's f_bavail, from the
+    nearest directory that exists); None where it cannot say. A user or project quota (Lustre's `lfs quota`) is not
+    seen."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize

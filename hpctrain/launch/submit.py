@@ -30,14 +30,17 @@ _INIT_KEYS = {"submitit_folder", "max_num_timeout"}
 _ARRAY_TABLE_BYTES = 1 << 20  # an array's run-directory table in its script (sbatch refuses scripts over 4 MiB)
 
 
-def check(cfg) -> None:
+def check(cfg, run_dir: str | None = None):
     """Everything a job would check at its start, run on the login node before submitting: the memory check against
-    what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's."""
-    from hpctrain.training.run import prepare
+    what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's; with `run_dir` (or
+    a sweep's directory) also that a checkpoint fits in what its filesystem has free."""
+    from hpctrain.training.run import check_checkpoint_space, prepare
 
     shape = job_shape(cfg.parallel, cfg.cluster)
     min_nodes(cfg.parallel, cfg.cluster)
-    prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
+    prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
+    if run_dir is not None:
+        check_checkpoint_space(prepared, run_dir, cfg.train.ckpt_keep)
 
 
 _BAD_INPUT = (*BAD_INPUT, OSError)  # OSError: a sweep or submitit folder that cannot be made
@@ -144,7 +147,7 @@ class Submitting:
             try:
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(o))
                 configs.append(cfg)
-                check(cfg)
+                check(cfg, str(self.config.hydra.sweep.dir))
                 if job_shape(cfg.parallel, cfg.cluster) != job_shape(self.config.parallel, self.config.cluster):
                     raise ConfigError("sweep points must share one layout (one job shape per array): "
                                       "sweep parallel.*/cluster.* in separate commands")
@@ -250,7 +253,7 @@ class Submitting:
         folder = os.path.join(run_dir, ".submitit", "%j")
         try:
             rundir.check_owned(run_dir)
-            check(cfg)
+            check(cfg, run_dir)
             with rundir.claimed(run_dir, probe=True):  # marked a run's; not while another run lives there
                 executor = self.executor(folder, cfg.cluster)
                 rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there

@@ -47,7 +47,7 @@ from hpctrain.parallel.parallelize import (
 from hpctrain.parallel.process_group import local_device_count
 from hpctrain.runs.resolve import RunShape, resolve
 from hpctrain.training import optimizer, step_time
-from hpctrain.training.save_resume import host_copy_bytes
+from hpctrain.training.save_resume import checkpoint_bytes, host_copy_bytes
 
 GiB = 2**30
 HEADROOM = 0.9  # usable share of device memory: allocator fragmentation, NCCL buffers, CUDA context
@@ -273,6 +273,13 @@ def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
     memory its rank holds besides (train.ckpt_async's copy)."""
     mode = ActCkpt(cfg.parallel.activation_checkpointing).value
     return [(total(row, mode), row["async_copy"]) for row in estimate(cfg, plan, seq_len)["rows"]]
+
+
+def disk_bytes(cfg, plan: RunShape, seq_len: int) -> float:
+    """A checkpoint's bytes on disk: the whole model's fp32 parameters and optimizer state (save_resume)."""
+    stages = estimate(cfg, plan, seq_len)["stages"]
+    params = sum(s.sharded + s.replicated for s in stages)
+    return checkpoint_bytes(cfg.train, params, optimizer.state_bytes(cfg.optim, params, sum(s.factored for s in stages)))
 
 
 def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 
 from hpctrain.core.config import signal_number
 from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
-from hpctrain.core.files import RESULT_FILE, read_json
+from hpctrain.core.files import RESULT_FILE, free_bytes, read_json
 from hpctrain.core.host import memory_headroom
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.data.mixture import MixtureStream, Source, check_sources
@@ -45,6 +45,7 @@ class Prepared:
     data_dir: str
     seq_len: int
     planned: tuple[float, ...]
+    checkpoint: float = 0.0  # a checkpoint's bytes on disk (0: the run writes none)
 
 
 def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | None = None) -> Prepared:
@@ -63,14 +64,37 @@ def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | N
     _check_init_from(cfg, data_dir)
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
     eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing, cfg.cluster)
-    from hpctrain.training.planner import stage_bytes
+    from hpctrain.training.planner import disk_bytes, stage_bytes
 
     stages = stage_bytes(cfg, shape, seq_len)
     planned = tuple(device for device, _ in stages)
     node = NodeMemory.here(shape.world) if local else NodeMemory.requested(cfg.cluster, per_node) if per_node else None
     if node is not None:
         _check_memory(cfg, shape, seq_len, stages, node)
-    return Prepared(shape, data_dir, seq_len, planned)
+    return Prepared(shape, data_dir, seq_len, planned, disk_bytes(cfg, shape, seq_len))
+
+
+def check_checkpoint_space(prepared: Prepared, run_dir: str, keep: int) -> None:
+    """Refuse a run whose first checkpoint cannot fit in what its run directory's filesystem has free: found before
+    the queue wait and the hours before the first save, not by them. A warning where the train.ckpt_keep
+    checkpoints it keeps, and the one being written beside them, may not fit."""
+    need = prepared.checkpoint
+    free = free_bytes(checkpoint.root(run_dir)) if need else None
+    if free is None:
+        return
+    where = f"free on the filesystem of {run_dir} ({_size(free)})"
+    if need > free:
+        raise TrainingError(
+            f"a checkpoint of this run is about {_size(need)} (fp32 weights and optimizer state), more than is "
+            f"{where}: free space there, choose a run_dir on a larger filesystem, or train.checkpointing=false")
+    more = max(1, keep + 1 - len(checkpoint.complete_checkpoints(run_dir))) * need
+    if more > free and process_group.launched_rank() == 0:
+        log.warning("train.ckpt_keep=%d: the checkpoints still to be written (%s, %s each) may not fit in what is "
+                    "%s; a save that finds the disk full stops the run", keep, _size(more), _size(need), where)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _demo_requested(cfg, path: str) -> bool:
@@ -238,7 +262,9 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
     outside torchrun/srun, forks its N local ranks here; each runs `_rank_main`, as every process does
     under torchrun/srun.
     """
-    prepared = prepared or prepare(cfg)
+    if prepared is None:  # (the command line prepares, and checks, before it claims the run directory)
+        prepared = prepare(cfg)
+        check_checkpoint_space(prepared, run_dir, cfg.train.ckpt_keep)
     cfg = typed(cfg)  # from here on, each component is built from its group's dataclass
     with rundir.claimed(run_dir):  # (the main rank; re-entered when the CLI holds it already)
         os.makedirs(run_dir, exist_ok=True)

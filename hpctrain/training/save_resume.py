@@ -28,10 +28,16 @@ from hpctrain.training.step import params_finite
 log = logging.getLogger("hpctrain")
 
 
+def checkpoint_bytes(tcfg: TrainConfig, params: float, optim_state: float) -> float:
+    """A checkpoint of `params` parameters: fp32 parameters and the optimizer's state (on disk: every rank's share
+    once); 0 with train.checkpointing=false."""
+    return 4 * params + optim_state if tcfg.checkpointing else 0
+
+
 def host_copy_bytes(tcfg: TrainConfig, params: float, optim_state: float, shard: int) -> float:
-    """train.ckpt_async copies each rank's share of a checkpoint (fp32 parameters, optimizer state) to host memory
-    and keeps it between saves: host memory per rank, beside the device's."""
-    return (4 * params + optim_state) / shard if tcfg.ckpt_async and tcfg.checkpointing else 0
+    """train.ckpt_async copies each rank's share of a checkpoint to host memory and keeps it between saves: host
+    memory per rank, beside the device's."""
+    return checkpoint_bytes(tcfg, params, optim_state) / shard if tcfg.ckpt_async else 0
 
 
 class _NonFinite(Exception):
