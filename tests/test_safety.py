@@ -504,27 +504,44 @@ def test_a_checkpoint_larger_than_the_run_dirs_free_space_is_refused_before_the_
                                                                                     make_cfg, tmp_path):
     """A run whose checkpoint (fp32 weights and Adam's state: 34.7 MiB here) cannot fit in what its run directory's
     filesystem has free (4 MiB) is one line before it starts, and a submission before sbatch, not a failed save
-    after the queue wait and the steps before it; nothing is written. Where one fits but not train.ckpt_keep of them
-    beside the one being written, a warning."""
+    after the queue wait and the steps before it; so is a sweep whose points' first checkpoints together cannot
+    (3 × 1.43 MiB); nothing is written. Where one fits but not train.ckpt_keep of them beside the one being written, a
+    warning. A killed save's partial checkpoint counts as free (the next save removes it first); a run directory
+    under nothing but / here (a node-local path seen from a login node) is not checked."""
     from hpctrain.training.run import check_checkpoint_space, prepare
 
     bigger = ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.ffn_hidden=688"]
     env = {"PATH": os.path.dirname(os.__file__)}  # (no sbatch: the submission is refused before it is looked for)
-    for launcher in ([], ["hydra/launcher=slurm"]):
-        ran = run_forked(cli.main, [*_cli(small_filesystem / "run", demo_data, *bigger), *launcher], cwd=tmp_path,
-                         env=env)
+    sweep = [f"hydra.sweep.dir={small_filesystem / 'sweep'}", "optim.lr=1e-3,2e-3,3e-3", "-m"]
+    for launcher, words in (([], "a checkpoint of this run is about 34.7 MiB"),
+                            (["hydra/launcher=slurm"], "a checkpoint of this run is about 34.7 MiB"),
+                            (["hydra/launcher=slurm", *sweep], "the first checkpoints of the sweep's 3 points are "
+                                                               "about 4.3 MiB")):
+        model = bigger if "-m" not in launcher else []
+        argv = [*_cli(small_filesystem / "run", demo_data, *model), *launcher]
+        ran = run_forked(cli.main, argv[-1:] + argv[:-1] if "-m" in launcher else argv, cwd=tmp_path, env=env)
         assert ran.code == 2 and len(ran.err_lines) == 1, ran.err
-        assert "a checkpoint of this run is about 34.7 MiB" in ran.err_lines[0] and "(fp32 weights and optimizer " \
-            f"state), more than is free on the filesystem of {small_filesystem / 'run'} (4.0 MiB)" in ran.err_lines[0]
-        assert os.listdir(small_filesystem) == [], launcher
+        assert words in ran.err_lines[0] and "(fp32 weights and optimizer state), more than is free on the " \
+            f"filesystem of {small_filesystem / ('sweep' if '-m' in launcher else 'run')} (4.0 MiB)" \
+            in ran.err_lines[0], ran.err_lines[0]
+        made = [os.path.relpath(os.path.join(top, f), small_filesystem) for top, _, fs in os.walk(small_filesystem)
+                for f in fs]
+        assert made == (["sweep/multirun.yaml"] if "-m" in launcher else []), made  # (Hydra's record of a sweep)
     # The tests' small model: 1.4 MiB a checkpoint; 4 MiB free hold the one kept and the one being written, not six.
     prepared, logger = prepare(make_cfg()), logging.getLogger("hpctrain")
+    run = small_filesystem / "run"
     for keep, warned in ((1, False), (5, True)):
         said = WarningLines()
         logger.addHandler(said)
         try:
-            check_checkpoint_space(prepared, str(small_filesystem / "run"), keep)
+            check_checkpoint_space([prepared.checkpoint], str(run), keep)
         finally:
             logger.removeHandler(said)
         assert bool(said.messages) == warned and all(
             f"train.ckpt_keep={keep}: the checkpoints still to be written" in m for m in said.messages), said.messages
+    partial = run / "checkpoints" / ".tmp-step-0000005"
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"\0" * 3 * 2**20)  # 1 MiB left free
+    check_checkpoint_space([prepared.checkpoint], str(run), 1)
+    shutil.rmtree(run)
+    check_checkpoint_space([2.0**60], "/hpctrain-no-such-scratch/run", 1)

@@ -32,15 +32,17 @@ _ARRAY_TABLE_BYTES = 1 << 20  # an array's run-directory table in its script (sb
 
 def check(cfg, run_dir: str | None = None):
     """Everything a job would check at its start, run on the login node before submitting: the memory check against
-    what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's; with `run_dir` (or
-    a sweep's directory) also that a checkpoint fits in what its filesystem has free."""
+    what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's; with `run_dir` also
+    that a checkpoint fits in what its filesystem has free (a sweep's points: `check_sweep_space`). Returns the
+    prepared run."""
     from hpctrain.training.run import check_checkpoint_space, prepare
 
     shape = job_shape(cfg.parallel, cfg.cluster)
     min_nodes(cfg.parallel, cfg.cluster)
     prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
     if run_dir is not None:
-        check_checkpoint_space(prepared, run_dir, cfg.train.ckpt_keep)
+        check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
+    return prepared
 
 
 _BAD_INPUT = (*BAD_INPUT, OSError)  # OSError: a sweep or submitit folder that cannot be made
@@ -141,13 +143,15 @@ class Submitting:
                 if on:
                     fail(f"cluster.{key} restarts one run inside its allocation: submit runs one at a time (no -m), "
                          "or drop it for a sweep")
-        configs = []
+        from hpctrain.training.run import check_checkpoint_space
+
+        configs, checkpoints = [], []
         progress = Progress(len(job_overrides))
         for i, o in enumerate(job_overrides):
             try:
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(o))
                 configs.append(cfg)
-                check(cfg, str(self.config.hydra.sweep.dir))
+                checkpoints.append(check(cfg).checkpoint)
                 if job_shape(cfg.parallel, cfg.cluster) != job_shape(self.config.parallel, self.config.cluster):
                     raise ConfigError("sweep points must share one layout (one job shape per array): "
                                       "sweep parallel.*/cluster.* in separate commands")
@@ -157,6 +161,10 @@ class Submitting:
                 fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
             progress.tick(i + 1)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        try:  # every point writes a first checkpoint there (a warning: not the train.ckpt_keep of each)
+            check_checkpoint_space(checkpoints, str(sweep_dir), self.config.train.ckpt_keep)
+        except _BAD_INPUT as e:
+            fail(str(e))
         if self._EXECUTOR == "slurm" and self.config.cluster.pack > 1:
             return self._launch_packed(job_overrides, initial_job_idx, configs, sweep_dir)
         args = [(list(o), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",

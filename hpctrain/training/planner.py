@@ -275,11 +275,16 @@ def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
     return [(total(row, mode), row["async_copy"]) for row in estimate(cfg, plan, seq_len)["rows"]]
 
 
-def disk_bytes(cfg, plan: RunShape, seq_len: int) -> float:
-    """A checkpoint's bytes on disk: the whole model's fp32 parameters and optimizer state (save_resume)."""
-    stages = estimate(cfg, plan, seq_len)["stages"]
-    params = sum(s.sharded + s.replicated for s in stages)
-    return checkpoint_bytes(cfg.train, params, optimizer.state_bytes(cfg.optim, params, sum(s.factored for s in stages)))
+def disk_bytes(cfg) -> float:
+    """A checkpoint's bytes on disk: the model's fp32 parameters and optimizer state (save_resume), each parameter
+    once whatever the layout (counted as one stage: a tied embedding once, all experts; a tied weight's second
+    name and gradient compression's residuals not counted, so the figure errs low)."""
+    if not cfg.train.checkpointing:
+        return 0.0
+    spec = spec_of(cfg.model)
+    (whole,) = stage_params(spec.args(cfg.model), 1, 1, spec)
+    params = whole.sharded + whole.replicated
+    return checkpoint_bytes(cfg.train, params, optimizer.state_bytes(cfg.optim, params, whole.factored))
 
 
 def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:

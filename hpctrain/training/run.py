@@ -3,6 +3,7 @@ the layout needs several processes (`train`), and each rank's set-up around the 
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import signal
@@ -71,26 +72,48 @@ def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | N
     node = NodeMemory.here(shape.world) if local else NodeMemory.requested(cfg.cluster, per_node) if per_node else None
     if node is not None:
         _check_memory(cfg, shape, seq_len, stages, node)
-    return Prepared(shape, data_dir, seq_len, planned, disk_bytes(cfg, shape, seq_len))
+    return Prepared(shape, data_dir, seq_len, planned, disk_bytes(cfg))
 
 
-def check_checkpoint_space(prepared: Prepared, run_dir: str, keep: int) -> None:
-    """Refuse a run whose first checkpoint cannot fit in what its run directory's filesystem has free: found before
-    the queue wait and the hours before the first save, not by them. A warning where the train.ckpt_keep
-    checkpoints it keeps, and the one being written beside them, may not fit."""
-    need = prepared.checkpoint
-    free = free_bytes(checkpoint.root(run_dir)) if need else None
+def check_checkpoint_space(needs: list[float], run_dir: str, keep: int, resume: str = "auto") -> None:
+    """Refuse runs whose first checkpoints cannot fit in what `run_dir`'s filesystem has free (`needs`: a checkpoint's
+    bytes for each run writing there: one, or a sweep's points): found before the queue wait and the hours before the
+    first save, not by them. A warning where the train.ckpt_keep checkpoints each keeps, and the one being written
+    beside them, may not fit. A run directory that does not exist on a filesystem of its own here (its nearest
+    existing directory is /: a node-local path seen from a login node) is not checked."""
+    need, free = sum(needs), free_space(checkpoint.root(run_dir)) if any(needs) else None
     if free is None:
         return
     where = f"free on the filesystem of {run_dir} ({_size(free)})"
     if need > free:
-        raise TrainingError(
-            f"a checkpoint of this run is about {_size(need)} (fp32 weights and optimizer state), more than is "
-            f"{where}: free space there, choose a run_dir on a larger filesystem, or train.checkpointing=false")
-    more = max(1, keep + 1 - len(checkpoint.complete_checkpoints(run_dir))) * need
+        what = f"a checkpoint of this run is about {_size(need)}" if len(needs) == 1 else (
+            f"the first checkpoints of the sweep's {len(needs)} points are about {_size(need)}")
+        raise TrainingError(f"{what} (fp32 weights and optimizer state), more than is {where}: free space there, "
+                            "choose a run_dir on a larger filesystem, or train.checkpointing=false")
+    kept = 0 if resume == "never" or len(needs) > 1 else len(checkpoint.complete_checkpoints(run_dir))
+    more = max(1, keep + 1 - kept) * need
     if more > free and process_group.launched_rank() == 0:
-        log.warning("train.ckpt_keep=%d: the checkpoints still to be written (%s, %s each) may not fit in what is "
-                    "%s; a save that finds the disk full stops the run", keep, _size(more), _size(need), where)
+        log.warning("train.ckpt_keep=%d: the checkpoints still to be written (%s) may not fit in what is %s; a save "
+                    "that finds the disk full stops the run", keep, _size(more), where)
+
+
+def free_space(path: str) -> float | None:
+    """What the filesystem of `path` has free (core.files.free_bytes), with the partial checkpoints a killed save
+    left counted as free (the next save removes them first); None where there is no telling (above)."""
+    free = free_bytes(path)
+    if free is None or (not os.path.exists(path) and _nearest_existing(path) == "/"):
+        return None
+    for partial in glob.glob(os.path.join(path, ".tmp-step-*")):
+        for top, _, files in os.walk(partial):
+            free += sum(os.lstat(os.path.join(top, f)).st_size for f in files)
+    return free
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def _size(n: float) -> str:
@@ -264,7 +287,7 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
     """
     if prepared is None:  # (the command line prepares, and checks, before it claims the run directory)
         prepared = prepare(cfg)
-        check_checkpoint_space(prepared, run_dir, cfg.train.ckpt_keep)
+        check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
     cfg = typed(cfg)  # from here on, each component is built from its group's dataclass
     with rundir.claimed(run_dir):  # (the main rank; re-entered when the CLI holds it already)
         os.makedirs(run_dir, exist_ok=True)
