@@ -241,17 +241,21 @@ def preflight(argv: list[str]) -> int:
 
 
 def check_grid(argv: list[str]) -> int:
-    """`python -m hpctrain check key=v1,v2 ... [-- overrides]`: every point of the grid checked as its job would
-    check it at its start (config, layout, data), and the cluster's array limit; one line and exit 2 at the first
-    bad point. sbatch/sweep.sbatch runs it before it submits anything."""
+    """`python -m hpctrain check [--dir DIR] key=v1,v2 ... [-- overrides]`: every point of the grid checked as its
+    job would check it at its start (config, layout, data), the cluster's array limit, and with --dir that the
+    points' first checkpoints fit in what DIR's filesystem has free; one line and exit 2 at the first bad point.
+    sbatch/sweep.sbatch runs it before it submits anything."""
     from hpctrain.core.config import ConfigError
     from hpctrain.launch.submit import Progress, check, check_array_size, grid
+    from hpctrain.training.run import check_checkpoint_space
 
     if any(a in ("-h", "--help") for a in argv):
-        print(f"usage: {PROG} check key=v1,v2 [key=v1,v2 ...] [-- overrides]\nchecks every point of the grid as its "
-              "job would at its start (config, layout, data) and the cluster's job-array limit; submits nothing")
+        print(f"usage: {PROG} check [--dir DIR] key=v1,v2 [key=v1,v2 ...] [-- overrides]\nchecks every point of the "
+              "grid as its job would at its start (config, layout, data), the cluster's job-array limit and, with "
+              "--dir, that the points' first checkpoints fit in DIR's filesystem; submits nothing")
         return 0
-    points = grid(argv)
+    sweep_dir, argv = (argv[1], argv[2:]) if argv[:1] == ["--dir"] and len(argv) > 1 else (None, argv)
+    points, checkpoints = grid(argv), []
     try:
         check_array_size(len(points))
     except ConfigError as e:
@@ -259,12 +263,18 @@ def check_grid(argv: list[str]) -> int:
     progress = Progress(len(points))
     for i, overrides in enumerate(points):
         try:
-            check(compose(overrides))
+            cfg = compose(overrides)
+            checkpoints.append(check(cfg).checkpoint)
         except (HydraException, OmegaConfBaseException) as e:
             fail(f"sweep point #{i} ({' '.join(overrides)}): {hydra_error_line(e)}")
         except (*BAD_INPUT, OSError) as e:
             fail(f"sweep point #{i} ({' '.join(overrides)}): {e}")
         progress.tick(i + 1)
+    if sweep_dir is not None:
+        try:
+            check_checkpoint_space(checkpoints, sweep_dir, cfg.train.ckpt_keep)
+        except BAD_INPUT as e:
+            fail(str(e))
     print(f"hpctrain: {len(points)} sweep point{'s' if len(points) != 1 else ''} checked")
     return 0
 
@@ -319,8 +329,8 @@ def bench(argv: list[str]) -> int:
 COMMANDS = {
     "plan": ("layer map, memory per device, bubble and FLOPs of a layout; allocates nothing", plan),
     "preflight": ("cluster health check (GEMM, all-reduce, per node)", preflight),
-    "check": ("every point of a grid checked as its job would, nothing submitted: check key=v1,v2 [-- overrides]",
-              check_grid),
+    "check": ("every point of a grid checked as its job would, nothing submitted: check [--dir DIR] key=v1,v2 "
+              "[-- overrides]", check_grid),
     "generate": ("sample text from a run: generate run_dir=DIR prompt=TEXT", _tool("hpctrain.tools.generate")),
     "export-hf": ("a run's checkpoint as a transformers model: export-hf RUN_DIR OUT",
                   _tool("hpctrain.weights.export_hf")),

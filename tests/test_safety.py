@@ -527,6 +527,11 @@ def test_a_checkpoint_larger_than_the_run_dirs_free_space_is_refused_before_the_
         made = [os.path.relpath(os.path.join(top, f), small_filesystem) for top, _, fs in os.walk(small_filesystem)
                 for f in fs]
         assert made == (["sweep/multirun.yaml"] if "-m" in launcher else []), made  # (Hydra's record of a sweep)
+    # `hpctrain check --dir` (what sbatch/sweep.sbatch runs before it submits its array) on the same grid.
+    ran = run_forked(cli.main, ["check", "--dir", str(small_filesystem / "grid"), "optim.lr=1e-3,2e-3,3e-3", "--",
+                                f"data.path={demo_data}", "data.prepare_demo=false", *BASE], cwd=tmp_path, env=env)
+    assert ran.code == 2 and len(ran.err_lines) == 1, ran.err
+    assert "the first checkpoints of the sweep's 3 points are about 4.3 MiB" in ran.err_lines[0], ran.err_lines[0]
     # The tests' small model: 1.4 MiB a checkpoint; 4 MiB free hold the one kept and the one being written, not six.
     prepared, logger = prepare(make_cfg()), logging.getLogger("hpctrain")
     run = small_filesystem / "run"
