@@ -162,6 +162,8 @@ def test_the_plans_node_line_is_what_a_submission_checks(make_cfg):
     for gib, verdict in ((32, "DOES NOT FIT"), (500, "FITS")):
         cfg = make_cfg(*base, f"cluster.mem_gb={gib}", small_model=False)
         text, _ = report(cfg, resolve(cfg, 4), 64, [])
+        assert "\ncheckpoints on disk: 75.31 GiB each (fp32 weights and optimizer state); train.ckpt_keep=2 and the " \
+            "one being written: 225.92 GiB\n" in text, text
         line = next(ln for ln in text.splitlines() if ln.startswith("host memory per node: "))
         assert line.startswith("host memory per node: 4 rank(s) × 18.83 GiB (train.ckpt_async's copy) = 75.32 GiB; "
                                f"cluster.mem_gb={gib}: {verdict} "), line

@@ -323,7 +323,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
         line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
                  f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")
     out.append(line)
-    out += _step_time(cfg, plan, seq_len) + _node_lines(cfg, plan, rows, mode)
+    out += _step_time(cfg, plan, seq_len) + _node_lines(cfg, plan, rows, mode) + _disk_lines(cfg)
     worst = {k: max(total(r, k) for r in rows) for k in ("none", "full", mode)}
     cap = cfg.cluster.gpu_mem_gb
     if not cap:
@@ -367,6 +367,15 @@ def _node_lines(cfg, plan: RunShape, rows: list[dict], mode: str) -> list[str]:
             + (" on average" if len(set(per_rank)) > 1 else "") + f" ({what}) = {need / GiB:.2f} GiB; "
             f"cluster.mem_gb={gib}: {'FITS' if need <= gib * GiB else 'DOES NOT FIT'} (the processes' own memory "
             "not counted)"]
+
+
+def _disk_lines(cfg) -> list[str]:
+    """A checkpoint's size on disk, and what train.ckpt_keep of them take while the next is written."""
+    each, keep = disk_bytes(cfg), cfg.train.ckpt_keep
+    if not each:
+        return []
+    return [f"checkpoints on disk: {each / GiB:.2f} GiB each (fp32 weights and optimizer state); "
+            f"train.ckpt_keep={keep} and the one being written: {(keep + 1) * each / GiB:.2f} GiB"]
 
 
 def longest_seq_len(cfg, plan: RunShape, mode: str, usable: float, stages: list[StageParams],
