@@ -79,8 +79,8 @@ def test_the_cgroup_limit_is_found_where_the_hierarchy_is_mounted(cgroup, tmp_pa
     says nothing of this process's: its limit is not taken for the job's."""
     from hpctrain.core.host import _cgroup_mounts
 
-    if not shutil.which("unshare"):
-        pytest.skip("needs unshare (util-linux)")
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--mount", "true"], timeout=30).returncode != 0:
+        pytest.skip("needs unshare (util-linux) and mount namespaces")
     inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(2 * 2**30)})
     sibling = inside.group.parent / "task_1"
     sibling.mkdir()
