@@ -105,3 +105,19 @@ def test_the_cgroup_limit_is_found_where_the_hierarchy_is_mounted(cgroup, tmp_pa
     assert [where for _, where in seen] == ["the memory left under this job's cgroup limit"] * 2 + [
         "this machine's available memory"], seen
     assert all(0 < left <= 2 * 2**30 for left, _ in seen[:2]), seen
+
+
+def test_a_cuda_build_on_a_node_without_a_gpu_is_checked_as_training_on_the_host(monkeypatch, tmp_path):
+    """The default pip wheel of torch is a CUDA build, also on CPU nodes, where the ranks train on the host: the
+    memory check adds their devices' memory to the host's unless a GPU driver's device file is there (asked without a
+    CUDA call: the launcher forks its ranks afterwards)."""
+    import torch
+
+    from hpctrain.training import run
+
+    assert not run.NodeMemory.here(2).gpus  # (this machine: a CPU build)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(run, "GPU_DEVICE_FILES", (str(tmp_path / "nvidiactl"),))
+    assert not run.NodeMemory.here(2).gpus
+    (tmp_path / "nvidiactl").touch()
+    assert run.NodeMemory.here(2).gpus

@@ -227,10 +227,10 @@ class NodeMemory:
     def here(cls, world: int) -> NodeMemory:
         """This machine: the local ranks forked here, or the launcher's ranks on this node (torchrun's, the srun
         step's), each checking for all of them: they check before the process group starts, so before any holds
-        its model. A CPU-only torch trains on the host; a CUDA build on GPUs."""
+        its model. They train on GPUs with a CUDA build and a GPU driver, else on the host."""
         cap, where = memory_headroom() or (None, "")
         ranks = world if process_group.launched_world() is None else process_group.launched_local_world() or 1
-        return cls(ranks, cap, where, torch.backends.cuda.is_built())
+        return cls(ranks, cap, where, _trains_on_gpus())
 
     @classmethod
     def requested(cls, cluster, per_node: int) -> NodeMemory:
@@ -238,6 +238,17 @@ class NodeMemory:
         gib = cluster.mem_gb
         return cls(per_node, gib * 2**30 if gib else None, f"cluster.mem_gb={gib}, a node's --mem",
                    bool(cluster.gpus_per_node))
+
+
+# A GPU driver's device files: NVIDIA's, ROCm's, WSL's. (The default pip wheel of torch is a CUDA build, also on
+# nodes without a GPU, where it trains on the CPU.)
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def _trains_on_gpus() -> bool:
+    """Whether this machine's ranks will train on GPUs, asked without a CUDA call (a process that made one can no
+    longer fork its ranks): a CUDA (or ROCm) build of torch and a GPU driver's device file."""
+    return torch.backends.cuda.is_built() and any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
 def _check_memory(cfg, shape: RunShape, seq_len: int, stages: list[tuple[float, float]], node: NodeMemory) -> None:
