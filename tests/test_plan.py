@@ -180,10 +180,14 @@ def test_a_nodes_ranks_are_summed_by_their_pipeline_stages():
     6 and 2, one node of 4 holds 8, not 12)."""
     from hpctrain.training.planner import node_bytes
 
-    assert node_bytes([3.0, 1.0], 4, 2) == (6.0, 2)
-    assert node_bytes([3.0, 1.0], 4, 4) == (8.0, 4) == node_bytes([3.0, 1.0], 4, 8)
-    assert node_bytes([3.0, 1.0], 4, 1) == (3.0, 1)
-    assert node_bytes([1.0, 2.0, 5.0, 1.0], 8, 4) == (2 * 5.0 + 2 * 1.0, 4)
+    gpu_stages = [(10.0, 3.0), (20.0, 1.0)]  # (device, host) per stage: on GPUs the host bytes count
+    assert node_bytes(gpu_stages, True, 4, 2) == (6.0, 2, True)
+    assert node_bytes(gpu_stages, True, 4, 4) == (8.0, 4, True) == node_bytes(gpu_stages, True, 4, 8)
+    assert node_bytes(gpu_stages, True, 4, 1) == (3.0, 1, True)
+    assert node_bytes([(0.0, h) for h in (1.0, 2.0, 5.0, 1.0)], True, 8, 4) == (2 * 5.0 + 2 * 1.0, 4, True)
+    # on CPUs the device is the host: both count (stages of 13 and 21)
+    assert node_bytes(gpu_stages, False, 4, 2) == (42.0, 2, True)
+    assert node_bytes([(2.0, 1.0)], False, 4, 4) == (12.0, 4, False)
 
 
 @pytest.mark.parametrize("overrides, words", [

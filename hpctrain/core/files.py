@@ -248,11 +248,16 @@ def free_bytes(path: str) -> float | None:
     """Bytes the filesystem that holds (or would hold) `path` has free for this user (statvfs's f_bavail, from the
     nearest directory that exists); None where it cannot say. A user or project quota (Lustre's `lfs quota`) is not
     seen."""
-    path = os.path.abspath(path)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
     try:
-        st = os.statvfs(path)
+        st = os.statvfs(nearest_dir(path))
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def nearest_dir(path: str) -> str:
+    """`path` (absolute) if it is a directory, else its nearest ancestor that is."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path

@@ -33,7 +33,7 @@ _ARRAY_TABLE_BYTES = 1 << 20  # an array's run-directory table in its script (sb
 def check(cfg, run_dir: str | None = None):
     """Everything a job would check at its start, run on the login node before submitting: the memory check against
     what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's; with `run_dir` also
-    that a checkpoint fits in what its filesystem has free (a sweep's points: `check_sweep_space`). Returns the
+    that a checkpoint fits in what its filesystem has free (a sweep checks its points' sum itself). Returns the
     prepared run."""
     from hpctrain.training.run import check_checkpoint_space, prepare
 

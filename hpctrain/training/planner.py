@@ -343,13 +343,15 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     return "\n".join(out), fits
 
 
-def node_bytes(per_rank: list[float], world: int, per_node: int) -> tuple[float, int]:
-    """(the most any node's ranks hold together, how many ranks that node has): `per_rank[i]` for a rank of pipeline
-    stage i, stages being the mesh's outermost dimension (ranks [i·world/pp, (i+1)·world/pp) hold stage i), nodes of
+def node_bytes(stages: list[tuple[float, float]], gpus: bool, world: int, per_node: int) -> tuple[float, int, bool]:
+    """(the most host memory any node's ranks hold together, how many ranks that node has, whether they hold unequal
+    shares): a rank of pipeline stage i holds `stages[i]`'s host bytes, and on CPUs its device's too (stage_bytes'
+    pairs); stages are the mesh's outermost dimension (ranks [i·world/pp, (i+1)·world/pp) hold stage i), nodes hold
     `per_node` consecutive ranks, as Slurm's block distribution and the local launchers place them."""
+    per_rank = [host + (0 if gpus else device) for device, host in stages]
     n, per_stage = min(per_node, world), max(1, world // len(per_rank))
     return max(sum(per_rank[min(r // per_stage, len(per_rank) - 1)] for r in range(start, min(start + n, world)))
-               for start in range(0, world, n)), n
+               for start in range(0, world, n)), n, len(set(per_rank)) > 1
 
 
 def _node_lines(cfg, plan: RunShape, rows: list[dict], mode: str) -> list[str]:
@@ -357,14 +359,14 @@ def _node_lines(cfg, plan: RunShape, rows: list[dict], mode: str) -> list[str]:
     checks it (training/run.NodeMemory): on GPUs train.ckpt_async's copies, on CPUs their devices' memory too."""
     gib = cfg.cluster.mem_gb
     gpus = bool(cfg.cluster.gpus_per_node)
-    per_rank = [r["async_copy"] + (0 if gpus else total(r, mode)) for r in rows]
-    need, ranks = node_bytes(per_rank, plan.world, cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node)
+    need, ranks, unequal = node_bytes([(total(r, mode), r["async_copy"]) for r in rows], gpus, plan.world,
+                                      cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node)
     if not gib or not need:
         return []
     what = "train.ckpt_async's copy" if gpus else "its device's memory" + (
         " and train.ckpt_async's copy" if any(r["async_copy"] for r in rows) else "")
     return [f"host memory per node: {ranks} rank(s) × {need / ranks / GiB:.2f} GiB"
-            + (" on average" if len(set(per_rank)) > 1 else "") + f" ({what}) = {need / GiB:.2f} GiB; "
+            + (" on average" if unequal else "") + f" ({what}) = {need / GiB:.2f} GiB; "
             f"cluster.mem_gb={gib}: {'FITS' if need <= gib * GiB else 'DOES NOT FIT'} (the processes' own memory "
             "not counted)"]
 

@@ -13,7 +13,7 @@ import torch
 
 from hpctrain.core.config import signal_number
 from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
-from hpctrain.core.files import RESULT_FILE, free_bytes, read_json
+from hpctrain.core.files import RESULT_FILE, free_bytes, nearest_dir, read_json
 from hpctrain.core.host import memory_headroom
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.data.mixture import MixtureStream, Source, check_sources
@@ -101,19 +101,12 @@ def free_space(path: str) -> float | None:
     """What the filesystem of `path` has free (core.files.free_bytes), with the partial checkpoints a killed save
     left counted as free (the next save removes them first); None where there is no telling (above)."""
     free = free_bytes(path)
-    if free is None or (not os.path.exists(path) and _nearest_existing(path) == "/"):
+    if free is None or (not os.path.exists(path) and nearest_dir(path) == "/"):
         return None
     for partial in glob.glob(os.path.join(path, ".tmp-step-*")):
         for top, _, files in os.walk(partial):
             free += sum(os.lstat(os.path.join(top, f)).st_size for f in files)
     return free
-
-
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
 
 
 def _size(n: float) -> str:
@@ -262,11 +255,10 @@ def _check_memory(cfg, shape: RunShape, seq_len: int, stages: list[tuple[float, 
     gib, worst = cfg.cluster.gpu_mem_gb, max(device for device, _ in stages)
     if node.gpus and gib and worst > gib * 2**30:  # one rank per device
         _refuse_micro_batch(cfg, shape, seq_len, f"{worst / 2**30:.1f} GiB", f"cluster.gpu_mem_gb={gib}", gib, "")
-    per_rank = [host + (0 if node.gpus else device) for device, host in stages]
-    need, ranks = node_bytes(per_rank, shape.world, node.ranks)
+    need, ranks, unequal = node_bytes(stages, node.gpus, shape.world, node.ranks)
     if node.cap is None or need <= node.cap:  # (an unknown capacity refuses nothing)
         return
-    each = " on average" if len(set(per_rank)) > 1 else ""
+    each = " on average" if unequal else ""
     need_text = f"{need / 2**30:.1f} GiB" + (f" ({ranks} ranks × {need / ranks / 2**30:.1f} GiB{each})" if ranks > 1
                                              else "")
     if node.gpus:
