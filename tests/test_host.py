@@ -121,3 +121,24 @@ def test_a_cuda_build_on_a_node_without_a_gpu_is_checked_as_training_on_the_host
     assert not run.NodeMemory.here(2).gpus
     (tmp_path / "nvidiactl").touch()
     assert run.NodeMemory.here(2).gpus
+
+
+def test_the_local_launch_counts_gpus_without_a_cuda_runtime_call(monkeypatch, make_cfg):
+    """A run started without torchrun or srun forks its ranks from this process, and a forked child cannot use CUDA
+    once its parent made a CUDA runtime call (cudaGetDeviceCount, which torch.cuda.is_available() makes). Here torch
+    is a CUDA build whose NVML sees two GPUs, and the runtime call fails the test: parallel.dp=auto still finds them,
+    and nothing before the fork asks the runtime."""
+    import torch
+
+    from hpctrain.training.run import prepare
+
+    def runtime_call():
+        raise AssertionError("a CUDA runtime call before the ranks fork")
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", runtime_call, raising=False)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    with pytest.raises(AssertionError, match="runtime call"):
+        torch.cuda.is_available()  # (what the count used to ask)
+    assert prepare(make_cfg("parallel=ddp", "parallel.dp=auto")).shape.world == 2
