@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import deltas, one_line, run_layout
+from helpers import LAYOUT_RUN, deltas, one_line, run_layout
 
 from hpctrain.core.config import ConfigError, GradCompression
 from hpctrain.runs.resolve import resolve
@@ -149,6 +149,10 @@ COMPRESSED = {"powersgd": ("parallel.grad_compression=powersgd", "parallel.power
               "topk": ("parallel.grad_compression=topk", "parallel.topk_fraction=0.05")}
 
 
+def _bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory))
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("method", sorted(COMPRESSED))
 def test_compression_trains_and_its_residuals_survive_a_resume(make_cfg, tmp_path, method):
@@ -156,6 +160,7 @@ def test_compression_trains_and_its_residuals_survive_a_resume(make_cfg, tmp_pat
     falls, and a run stopped after step 3 and resumed takes steps 4-6 exactly as the uninterrupted one: the
     checkpoint holds each rank's residuals (and PowerSGD's warm-start matrices)."""
     from hpctrain.storage import checkpoint
+    from hpctrain.training.run import prepare
 
     six = (*DDP2, "train.max_steps=6", "train.ckpt_every=3", "parallel.compression_start_step=2")
     plain = run_layout(make_cfg, tmp_path / "plain", *six)
@@ -166,6 +171,11 @@ def test_compression_trains_and_its_residuals_survive_a_resume(make_cfg, tmp_pat
     run_layout(make_cfg, tmp_path / "saved", *DDP2, "parallel.compression_start_step=2", "train.ckpt_every=3",
                *COMPRESSED[method])
     step3 = os.path.join(tmp_path / "saved", "checkpoints", "step-0000003")
+    # On disk the residuals add what the planner counts for them (prepare's checkpoint size, which the disk space
+    # check uses): every replica's, within 10 %.
+    added = _bytes(step3) - _bytes(tmp_path / "plain" / "checkpoints" / "step-0000003")
+    planned = [prepare(make_cfg(*LAYOUT_RUN, *DDP2, *more)).checkpoint for more in ((), COMPRESSED[method])]
+    assert added == pytest.approx(planned[1] - planned[0], rel=0.1), (added, planned)
     keys = checkpoint._SafeReader(step3).metadata.state_dict_metadata
     assert "comm.shared.iter" in keys and ("comm.shared.q.0" in keys) == (method == "powersgd")
     for r in (0, 1):

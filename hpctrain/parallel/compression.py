@@ -39,6 +39,12 @@ def memory_terms(params: int, largest_grad: int, undo: bool) -> dict[str, Term]:
             "reducing": Term(reduced=3 * min(max(BUCKET_BYTES, largest_grad), 4 * params))}
 
 
+def saved_bytes(params: int, replicas: int) -> float:
+    """What the compressor adds to a checkpoint: each data-parallel replica's residuals (4·P fp32 each: every rank
+    saves its own). PowerSGD's warm-start factors are small and not counted."""
+    return 4 * params * replicas
+
+
 class Bucket:
     """The `GradBucket` interface DDP's communication hooks read: one flat buffer and its gradients as views."""
 

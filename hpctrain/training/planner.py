@@ -17,6 +17,8 @@ the planner gathers them per pipeline stage and takes the worst moment (`total`)
                                                                   gradients are compressed, with its residual)
   host copy               training/save_resume.host_copy_bytes   train.ckpt_async, host memory beside the device's
 
+A checkpoint on disk (disk_bytes): save_resume.checkpoint_bytes, plus parallel/compression.saved_bytes.
+
 Verdict: worst stage <= 90 % of cluster.gpu_mem_gb. docs/planner.md gives the measured accuracy and how it was
 measured.
 """
@@ -151,13 +153,17 @@ class _Run:
     tokens: int  # of one micro-batch
     seq_len: int
 
+    @staticmethod
+    def compressing(p, plan: RunShape) -> bool:
+        return plan.layout.dp > 1 and GradCompression(p.grad_compression) != GradCompression.none
+
     @classmethod
     def of(cls, cfg, plan: RunShape, seq_len: int) -> _Run:
         spec, layout, p = spec_of(cfg.model), plan.layout, cfg.parallel
         low = PrecisionName(cfg.precision.name) in (PrecisionName.bf16, PrecisionName.fp16)
         return cls(cfg, plan, spec, spec.args(cfg.model), c=2 if low else 4,
                    shard=layout.reduce_ranks if p.zero_stage >= 2 else 1,
-                   compressed=layout.dp > 1 and GradCompression(p.grad_compression) != GradCompression.none,
+                   compressed=cls.compressing(p, plan),
                    m=plan.grad_accum if layout.pipelined else 1, tokens=seq_len * plan.micro_batch // layout.cp,
                    seq_len=seq_len)
 
@@ -275,16 +281,17 @@ def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
     return [(total(row, mode), row["async_copy"]) for row in estimate(cfg, plan, seq_len)["rows"]]
 
 
-def disk_bytes(cfg) -> float:
+def disk_bytes(cfg, plan: RunShape) -> float:
     """A checkpoint's bytes on disk: the model's fp32 parameters and optimizer state (save_resume), each parameter
     once whatever the layout (counted as one stage: a tied embedding once, all experts; a tied weight's second
-    name and gradient compression's residuals not counted, so the figure errs low)."""
+    name not counted, so the figure errs low), and with parallel.grad_compression every replica's residuals."""
     if not cfg.train.checkpointing:
         return 0.0
     spec = spec_of(cfg.model)
     (whole,) = stage_params(spec.args(cfg.model), 1, 1, spec)
     params = whole.sharded + whole.replicated
-    return checkpoint_bytes(cfg.train, params, optimizer.state_bytes(cfg.optim, params, whole.factored))
+    residuals = compression.saved_bytes(params, plan.layout.dp) if _Run.compressing(cfg.parallel, plan) else 0
+    return checkpoint_bytes(cfg.train, params, optimizer.state_bytes(cfg.optim, params, whole.factored)) + residuals
 
 
 def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
@@ -323,7 +330,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
         line += (f"; ideal step time at {MFU:.0%} MFU on {plan.world} × {peak:g} TFLOPS: "
                  f"{e['flops'] / (plan.world * peak * 1e12 * MFU):.2f} s")
     out.append(line)
-    out += _step_time(cfg, plan, seq_len) + _node_lines(cfg, plan, rows, mode) + _disk_lines(cfg)
+    out += _step_time(cfg, plan, seq_len) + _node_lines(cfg, plan, rows, mode) + _disk_lines(cfg, plan)
     worst = {k: max(total(r, k) for r in rows) for k in ("none", "full", mode)}
     cap = cfg.cluster.gpu_mem_gb
     if not cap:
@@ -371,12 +378,14 @@ def _node_lines(cfg, plan: RunShape, rows: list[dict], mode: str) -> list[str]:
             "not counted)"]
 
 
-def _disk_lines(cfg) -> list[str]:
+def _disk_lines(cfg, plan: RunShape) -> list[str]:
     """A checkpoint's size on disk, and what train.ckpt_keep of them take while the next is written."""
-    each, keep = disk_bytes(cfg), cfg.train.ckpt_keep
+    each, keep = disk_bytes(cfg, plan), cfg.train.ckpt_keep
     if not each:
         return []
-    return [f"checkpoints on disk: {each / GiB:.2f} GiB each (fp32 weights and optimizer state); "
+    what = "fp32 weights and optimizer state" + (", every replica's residuals" if _Run.compressing(cfg.parallel, plan)
+                                                  else "")
+    return [f"checkpoints on disk: {each / GiB:.2f} GiB each ({what}); "
             f"train.ckpt_keep={keep} and the one being written: {(keep + 1) * each / GiB:.2f} GiB"]
 
 

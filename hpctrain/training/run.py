@@ -72,7 +72,7 @@ def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | N
     node = NodeMemory.here(shape.world) if local else NodeMemory.requested(cfg.cluster, per_node) if per_node else None
     if node is not None:
         _check_memory(cfg, shape, seq_len, stages, node)
-    return Prepared(shape, data_dir, seq_len, planned, disk_bytes(cfg))
+    return Prepared(shape, data_dir, seq_len, planned, disk_bytes(cfg, shape))
 
 
 def check_checkpoint_space(needs: list[float], run_dir: str, keep: int, resume: str = "auto") -> None:
