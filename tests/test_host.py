@@ -30,7 +30,7 @@ def test_a_run_larger_than_its_cgroup_memory_limit_is_refused_before_it_starts(c
     from hpctrain.core.host import memory_headroom
 
     limit = 2 * 2**30
-    if (memory_headroom() or (0,))[0] < 8 * 2**30:
+    if (memory_headroom()[0] or 0) < 8 * 2**30:
         pytest.skip("needs 8 GiB free: the run must fit the machine and not the cgroup")
     inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(limit)})
     p = subprocess.run([*inside, sys.executable, "-m", "hpctrain", "model=llama_350m", f"run_dir={tmp_path / 'run'}",
@@ -50,7 +50,7 @@ def test_the_ranks_a_launcher_starts_on_a_node_share_its_memory(cgroup, demo_dat
     checked for itself, both started and the kernel would kill them at the limit."""
     from hpctrain.core.host import memory_headroom
 
-    if (memory_headroom() or (0,))[0] < 8 * 2**30:
+    if (memory_headroom()[0] or 0) < 8 * 2**30:
         pytest.skip("needs 8 GiB free: the run must fit the machine and not the cgroup")
     inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(2 * 2**30)})
     big = ["model.dim=768", "model.n_layers=6", "model.n_heads=12", "model.n_kv_heads=12", "model.ffn_hidden=2048"]

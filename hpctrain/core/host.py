@@ -8,10 +8,10 @@ import os
 import re
 
 
-def memory_headroom() -> tuple[float, str] | None:
+def memory_headroom() -> tuple[float | None, str]:
     """(bytes this process can still get, what bounds them): the machine's MemAvailable, or less under a cgroup
     memory limit (a Slurm job's --mem, a container's --memory), whose kernel kills the job at the limit however much
-    the machine has left. None where neither says."""
+    the machine has left. (None, "") where neither says."""
     found = []
     try:
         with open("/proc/meminfo") as f:
@@ -23,7 +23,7 @@ def memory_headroom() -> tuple[float, str] | None:
     left = _cgroup_memory_left()
     if left is not None:
         found.append((left, "the memory left under this job's cgroup limit"))
-    return min(found, key=lambda f: f[0], default=None)
+    return min(found, key=lambda f: f[0], default=(None, ""))
 
 
 def _cgroup_memory_left() -> float | None:

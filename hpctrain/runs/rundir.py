@@ -299,7 +299,7 @@ def _check_run_config(cfg: DictConfig, config: str) -> None:
         params, buffers = resident_bytes(cfg.model)
     except Exception as e:  # noqa: BLE001 - a range, a missing key, a wrong type: one line whatever it is
         raise RunDirError(f"{config}: {' '.join(str(e).split())}: restore it from a copy of the run") from None
-    cap, where = memory_headroom() or (None, "")
+    cap, where = memory_headroom()
     if cap is not None and params + buffers > cap:
         raise RunDirError(
             f"the model of {config} needs {(params + buffers) / 2**30:.1f} GiB before any activation, more than "

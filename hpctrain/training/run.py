@@ -221,7 +221,7 @@ class NodeMemory:
         """This machine: the local ranks forked here, or the launcher's ranks on this node (torchrun's, the srun
         step's), each checking for all of them: they check before the process group starts, so before any holds
         its model. They train on GPUs with a CUDA build and a GPU driver, else on the host."""
-        cap, where = memory_headroom() or (None, "")
+        cap, where = memory_headroom()
         ranks = world if process_group.launched_world() is None else process_group.launched_local_world() or 1
         return cls(ranks, cap, where, _trains_on_gpus())
 
