@@ -447,3 +447,36 @@ def test_rotation_keeps_what_it_just_wrote_and_cut_short_leaves_no_stray(small_r
     os.makedirs(os.path.join(checkpoint.root(run), "step-0000009"))  # a copy the user may expect to continue from
     with pytest.raises(checkpoint.CheckpointError, match="step-0000009 is not a complete checkpoint"):
         checkpoint.check_no_strays(run)
+
+
+def test_a_save_that_the_time_limits_warning_leaves_no_time_for_is_warned():
+    """Under Slurm a save at the time limit's warning must finish within cluster.signal_lead_s: the stop takes effect
+    up to two steps after the signal, then the save is written. Said at the first save where it fits; warned once,
+    with the lead to submit with, where it would not (the save would be killed and the requeue lose its steps);
+    nothing outside Slurm (no lead) or on ranks other than the main one."""
+    from hpctrain.training.save_resume import SignalLead
+
+    logger = logging.getLogger("hpctrain")
+    handler, level = WarningLines(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        fits, tight, off, other = (SignalLead(120, True), SignalLead(10, True), SignalLead(None, True),
+                                   SignalLead(10, False))
+        for lead in (fits, tight, off, other):
+            lead.after_write(99.0)  # no step timed yet: nothing to say
+            lead.after_step(), lead.after_step()  # two steps' ends: the time between them is a step
+            assert 0 <= lead.step_s < 1
+            lead.step_s = 3.0
+        fits.after_write(5.0), fits.after_write(6.0)
+        tight.after_write(5.0), tight.after_write(50.0)
+        off.after_write(500.0), other.after_write(500.0)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert handler.messages == [
+        "a save at the time limit's warning signal needs about 11.0 s (two steps of 3.00 s and a write of 5.00 s) of "
+        "the 120 s cluster.signal_lead_s gives",
+        "a save at the time limit's warning signal would need about 11 s (two steps of 3.00 s and a write of 5.00 s), "
+        "more than cluster.signal_lead_s=10: it would be killed and the requeued run resume from the checkpoint "
+        "before; submit with cluster.signal_lead_s=20 (an sbatch template: --signal=USR2@20)"]

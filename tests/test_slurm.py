@@ -259,7 +259,11 @@ def test_submitted_run_preempted_requeues_and_matches(slurm, data_env, make_cfg,
     until("the job to end", lambda: job_gone(job), 200, every=1)
     slurm_doc = json.loads(read(run / "slurm.json"))
     assert slurm_doc["restart_count"] == 1, (slurm_doc, _job_logs(run))
-    assert "stopped by SIGUSR2" in read(run / "train.log")
+    log = read(run / "train.log")
+    assert "stopped by SIGUSR2" in log
+    # the save at the signal, measured against the lead Slurm gives before the kill (the default 120 s)
+    assert re.search(r"a save at the time limit's warning signal needs about [\d.]+ s \(two steps of [\d.]+ s and "
+                     r"a write of [\d.]+ s\) of the 120 s cluster.signal_lead_s gives", log), log
     _assert_same_run(run, ref, steps)
 
 

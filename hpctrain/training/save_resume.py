@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,43 @@ def host_copy_bytes(tcfg: TrainConfig, params: float, optim_state: float, shard:
     return checkpoint_bytes(tcfg, params, optim_state) / shard if tcfg.ckpt_async else 0
 
 
+class SignalLead:
+    """Under Slurm: whether a save at the time limit's warning signal, `lead_s` (cluster.signal_lead_s) before the
+    kill, can finish. A stop takes effect one step after the step its signal arrives in (StopSignals' overlapped
+    vote), so the save starts up to two steps after the signal, and must then be written: said at the first save,
+    warned (once) at a save that would not fit, since such a save is killed and the requeued run resumes from the
+    checkpoint before it."""
+
+    def __init__(self, lead_s: float | None, main: bool):
+        self.lead_s, self.main = lead_s, main
+        self.step_s = math.inf  # the shortest time between two steps' ends seen: a step without saves or evaluations
+        self._last: float | None = None
+        self._told = self._warned = False
+
+    def after_step(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.step_s = min(self.step_s, now - self._last)
+        self._last = now
+
+    def after_write(self, write_s: float) -> None:
+        if self.lead_s is None or not self.main or self._warned or math.isinf(self.step_s):
+            return
+        need = 2 * self.step_s + write_s
+        how = f"two steps of {self.step_s:.2f} s and a write of {write_s:.2f} s"
+        if need > self.lead_s:
+            self._warned = True
+            more = 10 * math.ceil(1.25 * need / 10)
+            log.warning("a save at the time limit's warning signal would need about %.0f s (%s), more than "
+                        "cluster.signal_lead_s=%g: it would be killed and the requeued run resume from the checkpoint "
+                        "before; submit with cluster.signal_lead_s=%d (an sbatch template: --signal=USR2@%d)",
+                        need, how, self.lead_s, more, more)
+        elif not self._told:
+            self._told = True
+            log.info("a save at the time limit's warning signal needs about %.1f s (%s) of the %g s "
+                     "cluster.signal_lead_s gives", need, how, self.lead_s)
+
+
 class _NonFinite(Exception):
     """The weights of a checkpoint being written are not all finite (on some rank)."""
 
@@ -71,11 +109,12 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str, t: TrainConfig, model, optimizer, parts: dict, optional: dict | None = None,
-                 timeout_s: float = 600.0, expected: dict | None = None, mtbf_s: float | None = None):
+                 timeout_s: float = 600.0, expected: dict | None = None, mtbf_s: float | None = None,
+                 lead: SignalLead | None = None):
         """`t`: the run's `train` config (ckpt_every, ckpt_keep, max_steps, checkpointing, ckpt_async,
         ckpt_write_threads); `timeout_s`: the background writes' group timeout; `expected`: the whole model's
         weights (ModelSpec.weights), which a checkpoint must hold exactly to be loaded; `mtbf_s`: the job's mean
-        time between failures (for ckpt_every=auto)."""
+        time between failures (for ckpt_every=auto); `lead`: the time limit's warning, checked against each write."""
         self.run_dir, self.keep, self.last_step = run_dir, t.ckpt_keep, t.max_steps
         # (auto without checkpoints has no save to measure: the weights are then checked at the end only)
         self.cadence = Cadence(t.ckpt_every if t.checkpointing or t.ckpt_every != "auto" else 0, mtbf_s)
@@ -84,6 +123,7 @@ class Checkpointer:
         self.model, self.optimizer, self.timeout_s = model, optimizer, timeout_s
         self.parts, self.optional, self.expected = parts, optional or {}, expected
         self._settings = hyperparameters(optimizer)  # as built from optim.*: they win over a checkpoint's
+        self.lead = lead or SignalLead(None, False)
         self.stall_s: list[float] = []
         self.write_s: list[float] = []
         self._writing: _Write | None = None
@@ -98,6 +138,8 @@ class Checkpointer:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint")
 
     def due(self, step: int, stopping: bool = False) -> bool:
+        """After each step: whether it ends with a save."""
+        self.lead.after_step()
         return bool(stopping or self.cadence.due(step) or step == self.last_step)
 
     def save(self, step: int) -> None:
@@ -125,6 +167,7 @@ class Checkpointer:
             self.stall_s.append(time.perf_counter() - t0)
             self.write_s.append(self.stall_s[-1])
             log.info("checkpoint %s written in %.2f s", path, self.write_s[-1])
+            self.lead.after_write(self.write_s[-1])
         self.cadence.saved(step, self.stall_s[-1])
 
     def _write(self, staged: dict, tmp: str, step: int, trainer_state: dict) -> float:
@@ -168,6 +211,7 @@ class Checkpointer:
             raise self._failed(w.step, error)
         self.write_s.append(finished - w.started)
         log.info("checkpoint step %d written in %.2f s (in the background)", w.step, self.write_s[-1])
+        self.lead.after_write(self.write_s[-1])
 
     def _failed(self, step: int, error: BaseException | None) -> TrainingError:
         """The partial directory of a failed background write removed; the line that says why."""

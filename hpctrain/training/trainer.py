@@ -43,7 +43,7 @@ from hpctrain.training.gc_schedule import GcSchedule
 from hpctrain.training.model_init import build_model, load_initial_weights
 from hpctrain.training.optimizer import build_optimizer, build_scheduler, step_passes
 from hpctrain.training.precision import compute_dtype, setup_precision
-from hpctrain.training.save_resume import Checkpointer
+from hpctrain.training.save_resume import Checkpointer, SignalLead
 from hpctrain.training.spikes import LossSpikeGuard, Rollback
 from hpctrain.training.state import RunState
 from hpctrain.training.step import StepStatus, build_train_step, params_finite
@@ -114,7 +114,9 @@ class Trainer:
                                          {"run": self.state, "scheduler": self.scheduler},
                                          {"scaler": self.precision.scaler, "loss_spike": self.spikes},
                                          self.cfg.cluster.pg_timeout_s, spec.weights(spec.args(self.cfg.model)),
-                                         self._node_mtbf_h() * 3600 / job.job_nodes())
+                                         self._node_mtbf_h() * 3600 / job.job_nodes(),
+                                         SignalLead(self.cfg.cluster.signal_lead_s if job.in_slurm_job() else None,
+                                                    self.env.is_main))
         self._start_weights(start)
 
     def _node_mtbf_h(self) -> float:
