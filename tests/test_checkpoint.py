@@ -450,10 +450,11 @@ def test_rotation_keeps_what_it_just_wrote_and_cut_short_leaves_no_stray(small_r
 
 
 def test_a_save_that_the_time_limits_warning_leaves_no_time_for_is_warned():
-    """Under Slurm a save at the time limit's warning must finish within cluster.signal_lead_s: the stop takes effect
-    up to two steps after the signal, then the save is written. Said at the first save where it fits; warned once,
-    with the lead to submit with, where it would not (the save would be killed and the requeue lose its steps);
-    nothing outside Slurm (no lead) or on ranks other than the main one."""
+    """Under Slurm a save at the time limit's warning must finish within cluster.signal_lead_s. At worst the signal
+    finds a periodic save under way and an evaluation to run, then two steps go by before the stop, then its own save
+    is written: 2 steps (the longest after the first) + the longest evaluation + 2 writes. Said at the first save
+    that can tell; warned once, with the lead to submit with, where it would not fit (the save would be killed and the
+    requeue lose its steps); nothing outside Slurm (no lead) or on ranks other than the main one."""
     from hpctrain.training.save_resume import SignalLead
 
     logger = logging.getLogger("hpctrain")
@@ -461,22 +462,26 @@ def test_a_save_that_the_time_limits_warning_leaves_no_time_for_is_warned():
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        fits, tight, off, other = (SignalLead(120, True), SignalLead(10, True), SignalLead(None, True),
-                                   SignalLead(10, False))
+        fits, tight, off, other = (SignalLead(120, "USR2", True), SignalLead(20, "USR1", True),
+                                   SignalLead(None, "USR2", True), SignalLead(1, "USR2", False))
         for lead in (fits, tight, off, other):
-            lead.after_write(99.0)  # no step timed yet: nothing to say
-            lead.after_step(), lead.after_step()  # two steps' ends: the time between them is a step
-            assert 0 <= lead.step_s < 1
-            lead.step_s = 3.0
+            lead.after_step(60.0)  # (the first: not counted)
+            lead.after_write(5.0)  # no step timed yet: nothing to say
+            lead.after_step(3.0), lead.after_step(2.0)
         fits.after_write(5.0), fits.after_write(6.0)
+        tight.after_eval(0.0), tight.after_eval(4.0), tight.after_eval(1.0)
         tight.after_write(5.0), tight.after_write(50.0)
         off.after_write(500.0), other.after_write(500.0)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert handler.messages == [
-        "a save at the time limit's warning signal needs about 11.0 s (two steps of 3.00 s and a write of 5.00 s) of "
-        "the 120 s cluster.signal_lead_s gives",
-        "a save at the time limit's warning signal would need about 11 s (two steps of 3.00 s and a write of 5.00 s), "
-        "more than cluster.signal_lead_s=10: it would be killed and the requeued run resume from the checkpoint "
-        "before; submit with cluster.signal_lead_s=20 (an sbatch template: --signal=USR2@20)"]
+        "a save at the time limit's warning signal needs at most about 16.0 s (two steps of 3.00 s, and two writes of "
+        "5.00 s: one the signal may find under way, then its own) of the 120 s cluster.signal_lead_s gives",
+        "a save at the time limit's warning signal needs at most about 20.0 s (two steps of 3.00 s, an evaluation of "
+        "4.00 s, and two writes of 5.00 s: one the signal may find under way, then its own) of the 20 s "
+        "cluster.signal_lead_s gives",
+        "a save at the time limit's warning signal could need about 110 s (two steps of 3.00 s, an evaluation of "
+        "4.00 s, and two writes of 50.00 s: one the signal may find under way, then its own), more than "
+        "cluster.signal_lead_s=20: it would be killed and the requeued run resume from the checkpoint before; submit "
+        "with cluster.signal_lead_s=140 (an sbatch template: --signal=USR1@140)"]

@@ -56,7 +56,8 @@ def local_device_count() -> int:
     """Ranks this machine can start (for parallel.dp=auto): one per GPU, or one without. Counted through NVML
     (torch.cuda.device_count), not the CUDA runtime: the local launcher forks its ranks after this, and after a
     runtime call (torch.cuda.is_available() makes one unless PYTORCH_NVML_BASED_CUDA_CHECK=1) CUDA does not work
-    in a forked child. (Where NVML cannot be loaded, torch falls back to the runtime.)"""
+    in a forked child. (Where NVML cannot answer, no library or MIG devices in CUDA_VISIBLE_DEVICES, torch falls back
+    to the runtime.)"""
     return torch.cuda.device_count() or 1
 
 

@@ -43,38 +43,43 @@ def host_copy_bytes(tcfg: TrainConfig, params: float, optim_state: float, shard:
 
 class SignalLead:
     """Under Slurm: whether a save at the time limit's warning signal, `lead_s` (cluster.signal_lead_s) before the
-    kill, can finish. A stop takes effect one step after the step its signal arrives in (StopSignals' overlapped
-    vote), so the save starts up to two steps after the signal, and must then be written: said at the first save,
-    warned (once) at a save that would not fit, since such a save is killed and the requeued run resumes from the
-    checkpoint before it."""
+    kill, can finish; such a save killed, the requeued run resumes from the checkpoint before it. A stop takes effect
+    one step after the step its signal arrives in (StopSignals' overlapped vote, started right after each step), so
+    at worst the signal finds a periodic save under way (its write, or an asynchronous one, still to finish) and an
+    evaluation still to run, then two steps, then the stop's own save: 2 steps + an evaluation + 2 writes, from the
+    longest step (after the first) and evaluation seen and each save's write. Said at the first save that has them,
+    warned (once) at a save that would not fit."""
 
-    def __init__(self, lead_s: float | None, main: bool):
-        self.lead_s, self.main = lead_s, main
-        self.step_s = math.inf  # the shortest time between two steps' ends seen: a step without saves or evaluations
-        self._last: float | None = None
+    def __init__(self, lead_s: float | None, signame: str, main: bool):
+        self.lead_s, self.signame, self.main = lead_s, signame, main
+        self.step_s = self.eval_s = 0.0
+        self._steps = 0
         self._told = self._warned = False
 
-    def after_step(self) -> None:
-        now = time.perf_counter()
-        if self._last is not None:
-            self.step_s = min(self.step_s, now - self._last)
-        self._last = now
+    def after_step(self, step_s: float) -> None:
+        self._steps += 1
+        if self._steps > 1:  # (the first builds and compiles)
+            self.step_s = max(self.step_s, step_s)
+
+    def after_eval(self, eval_s: float) -> None:
+        self.eval_s = max(self.eval_s, eval_s)
 
     def after_write(self, write_s: float) -> None:
-        if self.lead_s is None or not self.main or self._warned or math.isinf(self.step_s):
+        if self.lead_s is None or not self.main or self._warned or not self.step_s:
             return
-        need = 2 * self.step_s + write_s
-        how = f"two steps of {self.step_s:.2f} s and a write of {write_s:.2f} s"
+        need = 2 * self.step_s + self.eval_s + 2 * write_s
+        how = (f"two steps of {self.step_s:.2f} s, " + (f"an evaluation of {self.eval_s:.2f} s, " if self.eval_s else "")
+               + f"and two writes of {write_s:.2f} s: one the signal may find under way, then its own")
         if need > self.lead_s:
             self._warned = True
             more = 10 * math.ceil(1.25 * need / 10)
-            log.warning("a save at the time limit's warning signal would need about %.0f s (%s), more than "
+            log.warning("a save at the time limit's warning signal could need about %.0f s (%s), more than "
                         "cluster.signal_lead_s=%g: it would be killed and the requeued run resume from the checkpoint "
-                        "before; submit with cluster.signal_lead_s=%d (an sbatch template: --signal=USR2@%d)",
-                        need, how, self.lead_s, more, more)
+                        "before; submit with cluster.signal_lead_s=%d (an sbatch template: --signal=%s@%d)",
+                        need, how, self.lead_s, more, self.signame, more)
         elif not self._told:
             self._told = True
-            log.info("a save at the time limit's warning signal needs about %.1f s (%s) of the %g s "
+            log.info("a save at the time limit's warning signal needs at most about %.1f s (%s) of the %g s "
                      "cluster.signal_lead_s gives", need, how, self.lead_s)
 
 
@@ -123,7 +128,7 @@ class Checkpointer:
         self.model, self.optimizer, self.timeout_s = model, optimizer, timeout_s
         self.parts, self.optional, self.expected = parts, optional or {}, expected
         self._settings = hyperparameters(optimizer)  # as built from optim.*: they win over a checkpoint's
-        self.lead = lead or SignalLead(None, False)
+        self.lead = lead or SignalLead(None, "", False)
         self.stall_s: list[float] = []
         self.write_s: list[float] = []
         self._writing: _Write | None = None
@@ -138,8 +143,6 @@ class Checkpointer:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-checkpoint")
 
     def due(self, step: int, stopping: bool = False) -> bool:
-        """After each step: whether it ends with a save."""
-        self.lead.after_step()
         return bool(stopping or self.cadence.due(step) or step == self.last_step)
 
     def save(self, step: int) -> None:

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from hpctrain.core.config import Config, ParallelConfig, PrecisionName, SpikeAction
+from hpctrain.core.config import Config, ParallelConfig, PrecisionName, SpikeAction, signal_number
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import RESULT_FILE, no_space, write_json
 from hpctrain.data.loader import DataError, read_manifest
@@ -109,14 +109,15 @@ class Trainer:
 
     def _build_checkpointer(self, start: str | None) -> None:
         self.state = RunState()
+        c = self.cfg.cluster  # (a time limit's warning signal: a Slurm job's)
+        self.lead = SignalLead(c.signal_lead_s if job.in_slurm_job() else None,
+                               signal_number(c.signal).name.removeprefix("SIG"), self.env.is_main)
         spec = self.spec
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.train, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
                                          {"scaler": self.precision.scaler, "loss_spike": self.spikes},
                                          self.cfg.cluster.pg_timeout_s, spec.weights(spec.args(self.cfg.model)),
-                                         self._node_mtbf_h() * 3600 / job.job_nodes(),
-                                         SignalLead(self.cfg.cluster.signal_lead_s if job.in_slurm_job() else None,
-                                                    self.env.is_main))
+                                         self._node_mtbf_h() * 3600 / job.job_nodes(), self.lead)
         self._start_weights(start)
 
     def _node_mtbf_h(self) -> float:
@@ -225,6 +226,7 @@ class Trainer:
         self.scheduler.step()
         self.state.advance(self.shape.global_batch, self.tokens_per_step)
         step_time = time.perf_counter() - t0
+        self.lead.after_step(step_time)
         self.profiler.after_step(self.state.step)
         sample = self.sampler.after_step(self.state.step, step_time)
         if sample:
@@ -322,6 +324,7 @@ class Trainer:
         log.info("exported %s as a transformers model to %s", ckpt, export(self.cfg.model, self.cfg.data.path, ckpt, out))
 
     def _evaluate(self, saved: bool) -> None:
+        t0 = time.perf_counter()
         if self.evaluator.due(self.state.step):
             try:
                 self.evaluator.run(self.state)
@@ -331,6 +334,8 @@ class Trainer:
                 raise
         if self.downstream.due(self.state.step):
             self.downstream.run(self.state)
+        if self.evaluator.due(self.state.step) or self.downstream.due(self.state.step):
+            self.lead.after_eval(time.perf_counter() - t0)
         if saved and self.eval_jobs.due(self.state.step):  # eval.mode=job: the checkpoint just written
             self.eval_jobs.submit(self.state.step, checkpoint.latest(self.run_dir))
         self.eval_jobs.poll()
