@@ -14,10 +14,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpctrain.core.config import TrainConfig
+from hpctrain.core.config import ClusterConfig, TrainConfig, signal_number
 from hpctrain.core.errors import TrainingError
 from hpctrain.parallel.norms import all_finite
 from hpctrain.parallel.vote import OverlappedVote, any_rank
+from hpctrain.runtime.job import in_slurm_job
 from hpctrain.storage import checkpoint
 from hpctrain.training.cadence import Cadence
 from hpctrain.training.optimizer import Schedule, hyperparameters, reapply
@@ -55,6 +56,13 @@ class SignalLead:
         self.step_s = self.eval_s = 0.0
         self._steps = 0
         self._told = self._warned = False
+
+    @classmethod
+    def of(cls, cluster: ClusterConfig, main: bool) -> SignalLead:
+        """Inside a Slurm job, its time limit's warning (cluster.signal, cluster.signal_lead_s); else nothing to
+        check."""
+        return cls(cluster.signal_lead_s if in_slurm_job() else None,
+                   signal_number(cluster.signal).name.removeprefix("SIG"), main)
 
     def after_step(self, step_s: float) -> None:
         self._steps += 1

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from hpctrain.core.config import Config, ParallelConfig, PrecisionName, SpikeAction, signal_number
+from hpctrain.core.config import Config, ParallelConfig, PrecisionName, SpikeAction
 from hpctrain.core.errors import TrainingError
 from hpctrain.core.files import RESULT_FILE, no_space, write_json
 from hpctrain.data.loader import DataError, read_manifest
@@ -109,9 +109,7 @@ class Trainer:
 
     def _build_checkpointer(self, start: str | None) -> None:
         self.state = RunState()
-        c = self.cfg.cluster  # (a time limit's warning signal: a Slurm job's)
-        self.lead = SignalLead(c.signal_lead_s if job.in_slurm_job() else None,
-                               signal_number(c.signal).name.removeprefix("SIG"), self.env.is_main)
+        self.lead = SignalLead.of(self.cfg.cluster, self.env.is_main)
         spec = self.spec
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.train, self.model, self.optimizer,
                                          {"run": self.state, "scheduler": self.scheduler},
