@@ -172,6 +172,25 @@ def test_plan_prints_the_predicted_line(capsys):
     assert re.match(r"predicted: [\d.]+ s per step, [\d,]+ tokens/s per GPU, MFU [\d.]+% \(\d+ TFLOP/s per GPU\)",
                     line), line
     assert re.search(r"^  compute .* tp .*$", out, re.M)
+    # the whole run at that step time, and the Slurm jobs it takes (a job trains until the time limit's warning)
+    step_s = float(re.match(r"predicted: ([\d.]+) s", line).group(1))
+    hours = re.search(rf"whole run: train.max_steps=200 \(5.24e\+07 tokens\) × {step_s:.3g} s = ([\d.]+) h of "
+                      "training", out).group(1)
+    assert float(hours) == pytest.approx(200 * step_s / 3600, rel=0.01)
+    found = re.search(r"cluster.time_min=60 holds about ([\d,]+) steps a job \(less its start-up\): 1 job\(s\) of "
+                      r"the 11 that cluster.max_timeouts=10 allows", out)
+    per_job = int(found.group(1).replace(",", ""))
+    assert per_job == pytest.approx((60 * 60 - 120) / step_s, rel=0.01)  # (the step time shown is rounded)
+    many = ["model=llama_7b", "parallel.dp=8", "parallel.tp=8", "train.global_batch=64", "train.micro_batch=1",
+            "train.seq_len=4096", "precision=bf16", "cluster.gpu_type=H100", f"train.max_steps={12 * per_job}"]
+    assert cli.plan(many) == 0
+    assert (f"12 jobs, more than the 11 that cluster.max_timeouts=10 allows: under hydra/launcher=slurm the run stops "
+            f"after about {11 * per_job:,} steps" in capsys.readouterr().out)
+    assert cli.plan([*many, "cluster.max_timeouts=11"]) == 0
+    assert "12 job(s) of the 12 that cluster.max_timeouts=11 allows" in capsys.readouterr().out
+    assert cli.plan([*many, "cluster.time_min=2"]) == 0
+    assert ("cluster.time_min=2 leaves no step before the time limit's warning (cluster.signal_lead_s=120): raise "
+            "cluster.time_min") in capsys.readouterr().out
     assert cli.plan(["model=llama_7b"]) == 0
     assert "predicted: no step time without a GPU type: set cluster.gpu_type" in capsys.readouterr().out
 

@@ -301,7 +301,31 @@ def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
         return ["predicted: no step time without a GPU type: set cluster.gpu_type (A100, H100, H200)"]
     got = step_time.predict(step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, seq_len,
                                                          document_mask=cfg.train.document_mask), hw)
-    return [got.line(), got.breakdown(), f"  hardware {hw.describe()}"]
+    return [got.line(), got.breakdown(), f"  hardware {hw.describe()}", *_run_time(cfg, plan, seq_len, got.step_s)]
+
+
+def _run_time(cfg, plan: RunShape, seq_len: int, step_s: float) -> list[str]:
+    """The whole run at the predicted step time, and the Slurm jobs it takes: a job trains until the time limit's
+    warning (cluster.signal_lead_s before cluster.time_min), then requeues; submitit requeues a timed-out job
+    cluster.max_timeouts times, so a run that needs more jobs stops short of train.max_steps."""
+    t, c = cfg.train, cfg.cluster
+    tokens, hours = t.max_steps * plan.global_batch * seq_len, t.max_steps * step_s / 3600
+    out = [f"whole run: train.max_steps={t.max_steps} ({tokens:.3g} tokens) × {step_s:.3g} s = {hours:.3g} h of "
+           "training"]
+    per_job = int(max(0, c.time_min * 60 - c.signal_lead_s) // step_s)
+    jobs, allowed = -(-t.max_steps // per_job) if per_job else None, c.max_timeouts + 1
+    if jobs is None:
+        out.append(f"  cluster.time_min={c.time_min} leaves no step before the time limit's warning "
+                   f"(cluster.signal_lead_s={c.signal_lead_s}): raise cluster.time_min")
+    elif jobs > allowed:
+        out.append(f"  cluster.time_min={c.time_min} holds about {per_job:,} steps a job (less its start-up): {jobs:,} "
+                   f"jobs, more than the {allowed} that cluster.max_timeouts={c.max_timeouts} allows: under "
+                   f"hydra/launcher=slurm the run stops after about {allowed * per_job:,} steps; raise "
+                   "cluster.time_min or cluster.max_timeouts, or submit it again to go on")
+    else:
+        out.append(f"  cluster.time_min={c.time_min} holds about {per_job:,} steps a job (less its start-up): "
+                   f"{jobs:,} job(s) of the {allowed} that cluster.max_timeouts={c.max_timeouts} allows")
+    return out
 
 
 def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
