@@ -195,6 +195,34 @@ def test_plan_prints_the_predicted_line(capsys):
     assert "predicted: no step time without a GPU type: set cluster.gpu_type" in capsys.readouterr().out
 
 
+def test_a_submission_that_needs_more_jobs_than_max_timeouts_allows_is_warned(make_cfg):
+    """The check a submission makes before sbatch warns, once for the same words (a sweep's points), where the run
+    at the predicted step time needs more Slurm jobs than cluster.max_timeouts requeues; not where they suffice."""
+    import logging
+
+    from helpers import WarningLines
+
+    from hpctrain.launch import submit
+
+    handler = WarningLines()
+    logging.getLogger("hpctrain").addHandler(handler)
+    submit._WARNED.clear()  # (what this process said before)
+    big = ["model=llama_7b", "precision=bf16", "parallel=fsdp", "parallel.dp=8", "cluster.gpus_per_node=8",
+           "cluster.gpu_type=H100", "train.global_batch=64", "train.micro_batch=8", "train.checkpointing=false",
+           "cluster.time_min=1", "cluster.signal_lead_s=30", "train.max_steps=100000"]
+    try:
+        for _ in range(2):
+            submit.check(make_cfg(*big, small_model=False))
+        submit.check(make_cfg(*big, "cluster.max_timeouts=100000", small_model=False))
+    finally:
+        logging.getLogger("hpctrain").removeHandler(handler)
+    (said,) = handler.messages
+    assert re.fullmatch(r"at the predicted [\d.]+ s per step, cluster.time_min=1 holds about [\d,]+ steps a job \(less "
+                        r"its start-up\): [\d,]+ jobs, more than the 11 that cluster.max_timeouts=10 allows: under "
+                        r"hydra/launcher=slurm the run stops after about [\d,]+ steps; raise cluster.time_min or "
+                        r"cluster.max_timeouts, or submit it again to go on", said), said
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--search"], "--search needs --gpus N"),
     (["--gpus", "8"], "--gpus and --write go with --search"),

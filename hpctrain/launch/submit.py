@@ -33,8 +33,10 @@ _ARRAY_TABLE_BYTES = 1 << 20  # an array's run-directory table in its script (sb
 def check(cfg, run_dir: str | None = None):
     """Everything a job would check at its start, run on the login node before submitting: the memory check against
     what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's; with `run_dir` also
-    that a checkpoint fits in what its filesystem has free (a sweep checks its points' sum itself). Returns the
+    that a checkpoint fits in what its filesystem has free (a sweep checks its points' sum itself). Warns where the run,
+    at the step time cluster.gpu_type predicts, needs more jobs than cluster.max_timeouts requeues. Returns the
     prepared run."""
+    from hpctrain.training.planner import jobs_warning
     from hpctrain.training.run import check_checkpoint_space, prepare
 
     shape = job_shape(cfg.parallel, cfg.cluster)
@@ -42,7 +44,14 @@ def check(cfg, run_dir: str | None = None):
     prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
     if run_dir is not None:
         check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
+    warning = jobs_warning(cfg, prepared.shape, prepared.seq_len)
+    if warning and warning not in _WARNED:  # (a sweep's points mostly say the same: once)
+        _WARNED.add(warning)
+        log.warning("%s", warning)
     return prepared
+
+
+_WARNED: set[str] = set()  # the warnings this (submitting) process has given
 
 
 _BAD_INPUT = (*BAD_INPUT, OSError)  # OSError: a sweep or submitit folder that cannot be made

@@ -294,38 +294,70 @@ def disk_bytes(cfg, plan: RunShape) -> float:
     return checkpoint_bytes(cfg.train, params, optimizer.state_bytes(cfg.optim, params, whole.factored)) + residuals
 
 
-def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
-    """The step-time model's `predicted:` line and breakdown (training/step_time.py), for cluster.gpu_type."""
+def _predicted(cfg, plan: RunShape, seq_len: int):
+    """(the step-time model's prediction, the hardware) for cluster.gpu_type; None without one."""
     hw = step_time.hardware_of(cfg.cluster, cfg.precision.name)
     if hw is None:
+        return None
+    return step_time.predict(step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, seq_len,
+                                                     document_mask=cfg.train.document_mask), hw), hw
+
+
+def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
+    """The step-time model's `predicted:` line and breakdown (training/step_time.py), for cluster.gpu_type, and the
+    whole run's."""
+    predicted = _predicted(cfg, plan, seq_len)
+    if predicted is None:
         return ["predicted: no step time without a GPU type: set cluster.gpu_type (A100, H100, H200)"]
-    got = step_time.predict(step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, seq_len,
-                                                         document_mask=cfg.train.document_mask), hw)
-    return [got.line(), got.breakdown(), f"  hardware {hw.describe()}", *_run_time(cfg, plan, seq_len, got.step_s)]
+    got, hw = predicted
+    jobs = RunJobs.of(cfg.train, cfg.cluster, got.step_s)
+    t = cfg.train
+    return [got.line(), got.breakdown(), f"  hardware {hw.describe()}",
+            f"whole run: train.max_steps={t.max_steps} ({t.max_steps * plan.global_batch * seq_len:.3g} tokens) × "
+            f"{got.step_s:.3g} s = {t.max_steps * got.step_s / 3600:.3g} h of training", f"  {jobs.line()}"]
 
 
-def _run_time(cfg, plan: RunShape, seq_len: int, step_s: float) -> list[str]:
-    """The whole run at the predicted step time, and the Slurm jobs it takes: a job trains until the time limit's
-    warning (cluster.signal_lead_s before cluster.time_min), then requeues; submitit requeues a timed-out job
-    cluster.max_timeouts times, so a run that needs more jobs stops short of train.max_steps."""
-    t, c = cfg.train, cfg.cluster
-    tokens, hours = t.max_steps * plan.global_batch * seq_len, t.max_steps * step_s / 3600
-    out = [f"whole run: train.max_steps={t.max_steps} ({tokens:.3g} tokens) × {step_s:.3g} s = {hours:.3g} h of "
-           "training"]
-    per_job = int(max(0, c.time_min * 60 - c.signal_lead_s) // step_s)
-    jobs, allowed = -(-t.max_steps // per_job) if per_job else None, c.max_timeouts + 1
-    if jobs is None:
-        out.append(f"  cluster.time_min={c.time_min} leaves no step before the time limit's warning "
-                   f"(cluster.signal_lead_s={c.signal_lead_s}): raise cluster.time_min")
-    elif jobs > allowed:
-        out.append(f"  cluster.time_min={c.time_min} holds about {per_job:,} steps a job (less its start-up): {jobs:,} "
-                   f"jobs, more than the {allowed} that cluster.max_timeouts={c.max_timeouts} allows: under "
-                   f"hydra/launcher=slurm the run stops after about {allowed * per_job:,} steps; raise "
-                   "cluster.time_min or cluster.max_timeouts, or submit it again to go on")
-    else:
-        out.append(f"  cluster.time_min={c.time_min} holds about {per_job:,} steps a job (less its start-up): "
-                   f"{jobs:,} job(s) of the {allowed} that cluster.max_timeouts={c.max_timeouts} allows")
-    return out
+@dataclass(frozen=True)
+class RunJobs:
+    """The Slurm jobs a run takes at a step time: a job trains until the time limit's warning (cluster.signal_lead_s
+    before cluster.time_min), then requeues, and submitit requeues a timed-out job cluster.max_timeouts times, so a run
+    that needs more jobs stops short of train.max_steps. (A job's start-up and its saves are not counted.)"""
+
+    time_min: int
+    lead_s: int
+    max_timeouts: int
+    per_job: int  # steps
+    jobs: int | None  # None: no step fits before the warning
+
+    @classmethod
+    def of(cls, t, c, step_s: float) -> RunJobs:
+        per_job = int(max(0, c.time_min * 60 - c.signal_lead_s) // step_s)
+        return cls(c.time_min, c.signal_lead_s, c.max_timeouts, per_job, -(-t.max_steps // per_job) if per_job else None)
+
+    @property
+    def stops_short(self) -> bool:
+        return self.jobs is None or self.jobs > self.max_timeouts + 1
+
+    def line(self) -> str:
+        if self.jobs is None:
+            return (f"cluster.time_min={self.time_min} leaves no step before the time limit's warning "
+                    f"(cluster.signal_lead_s={self.lead_s}): raise cluster.time_min")
+        allowed, head = self.max_timeouts + 1, (f"cluster.time_min={self.time_min} holds about {self.per_job:,} steps "
+                                                f"a job (less its start-up): ")
+        if self.stops_short:
+            return (f"{head}{self.jobs:,} jobs, more than the {allowed} that cluster.max_timeouts={self.max_timeouts} "
+                    f"allows: under hydra/launcher=slurm the run stops after about {allowed * self.per_job:,} steps; "
+                    "raise cluster.time_min or cluster.max_timeouts, or submit it again to go on")
+        return f"{head}{self.jobs:,} job(s) of the {allowed} that cluster.max_timeouts={self.max_timeouts} allows"
+
+
+def jobs_warning(cfg, plan: RunShape, seq_len: int) -> str | None:
+    """For a submission with cluster.gpu_type: the plan's jobs line where the run would stop short of its steps."""
+    predicted = _predicted(cfg, plan, seq_len)
+    if predicted is None:
+        return None
+    jobs = RunJobs.of(cfg.train, cfg.cluster, predicted[0].step_s)
+    return f"at the predicted {predicted[0].step_s:.3g} s per step, {jobs.line()}" if jobs.stops_short else None
 
 
 def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
