@@ -182,12 +182,19 @@ def test_plan_prints_the_predicted_line(capsys):
     per_job = int(found.group(1).replace(",", ""))
     assert per_job == pytest.approx((60 * 60 - 120) / step_s, rel=0.01)  # (the step time shown is rounded)
     many = ["model=llama_7b", "parallel.dp=8", "parallel.tp=8", "train.global_batch=64", "train.micro_batch=1",
-            "train.seq_len=4096", "precision=bf16", "cluster.gpu_type=H100", f"train.max_steps={12 * per_job}"]
+            "train.seq_len=4096", "precision=bf16", "cluster.gpu_type=H100", f"train.max_steps={11 * per_job + 1}"]
     assert cli.plan(many) == 0
     assert (f"12 jobs, more than the 11 that cluster.max_timeouts=10 allows: under hydra/launcher=slurm the run stops "
             f"after about {11 * per_job:,} steps" in capsys.readouterr().out)
-    assert cli.plan([*many, "cluster.max_timeouts=11"]) == 0
-    assert "12 job(s) of the 12 that cluster.max_timeouts=11 allows" in capsys.readouterr().out
+    assert cli.plan([*many, "cluster.max_timeouts=11"]) == 0  # every job allowed: nothing left for start-ups
+    assert ("12 jobs, all 12 that cluster.max_timeouts=11 allows, with nothing left for start-ups and saves"
+            in capsys.readouterr().out)
+    assert cli.plan([*many, "cluster.max_timeouts=12"]) == 0
+    assert "12 job(s) of the 13 that cluster.max_timeouts=12 allows" in capsys.readouterr().out
+    # a stop 15 minutes before a 60-minute limit: a preemption to submitit (after less than 48 minutes of the job)
+    assert cli.plan([*many, "cluster.signal_lead_s=900"]) == 0
+    assert ("job(s), requeued without limit: submitit counts a stop cluster.signal_lead_s=900 before the limit as a "
+            "preemption") in capsys.readouterr().out
     assert cli.plan([*many, "cluster.time_min=2"]) == 0
     assert ("cluster.time_min=2 leaves no step before the time limit's warning (cluster.signal_lead_s=120): raise "
             "cluster.time_min") in capsys.readouterr().out
@@ -195,32 +202,35 @@ def test_plan_prints_the_predicted_line(capsys):
     assert "predicted: no step time without a GPU type: set cluster.gpu_type" in capsys.readouterr().out
 
 
-def test_a_submission_that_needs_more_jobs_than_max_timeouts_allows_is_warned(make_cfg):
-    """The check a submission makes before sbatch warns, once for the same words (a sweep's points), where the run
-    at the predicted step time needs more Slurm jobs than cluster.max_timeouts requeues; not where they suffice."""
-    import logging
-
-    from helpers import WarningLines
-
+def test_a_submission_that_needs_more_jobs_than_max_timeouts_allows_is_warned(make_cfg, tmp_path):
+    """What a Slurm submission warns (cluster.gpu_type) where the run at the predicted step time needs every requeue
+    submitit's max_num_timeout gives or more; not where the run requeues itself without limit (spare nodes, packed
+    points), nor where the requeues suffice, counting from the run directory's latest checkpoint."""
     from hpctrain.launch import submit
+    from hpctrain.training.run import train
 
-    handler = WarningLines()
-    logging.getLogger("hpctrain").addHandler(handler)
-    submit._WARNED.clear()  # (what this process said before)
     big = ["model=llama_7b", "precision=bf16", "parallel=fsdp", "parallel.dp=8", "cluster.gpus_per_node=8",
            "cluster.gpu_type=H100", "train.global_batch=64", "train.micro_batch=8", "train.checkpointing=false",
            "cluster.time_min=1", "cluster.signal_lead_s=30", "train.max_steps=100000"]
-    try:
-        for _ in range(2):
-            submit.check(make_cfg(*big, small_model=False))
-        submit.check(make_cfg(*big, "cluster.max_timeouts=100000", small_model=False))
-    finally:
-        logging.getLogger("hpctrain").removeHandler(handler)
-    (said,) = handler.messages
-    assert re.fullmatch(r"at the predicted [\d.]+ s per step, cluster.time_min=1 holds about [\d,]+ steps a job \(less "
-                        r"its start-up\): [\d,]+ jobs, more than the 11 that cluster.max_timeouts=10 allows: under "
-                        r"hydra/launcher=slurm the run stops after about [\d,]+ steps; raise cluster.time_min or "
-                        r"cluster.max_timeouts, or submit it again to go on", said), said
+    cfg = make_cfg(*big, small_model=False)
+    prepared = submit.check(cfg)
+    said = submit.timeouts_warning(cfg, prepared)
+    found = re.fullmatch(r"at the predicted [\d.]+ s per step, cluster.time_min=1 holds about ([\d,]+) steps a job "
+                         r"\(less its start-up\): [\d,]+ jobs, more than the 11 that cluster.max_timeouts=10 allows: "
+                         r"under hydra/launcher=slurm the run stops after about [\d,]+ steps; raise cluster.time_min or "
+                         r"cluster.max_timeouts, or submit it again to go on", said)
+    assert found, said
+    for own in (["cluster.max_timeouts=100000"], ["cluster.spare_nodes=1"], ["cluster.pack=2"]):
+        assert submit.timeouts_warning(make_cfg(*big, *own, small_model=False), prepared) is None, own
+    # 11 jobs' steps and 2: all 12 jobs max_timeouts=11 allows from the start, 11 of them from a checkpoint of step 2
+    per_job = int(found.group(1).replace(",", ""))
+    run = tmp_path / "run"
+    train(make_cfg("train.max_steps=2", "train.ckpt_every=2", "train.eval_every=0"), str(run))
+    cfg = make_cfg(*big, f"train.max_steps={11 * per_job + 2}", "cluster.max_timeouts=11", small_model=False)
+    assert "12 jobs, all 12 that cluster.max_timeouts=11 allows" in submit.timeouts_warning(cfg, prepared)
+    assert submit.timeouts_warning(cfg, prepared, str(run)) is None
+    more = make_cfg(*big, f"train.max_steps={11 * per_job + 3}", "cluster.max_timeouts=11", small_model=False)
+    assert ", from step 2, " in submit.timeouts_warning(more, prepared, str(run))  # one step more than 11 jobs hold
 
 
 @pytest.mark.parametrize("argv, says", [

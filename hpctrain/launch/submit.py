@@ -33,10 +33,8 @@ _ARRAY_TABLE_BYTES = 1 << 20  # an array's run-directory table in its script (sb
 def check(cfg, run_dir: str | None = None):
     """Everything a job would check at its start, run on the login node before submitting: the memory check against
     what the job asks of its nodes (cluster.gpu_mem_gb, cluster.mem_gb), not the login node's; with `run_dir` also
-    that a checkpoint fits in what its filesystem has free (a sweep checks its points' sum itself). Warns where the run,
-    at the step time cluster.gpu_type predicts, needs more jobs than cluster.max_timeouts requeues. Returns the
+    that a checkpoint fits in what its filesystem has free (a sweep checks its points' sum itself). Returns the
     prepared run."""
-    from hpctrain.training.planner import jobs_warning
     from hpctrain.training.run import check_checkpoint_space, prepare
 
     shape = job_shape(cfg.parallel, cfg.cluster)
@@ -44,14 +42,21 @@ def check(cfg, run_dir: str | None = None):
     prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
     if run_dir is not None:
         check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
-    warning = jobs_warning(cfg, prepared.shape, prepared.seq_len)
-    if warning and warning not in _WARNED:  # (a sweep's points mostly say the same: once)
-        _WARNED.add(warning)
-        log.warning("%s", warning)
     return prepared
 
 
-_WARNED: set[str] = set()  # the warnings this (submitting) process has given
+def timeouts_warning(cfg, prepared, run_dir: str | None = None) -> str | None:
+    """Where submitit's max_num_timeout limits a Slurm run's requeues (a supervised run, cluster.spare_nodes or
+    min_nodes, and packed sweep points requeue themselves, without limit, as do the sbatch templates): the plan's
+    warning, with cluster.gpu_type, when the run at the predicted step time needs every requeue or more; `run_dir`'s
+    latest checkpoint (train.resume=auto) counts as done."""
+    from hpctrain.storage import checkpoint
+    from hpctrain.training.planner import jobs_warning
+
+    if restarts_in_allocation(cfg.parallel, cfg.cluster) or cfg.cluster.pack > 1:
+        return None
+    latest = checkpoint.latest(run_dir) if run_dir and cfg.train.resume == "auto" else None
+    return jobs_warning(cfg, prepared.shape, prepared.seq_len, checkpoint.step_of(latest) if latest else 0)
 
 
 _BAD_INPUT = (*BAD_INPUT, OSError)  # OSError: a sweep or submitit folder that cannot be made
@@ -156,11 +161,15 @@ class Submitting:
 
         configs, checkpoints = [], []
         progress = Progress(len(job_overrides))
+        warnings: dict[str, None] = {}  # (a sweep's points mostly say the same: once each)
         for i, o in enumerate(job_overrides):
             try:
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(o))
                 configs.append(cfg)
-                checkpoints.append(check(cfg).checkpoint)
+                prepared = check(cfg)
+                checkpoints.append(prepared.checkpoint)
+                if self._EXECUTOR == "slurm":
+                    warnings[timeouts_warning(cfg, prepared)] = None
                 if job_shape(cfg.parallel, cfg.cluster) != job_shape(self.config.parallel, self.config.cluster):
                     raise ConfigError("sweep points must share one layout (one job shape per array): "
                                       "sweep parallel.*/cluster.* in separate commands")
@@ -169,6 +178,8 @@ class Submitting:
                 point = " ".join(o for o in filter_overrides(job_overrides[i]) if o not in common)
                 fail(f"sweep point #{initial_job_idx + i} ({point}): {e}")
             progress.tick(i + 1)
+        for warning in filter(None, warnings):
+            log.warning("%s", warning)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         try:  # every point writes a first checkpoint there (a warning: not the train.ckpt_keep of each)
             check_checkpoint_space(checkpoints, str(sweep_dir), self.config.train.ckpt_keep)
@@ -270,7 +281,10 @@ class Submitting:
         folder = os.path.join(run_dir, ".submitit", "%j")
         try:
             rundir.check_owned(run_dir)
-            check(cfg, run_dir)
+            prepared = check(cfg, run_dir)
+            warning = timeouts_warning(cfg, prepared, run_dir) if self._EXECUTOR == "slurm" else None
+            if warning:
+                log.warning("%s", warning)
             with rundir.claimed(run_dir, probe=True):  # marked a run's; not while another run lives there
                 executor = self.executor(folder, cfg.cluster)
                 rundir.start_over(run_dir, cfg)  # before the job (or this) writes anything of the new run there

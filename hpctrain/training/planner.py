@@ -319,45 +319,64 @@ def _step_time(cfg, plan: RunShape, seq_len: int) -> list[str]:
 
 @dataclass(frozen=True)
 class RunJobs:
-    """The Slurm jobs a run takes at a step time: a job trains until the time limit's warning (cluster.signal_lead_s
-    before cluster.time_min), then requeues, and submitit requeues a timed-out job cluster.max_timeouts times, so a run
-    that needs more jobs stops short of train.max_steps. (A job's start-up and its saves are not counted.)"""
+    """The Slurm jobs a run takes at a step time under hydra/launcher=slurm: a job trains until the time limit's
+    warning (cluster.signal_lead_s before cluster.time_min), then requeues, and submitit requeues a timed-out job
+    cluster.max_timeouts times, so a run that needs more jobs stops short of train.max_steps. (A job's start-up and
+    its saves are not counted: a run that needs every job it is allowed is warned too.)"""
 
     time_min: int
     lead_s: int
     max_timeouts: int
     per_job: int  # steps
-    jobs: int | None  # None: no step fits before the warning
+    jobs: int | None  # for the steps still to train; None: no step fits before the warning
 
     @classmethod
-    def of(cls, t, c, step_s: float) -> RunJobs:
+    def of(cls, t, c, step_s: float, done: int = 0) -> RunJobs:
         per_job = int(max(0, c.time_min * 60 - c.signal_lead_s) // step_s)
-        return cls(c.time_min, c.signal_lead_s, c.max_timeouts, per_job, -(-t.max_steps // per_job) if per_job else None)
+        left = max(0, t.max_steps - done)
+        return cls(c.time_min, c.signal_lead_s, c.max_timeouts, per_job, -(-left // per_job) if per_job else None)
+
+    @property
+    def counted(self) -> bool:
+        """Whether submitit counts a stop at the warning as a time-out: only after min(0.8·limit, limit − 10 min) of
+        the job (its has_timed_out); an earlier stop is a preemption, requeued without limit."""
+        limit = 60 * self.time_min
+        return limit - self.lead_s >= min(0.8 * limit, limit - 600)
 
     @property
     def stops_short(self) -> bool:
-        return self.jobs is None or self.jobs > self.max_timeouts + 1
+        return self.jobs is None or (self.counted and self.jobs >= self.max_timeouts + 1)
 
     def line(self) -> str:
         if self.jobs is None:
             return (f"cluster.time_min={self.time_min} leaves no step before the time limit's warning "
                     f"(cluster.signal_lead_s={self.lead_s}): raise cluster.time_min")
         allowed, head = self.max_timeouts + 1, (f"cluster.time_min={self.time_min} holds about {self.per_job:,} steps "
-                                                f"a job (less its start-up): ")
-        if self.stops_short:
-            return (f"{head}{self.jobs:,} jobs, more than the {allowed} that cluster.max_timeouts={self.max_timeouts} "
-                    f"allows: under hydra/launcher=slurm the run stops after about {allowed * self.per_job:,} steps; "
-                    "raise cluster.time_min or cluster.max_timeouts, or submit it again to go on")
-        return f"{head}{self.jobs:,} job(s) of the {allowed} that cluster.max_timeouts={self.max_timeouts} allows"
+                                                f"a job (less its start-up): {self.jobs:,} ")
+        limit = f"cluster.max_timeouts={self.max_timeouts}"
+        if not self.counted:
+            return (f"{head}job(s), requeued without limit: submitit counts a stop cluster.signal_lead_s={self.lead_s} "
+                    f"before the limit as a preemption")
+        if self.jobs > allowed:
+            return (f"{head}jobs, more than the {allowed} that {limit} allows: under hydra/launcher=slurm the run stops "
+                    f"after about {allowed * self.per_job:,} steps; raise cluster.time_min or cluster.max_timeouts, or "
+                    "submit it again to go on")
+        if self.jobs == allowed:
+            return (f"{head}jobs, all {allowed} that {limit} allows, with nothing left for start-ups and saves: raise "
+                    "cluster.time_min or cluster.max_timeouts")
+        return f"{head}job(s) of the {allowed} that {limit} allows"
 
 
-def jobs_warning(cfg, plan: RunShape, seq_len: int) -> str | None:
-    """For a submission with cluster.gpu_type: the plan's jobs line where the run would stop short of its steps."""
+def jobs_warning(cfg, plan: RunShape, seq_len: int, done: int = 0) -> str | None:
+    """For a submission with cluster.gpu_type: the plan's jobs line where the run (from step `done`) would stop short
+    of its steps."""
     predicted = _predicted(cfg, plan, seq_len)
     if predicted is None:
         return None
-    jobs = RunJobs.of(cfg.train, cfg.cluster, predicted[0].step_s)
-    return f"at the predicted {predicted[0].step_s:.3g} s per step, {jobs.line()}" if jobs.stops_short else None
+    step_s = predicted[0].step_s
+    jobs = RunJobs.of(cfg.train, cfg.cluster, step_s, done)
+    return (f"at the predicted {step_s:.3g} s per step{f', from step {done}' if done else ''}, {jobs.line()}"
+            if jobs.stops_short else None)
 
 
 def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
