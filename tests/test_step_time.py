@@ -230,7 +230,10 @@ def test_a_submission_that_needs_more_jobs_than_max_timeouts_allows_is_warned(ma
     assert "12 jobs, all 12 that cluster.max_timeouts=11 allows" in submit.timeouts_warning(cfg, prepared)
     assert submit.timeouts_warning(cfg, prepared, str(run)) is None
     more = make_cfg(*big, f"train.max_steps={11 * per_job + 3}", "cluster.max_timeouts=11", small_model=False)
-    assert ", from step 2, " in submit.timeouts_warning(more, prepared, str(run))  # one step more than 11 jobs hold
+    said = submit.timeouts_warning(more, prepared, str(run))  # (from step 2: one step more than 11 jobs hold)
+    assert ", from step 2, " in said and "12 jobs, all 12 that cluster.max_timeouts=11 allows" in said, said
+    over = make_cfg(*big, f"train.max_steps={13 * per_job}", "cluster.max_timeouts=11", small_model=False)
+    assert f"the run stops after about {2 + 12 * per_job:,} steps" in submit.timeouts_warning(over, prepared, str(run))
 
 
 @pytest.mark.parametrize("argv, says", [

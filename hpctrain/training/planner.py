@@ -329,12 +329,14 @@ class RunJobs:
     max_timeouts: int
     per_job: int  # steps
     jobs: int | None  # for the steps still to train; None: no step fits before the warning
+    done: int = 0  # steps the run has (its latest checkpoint's)
 
     @classmethod
     def of(cls, t, c, step_s: float, done: int = 0) -> RunJobs:
         per_job = int(max(0, c.time_min * 60 - c.signal_lead_s) // step_s)
         left = max(0, t.max_steps - done)
-        return cls(c.time_min, c.signal_lead_s, c.max_timeouts, per_job, -(-left // per_job) if per_job else None)
+        return cls(c.time_min, c.signal_lead_s, c.max_timeouts, per_job, -(-left // per_job) if per_job else None,
+                   done)
 
     @property
     def counted(self) -> bool:
@@ -359,7 +361,7 @@ class RunJobs:
                     f"before the limit as a preemption")
         if self.jobs > allowed:
             return (f"{head}jobs, more than the {allowed} that {limit} allows: under hydra/launcher=slurm the run stops "
-                    f"after about {allowed * self.per_job:,} steps; raise cluster.time_min or cluster.max_timeouts, or "
+                    f"after about {self.done + allowed * self.per_job:,} steps; raise cluster.time_min or cluster.max_timeouts, or "
                     "submit it again to go on")
         if self.jobs == allowed:
             return (f"{head}jobs, all {allowed} that {limit} allows, with nothing left for start-ups and saves: raise "
