@@ -450,6 +450,8 @@ CASES = [
      ["needs about 1.5 GiB", "more than cluster.mem_gb=1, a node's --mem (1.0 GiB"]),
     ("submit-over-a-gpus-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=1",
                                        "cluster.gpu_mem_gb=1"), ["needs about 1.5 GiB", "cluster.gpu_mem_gb=1"]),
+    ("submit-time-limit-inside-the-lead", *_hp("hydra/launcher=slurm", "cluster.time_min=2"),
+     ["cluster.time_min=2 (120 s) leaves 0 s", "cluster.signal_lead_s=120", "raise cluster.time_min"]),
     ("submit-async-copies-over-a-nodes-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=2",
                                                      "parallel=ddp", "parallel.dp=2", "train.ckpt_async=true",
                                                      "cluster.mem_gb=1"),

@@ -211,11 +211,11 @@ def test_a_submission_that_needs_more_jobs_than_max_timeouts_allows_is_warned(ma
 
     big = ["model=llama_7b", "precision=bf16", "parallel=fsdp", "parallel.dp=8", "cluster.gpus_per_node=8",
            "cluster.gpu_type=H100", "train.global_batch=64", "train.micro_batch=8", "train.checkpointing=false",
-           "cluster.time_min=1", "cluster.signal_lead_s=30", "train.max_steps=100000"]
+           "cluster.time_min=2", "cluster.signal_lead_s=30", "train.max_steps=100000"]
     cfg = make_cfg(*big, small_model=False)
     prepared = submit.check(cfg)
     said = submit.timeouts_warning(cfg, prepared)
-    found = re.fullmatch(r"at the predicted [\d.]+ s per step, cluster.time_min=1 holds about ([\d,]+) steps a job "
+    found = re.fullmatch(r"at the predicted [\d.]+ s per step, cluster.time_min=2 holds about ([\d,]+) steps a job "
                          r"\(less its start-up\): [\d,]+ jobs, more than the 11 that cluster.max_timeouts=10 allows: "
                          r"under hydra/launcher=slurm the run stops after about [\d,]+ steps; raise cluster.time_min or "
                          r"cluster.max_timeouts, or submit it again to go on", said)

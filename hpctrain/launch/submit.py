@@ -39,10 +39,23 @@ def check(cfg, run_dir: str | None = None):
 
     shape = job_shape(cfg.parallel, cfg.cluster)
     min_nodes(cfg.parallel, cfg.cluster)
+    _check_lead(cfg.cluster)
     prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
     if run_dir is not None:
         check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
     return prepared
+
+
+def _check_lead(c) -> None:
+    """The time limit's warning comes cluster.signal_lead_s before the end, and Slurm may send it up to 60 s early
+    (`man sbatch`): a job left less than that before it gets it at its start, before the run has a handler for it
+    (the signal's default action ends the job), every time it is requeued."""
+    left = c.time_min * 60 - c.signal_lead_s
+    if left < 60:
+        raise ConfigError(f"cluster.time_min={c.time_min} ({c.time_min * 60} s) leaves {max(0, left)} s before the time "
+                          f"limit's warning (cluster.signal_lead_s={c.signal_lead_s}), which Slurm may send up to 60 s "
+                          "early: the job would get it as it starts; raise cluster.time_min or lower "
+                          "cluster.signal_lead_s")
 
 
 def timeouts_warning(cfg, prepared, run_dir: str | None = None) -> str | None:
