@@ -190,6 +190,15 @@ def test_only_the_main_rank_reports_a_deliberate_stop_in_its_exit_code():
         assert Stopped(kind, 3, "SIGUSR2", main=False).exit_code == 0
 
 
+def test_slurm_times_read_as_minutes():
+    """sinfo's partition time limits (`%l`) and Slurm's other time forms, in minutes; infinite or unreadable: None."""
+    from hpctrain.core.slurm import minutes
+
+    forms = {"infinite": None, "UNLIMITED": None, "n/a": None, "": None, "30": 30, "10:00": 10, "10:30": 10.5,
+             "2:00:00": 120, "1-12": 2160, "1-2:30": 1590, "1-00:00:00": 1440, "2-01:00:30": 2940.5}
+    assert {text: minutes(text) for text in forms} == forms
+
+
 def test_a_node_s_ranks_are_the_launchers(monkeypatch):
     """The memory check counts every rank the launcher starts on the node (they share its memory): torchrun's
     LOCAL_WORLD_SIZE, or an srun step's tasks on this node, which _slurm_env also exports as LOCAL_WORLD_SIZE. The

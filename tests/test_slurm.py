@@ -647,3 +647,35 @@ def test_sbatch_refusing_the_job_is_one_line(slurm, demo_data, tmp_path, sweep):
     assert len(p.err.strip().splitlines()) == 1 and "Traceback" not in p.err, p.err
     assert "sbatch refused the job (sbatch: error: invalid partition" in p.err and "cluster.partition" in p.err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, demo_data, tmp_path):
+    """Under Slurm's default EnforcePartLimits=NO sbatch takes a job longer than its partition's time limit, or
+    wider than its node limit, and it waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit): refused
+    in one line before submitting, a single run and a packed sweep's job alike; within the limits it is submitted."""
+    part = f"short{os.getpid()}"
+    subprocess.run(["scontrol", "create", f"PartitionName={part}", "Nodes=n[1-3]", "MaxTime=10", "MaxNodes=1",
+                    "State=UP"], check=True, timeout=30)
+    try:
+        base = ["hydra/launcher=slurm", f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL,
+                f"cluster.partition={part}", "train.max_steps=1", "train.eval_every=0"]
+        for more, says in ((["cluster.time_min=11"], [f"cluster.time_min=11 is longer than partition {part} allows a "
+                                                      "job (10 min)", "PartitionTimeLimit", "cluster.time_min=10"]),
+                           (["cluster.time_min=10", "parallel=ddp", "cluster.nodes=2"],
+                            [f"asks for 2 nodes, more than partition {part} gives one job (1)", "PartitionNodeLimit"]),
+                           (["-m", f"hydra.sweep.dir={tmp_path / 's'}", "cluster.time_min=10", "cluster.pack=2",
+                             "optim.lr=1e-2,3e-3"], ["asks for 2 nodes", "PartitionNodeLimit"])):
+            argv = [*more[:2], *base, *more[2:]] if more[0] == "-m" else [f"run_dir={tmp_path / 'r'}", *base, *more]
+            p = run_forked(cli.main, argv, cwd=ROOT, timeout=100)
+            assert p.code == 2 and len(p.err_lines) == 1 and all(w in p.err for w in says), (more, p.err)
+            assert not (tmp_path / "r").exists()
+        queued = subprocess.run(["squeue", "-h", "-p", part], capture_output=True, text=True, timeout=30).stdout
+        assert not queued, queued
+        p = run_forked(cli.main, [f"run_dir={tmp_path / 'r'}", *base, "cluster.time_min=10"], cwd=ROOT, timeout=100)
+        assert p.code == 0 and "submitted job" in p.out, p.err
+        job = p.out.split("submitted job ")[1].split()[0]
+        subprocess.run(["scancel", job], check=True, timeout=30)
+        until("the job to end", lambda: job_gone(job), 60)
+    finally:
+        subprocess.run(["scontrol", "delete", f"PartitionName={part}"], timeout=30)

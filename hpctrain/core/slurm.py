@@ -81,3 +81,35 @@ def exclude_nodes(job: str, nodes: list[str]) -> None:
         log.info("job %s leaves out %s when it runs again (bad-node list)", job, ",".join(sorted(nodes)))
     else:
         log.error("could not leave out %s in job %s (%s)", ",".join(sorted(nodes)), job, p.stderr.strip())
+
+
+def minutes(text: str) -> float | None:
+    """A Slurm time (`infinite`, `30`, `10:00`, `2:00:00`, `1-12`, `1-00:00:00`: minutes, minutes:seconds,
+    hours:minutes:seconds, days-hours[:minutes[:seconds]]) in minutes; None for infinite or unreadable."""
+    days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    try:
+        parts, day = [int(p) for p in rest.split(":")], int(days)
+    except ValueError:
+        return None
+    if "-" in text:  # days-hours[:minutes[:seconds]]
+        parts += [0] * (3 - len(parts))
+        return day * 1440 + parts[0] * 60 + parts[1] + parts[2] / 60
+    if len(parts) == 3:
+        return parts[0] * 60 + parts[1] + parts[2] / 60
+    return parts[0] + (parts[1] / 60 if len(parts) == 2 else 0)
+
+
+def partition_limits(partition: str | None) -> tuple[str, float | None, int | None] | None:
+    """(name, the longest time limit in minutes, the most nodes a job may have) of `partition` (None: the cluster's
+    default one), from sinfo; None where sinfo cannot say (the partition unknown: sbatch names it)."""
+    cmd = ["sinfo", "-h", "-o", "%P|%l|%s"] + (["-p", partition] if partition else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        name, limit, size = (line.split("|") + ["", ""])[:3]
+        if partition or name.endswith("*"):  # (sinfo marks the default partition)
+            most = size.rpartition("-")[2]
+            return name.rstrip("*"), minutes(limit), int(most) if most.isdigit() else None
+    return None

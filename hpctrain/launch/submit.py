@@ -58,6 +58,26 @@ def _check_lead(c) -> None:
                           "cluster.signal_lead_s")
 
 
+def check_partition(partition: str | None, time_min: int | None, nodes: int | None) -> None:
+    """A job its partition can never start is not refused by sbatch under Slurm's default EnforcePartLimits=NO: it
+    waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit). Refused here, before it is submitted."""
+    from hpctrain.core.slurm import partition_limits
+
+    found = partition_limits(partition)
+    if found is None:
+        return
+    name, most_min, most_nodes = found
+    if most_min is not None and time_min and time_min > most_min:
+        raise ConfigError(f"cluster.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} "
+                          f"min): the job would wait in the queue for good (PartitionTimeLimit); use "
+                          f"cluster.time_min={int(most_min)} or less, or another cluster.partition")
+    if most_nodes is not None and nodes and nodes > most_nodes:
+        raise ConfigError(f"the job asks for {nodes} nodes, more than partition {name} gives one job ({most_nodes}): "
+                          "it would wait in the queue for good (PartitionNodeLimit); fewer nodes (the layout, "
+                          "cluster.gpus_per_node or cluster.tasks_per_node, cluster.spare_nodes, cluster.pack) or "
+                          "another cluster.partition")
+
+
 def timeouts_warning(cfg, prepared, run_dir: str | None = None) -> str | None:
     """Where submitit's max_num_timeout limits a Slurm run's requeues (a supervised run, cluster.spare_nodes or
     min_nodes, and packed sweep points requeue themselves, without limit, as do the sbatch templates): the plan's
@@ -106,6 +126,8 @@ class Submitting:
         if self._EXECUTOR == "slurm" and not shutil.which("sbatch"):
             raise ConfigError("hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run on a Slurm "
                               "login node, or use hydra/launcher=local (or no launcher) to run on this machine")
+        if self._EXECUTOR == "slurm":
+            check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"))
         from submitit.core import job_environment
         from submitit.slurm import slurm
 
@@ -237,6 +259,7 @@ class Submitting:
                 executor = self.executor(self.params["submitit_folder"], cluster)
                 # whole nodes for a point of several nodes; points of one node share nodes
                 nodes = len(chunk) * shape["nodes"] if shape["nodes"] > 1 else math.ceil(len(chunk) * tasks / per_node)
+                check_partition(cluster.partition, cluster.time_min, nodes)
                 executor.update_parameters(slurm_use_srun=False, nodes=nodes,
                                            tasks_per_node=min(per_node, math.ceil(len(chunk) * tasks / nodes)))
                 jobs.append(_orfail(lambda c=chunk, e=executor: e.submit(PackedRuns(c, cluster.cpus_per_task))))
