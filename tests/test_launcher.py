@@ -195,8 +195,22 @@ def test_slurm_times_read_as_minutes():
     from hpctrain.core.slurm import minutes
 
     forms = {"infinite": None, "UNLIMITED": None, "n/a": None, "": None, "30": 30, "10:00": 10, "10:30": 10.5,
-             "2:00:00": 120, "1-12": 2160, "1-2:30": 1590, "1-00:00:00": 1440, "2-01:00:30": 2940.5}
+             "2:00:00": 120, "1-12": 2160, "1-2:30": 1590, "1-00:00:00": 1440, "2-01:00:30": 2940.5,
+             "1:2:3:4": None}
     assert {text: minutes(text) for text in forms} == forms
+
+
+def test_a_slurm_time_limit_must_leave_a_minute_before_its_warning():
+    """Slurm may send the time limit's warning up to 60 s before cluster.signal_lead_s: a limit that leaves less
+    would have the job get it as it starts."""
+    from types import SimpleNamespace
+
+    from hpctrain.core.config import ConfigError
+    from hpctrain.launch.submit import _check_lead
+
+    _check_lead(SimpleNamespace(time_min=3, signal_lead_s=120))
+    with pytest.raises(ConfigError, match=r"cluster.time_min=3 \(180 s\) leaves 59 s before the time limit's warning"):
+        _check_lead(SimpleNamespace(time_min=3, signal_lead_s=121))
 
 
 def test_a_node_s_ranks_are_the_launchers(monkeypatch):

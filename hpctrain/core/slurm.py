@@ -6,7 +6,9 @@ never loads torch (1.7 core-s and 210 MB less on the batch node, measured), shar
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -91,6 +93,8 @@ def minutes(text: str) -> float | None:
         parts, day = [int(p) for p in rest.split(":")], int(days)
     except ValueError:
         return None
+    if len(parts) > 3:
+        return None
     if "-" in text:  # days-hours[:minutes[:seconds]]
         parts += [0] * (3 - len(parts))
         return day * 1440 + parts[0] * 60 + parts[1] + parts[2] / 60
@@ -99,17 +103,47 @@ def minutes(text: str) -> float | None:
     return parts[0] + (parts[1] / 60 if len(parts) == 2 else 0)
 
 
-def partition_limits(partition: str | None) -> tuple[str, float | None, int | None] | None:
-    """(name, the longest time limit in minutes, the most nodes a job may have) of `partition` (None: the cluster's
-    default one), from sinfo; None where sinfo cannot say (the partition unknown: sbatch names it)."""
-    cmd = ["sinfo", "-h", "-o", "%P|%l|%s"] + (["-p", partition] if partition else [])
+@functools.cache  # (a sweep's jobs ask for the same partition)
+def partition_limits(partition: str | None) -> tuple[tuple[str, float | None, int | None], ...]:
+    """(name, the longest time limit in minutes, the most nodes a job may have) of each partition of `partition`
+    (`a,b`: either; None: the cluster's default one), from sinfo; () where sinfo cannot say (a partition it does
+    not know: sbatch names it)."""
+    cmd = ["sinfo", "-h", "--noconvert", "-o", "%P|%l|%s"] + (["-p", partition] if partition else [])
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
+        return ()
+    found = {}
     for line in out.splitlines():
         name, limit, size = (line.split("|") + ["", ""])[:3]
         if partition or name.endswith("*"):  # (sinfo marks the default partition)
             most = size.rpartition("-")[2]
-            return name.rstrip("*"), minutes(limit), int(most) if most.isdigit() else None
-    return None
+            found[name.rstrip("*")] = (minutes(limit), int(most) if most.isdigit() else None)
+    return tuple((name, *limits) for name, limits in found.items())
+
+
+def check_partition(partition: str | None, time_min: int | None, nodes: int | None, qos: str | None = None,
+                    key: str = "cluster") -> None:
+    """A job none of its partitions can ever start is not refused by sbatch under Slurm's default
+    EnforcePartLimits=NO: it waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit). ConfigError for it,
+    before it is submitted (`key`: the config group named). Not with a QOS, which may lift the partition's limits
+    (Flags=PartitionTimeLimit, PartitionMaxNodes)."""
+    from hpctrain.core.config import ConfigError
+
+    if qos:
+        return
+    why = []
+    for name, most_min, most_nodes in partition_limits(partition or os.environ.get("SBATCH_PARTITION") or None):
+        if most_min is not None and time_min and time_min > most_min:
+            why.append(f"{key}.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} min): "
+                       f"the job would wait in the queue for good (PartitionTimeLimit); use {key}.time_min="
+                       f"{int(most_min)} or less, or another {key}.partition")
+        elif most_nodes is not None and nodes and nodes > most_nodes:
+            why.append(f"the job asks for {nodes} nodes, more than partition {name} gives one job ({most_nodes}): it "
+                       "would wait in the queue for good (PartitionNodeLimit); fewer nodes (the layout, "
+                       f"{key}.gpus_per_node or {key}.tasks_per_node, {key}.spare_nodes, {key}.pack) or another "
+                       f"{key}.partition")
+        else:
+            return  # a partition that can start it: Slurm picks it
+    if why:
+        raise ConfigError("; ".join(why))

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.core.config import ConfigError
 from hpctrain.core.errors import BAD_INPUT, fail
+from hpctrain.core.slurm import check_partition
 from hpctrain.parallel.layout import job_shape, min_nodes, restarts_in_allocation
 from hpctrain.runtime.task_exits import SRUN_ARGS, exit_trap
 
@@ -39,7 +40,6 @@ def check(cfg, run_dir: str | None = None):
 
     shape = job_shape(cfg.parallel, cfg.cluster)
     min_nodes(cfg.parallel, cfg.cluster)
-    _check_lead(cfg.cluster)
     prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
     if run_dir is not None:
         check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
@@ -56,26 +56,6 @@ def _check_lead(c) -> None:
                           f"limit's warning (cluster.signal_lead_s={c.signal_lead_s}), which Slurm may send up to 60 s "
                           "early: the job would get it as it starts; raise cluster.time_min or lower "
                           "cluster.signal_lead_s")
-
-
-def check_partition(partition: str | None, time_min: int | None, nodes: int | None) -> None:
-    """A job its partition can never start is not refused by sbatch under Slurm's default EnforcePartLimits=NO: it
-    waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit). Refused here, before it is submitted."""
-    from hpctrain.core.slurm import partition_limits
-
-    found = partition_limits(partition)
-    if found is None:
-        return
-    name, most_min, most_nodes = found
-    if most_min is not None and time_min and time_min > most_min:
-        raise ConfigError(f"cluster.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} "
-                          f"min): the job would wait in the queue for good (PartitionTimeLimit); use "
-                          f"cluster.time_min={int(most_min)} or less, or another cluster.partition")
-    if most_nodes is not None and nodes and nodes > most_nodes:
-        raise ConfigError(f"the job asks for {nodes} nodes, more than partition {name} gives one job ({most_nodes}): "
-                          "it would wait in the queue for good (PartitionNodeLimit); fewer nodes (the layout, "
-                          "cluster.gpus_per_node or cluster.tasks_per_node, cluster.spare_nodes, cluster.pack) or "
-                          "another cluster.partition")
 
 
 def timeouts_warning(cfg, prepared, run_dir: str | None = None) -> str | None:
@@ -123,11 +103,13 @@ class Submitting:
 
         import submitit
 
-        if self._EXECUTOR == "slurm" and not shutil.which("sbatch"):
-            raise ConfigError("hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run on a Slurm "
-                              "login node, or use hydra/launcher=local (or no launcher) to run on this machine")
         if self._EXECUTOR == "slurm":
-            check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"))
+            _check_lead(cluster_cfg)
+            if not shutil.which("sbatch"):
+                raise ConfigError("hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run on a Slurm "
+                                  "login node, or use hydra/launcher=local (or no launcher) to run on this machine")
+            check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
+                            cluster_cfg.qos)
         from submitit.core import job_environment
         from submitit.slurm import slurm
 
@@ -249,7 +231,13 @@ class Submitting:
         shape = job_shape(self.config.parallel, cluster)  # one point's
         tasks = shape["nodes"] * shape["tasks_per_node"]
         per_node = max(cluster.gpus_per_node or cluster.tasks_per_node, shape["tasks_per_node"])
-        try:
+
+        def nodes_for(points: int) -> int:  # whole nodes for a point of several nodes; points of one node share nodes
+            return points * shape["nodes"] if shape["nodes"] > 1 else math.ceil(points * tasks / per_node)
+
+        try:  # (the widest job, before any directory is made)
+            _check_lead(cluster)
+            check_partition(cluster.partition, cluster.time_min, nodes_for(min(pack, len(configs))), cluster.qos)
             sweep_dir.mkdir(parents=True, exist_ok=True)
             points = [(self._packed_point(sweep_dir, first + i, list(o), cfg), shape["nodes"], tasks)
                       for i, (o, cfg) in enumerate(zip(job_overrides, configs))]
@@ -257,9 +245,7 @@ class Submitting:
             for start in range(0, len(points), pack):
                 chunk = points[start:start + pack]
                 executor = self.executor(self.params["submitit_folder"], cluster)
-                # whole nodes for a point of several nodes; points of one node share nodes
-                nodes = len(chunk) * shape["nodes"] if shape["nodes"] > 1 else math.ceil(len(chunk) * tasks / per_node)
-                check_partition(cluster.partition, cluster.time_min, nodes)
+                nodes = nodes_for(len(chunk))
                 executor.update_parameters(slurm_use_srun=False, nodes=nodes,
                                            tasks_per_node=min(per_node, math.ceil(len(chunk) * tasks / nodes)))
                 jobs.append(_orfail(lambda c=chunk, e=executor: e.submit(PackedRuns(c, cluster.cpus_per_task))))

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from hpctrain.core.config import ClusterConfig, EvalConfig, EvalMode, ParallelConfig, check_sbatch_text
 from hpctrain.core.errors import ConfigError
 from hpctrain.core.files import read_evals, read_metrics
+from hpctrain.core.slurm import check_partition
 from hpctrain.storage import checkpoint
 from hpctrain.training.cadence import AUTO
 
@@ -45,7 +46,7 @@ def job_cluster(cluster: ClusterConfig, ecfg: EvalConfig):
 
 def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig) -> None:
     """eval.mode=job before the run starts (one-line ConfigError): checkpoints at every eval step, written before the
-    job is submitted, eval.cluster's keys and text, and Slurm here."""
+    job is submitted, eval.cluster's keys and text, Slurm here, and a partition that can start the eval jobs."""
     if not ecfg.tasks or EvalMode(ecfg.mode) != EvalMode.job:
         return
     import shutil
@@ -60,6 +61,8 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig) -
     if not shutil.which("sbatch"):
         raise ConfigError("eval.mode=job submits Slurm jobs, and sbatch is not on PATH here: run on a Slurm cluster, "
                           "or use eval.mode=loop")
+    merged = job_cluster(cluster, ecfg)  # (an eval partition's limit under the run's own time_min: pending for good)
+    check_partition(merged.partition, merged.time_min, None, merged.qos, key="eval.cluster")
 
 
 class EvalJobs:
