@@ -331,4 +331,4 @@ def test_pins_and_slurm_text_stay_what_they_are(make_cfg, local_tasks, tmp_path)
         resolve(cfg)
     job = make_cfg("eval.tasks=[hpc_mc]", "eval.mode=job", "+eval.cluster.qos=a\tb").eval
     with pytest.raises(ConfigError, match="eval.cluster.qos=.* holds a newline or control character"):
-        eval_jobs.check(job, make_cfg().train, True, make_cfg().cluster)
+        eval_jobs.check(job, make_cfg().train, True, make_cfg().cluster, make_cfg().parallel)

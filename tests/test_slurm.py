@@ -682,13 +682,19 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
         assert not queued, queued
         # eval jobs keep the run's time_min unless eval.cluster changes it
         cfg = make_cfg("eval.tasks=[hpc_mc]", "eval.mode=job", "train.ckpt_every=3", f"+eval.cluster.partition={part}")
-        with pytest.raises(ConfigError, match=rf"eval.cluster.time_min=60 is longer than partition {part} allows"):
-            eval_jobs.check(cfg.eval, cfg.train, True, cfg.cluster)
+        with pytest.raises(ConfigError, match=rf"eval.cluster.time_min=60 is longer than partition {part} allows a "
+                                              r"job \(10 min\): .*; use \+eval.cluster.time_min=10 or less"):
+            eval_jobs.check(cfg.eval, cfg.train, True, cfg.cluster, cfg.parallel)
+        wide = make_cfg("eval.tasks=[hpc_mc]", "eval.mode=job", "train.ckpt_every=3", f"+eval.cluster.partition={part}",
+                        "+eval.cluster.time_min=10", "parallel=ddp", "cluster.nodes=2")  # (the run's layout)
+        with pytest.raises(ConfigError, match=rf"asks for 2 nodes, more than partition {part} gives one job \(1\)"):
+            eval_jobs.check(wide.eval, wide.train, True, wide.cluster, wide.parallel)
         check_partition(f"{part},debug", 60, 2)  # debug can start it
         check_partition(part, 60, 2, qos="long")
-        monkeypatch.setenv("SBATCH_PARTITION", part)  # what sbatch takes without --partition
-        with pytest.raises(ConfigError, match="PartitionTimeLimit"):
-            check_partition(None, 60, 1)
+        monkeypatch.setenv("SBATCH_PARTITION", part)  # sbatch takes it over the script's #SBATCH --partition
+        for partition in (None, "debug"):
+            with pytest.raises(ConfigError, match="PartitionTimeLimit"):
+                check_partition(partition, 60, 1)
         p = run_forked(cli.main, [f"run_dir={tmp_path / 'r'}", *base, "cluster.time_min=10"], cwd=ROOT, timeout=100)
         assert p.code == 0 and "submitted job" in p.out, p.err
         slurm_jobs.append(job := p.out.split("submitted job ")[1].split()[0])

@@ -133,16 +133,18 @@ def check_partition(partition: str | None, time_min: int | None, nodes: int | No
     if qos:
         return
     why = []
-    for name, most_min, most_nodes in partition_limits(partition or os.environ.get("SBATCH_PARTITION") or None):
+    # (sbatch takes $SBATCH_PARTITION over the script's #SBATCH lines, where submitit writes the partition)
+    plus = "" if key == "cluster" else "+"  # (eval.cluster starts empty: Hydra adds keys to it with +)
+    for name, most_min, most_nodes in partition_limits(os.environ.get("SBATCH_PARTITION") or partition or None):
         if most_min is not None and time_min and time_min > most_min:
             why.append(f"{key}.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} min): "
-                       f"the job would wait in the queue for good (PartitionTimeLimit); use {key}.time_min="
-                       f"{int(most_min)} or less, or another {key}.partition")
+                       f"the job would wait in the queue for good (PartitionTimeLimit); use {plus}{key}.time_min="
+                       f"{int(most_min)} or less, or another {plus}{key}.partition")
         elif most_nodes is not None and nodes and nodes > most_nodes:
             why.append(f"the job asks for {nodes} nodes, more than partition {name} gives one job ({most_nodes}): it "
                        "would wait in the queue for good (PartitionNodeLimit); fewer nodes (the layout, "
                        f"{key}.gpus_per_node or {key}.tasks_per_node, {key}.spare_nodes, {key}.pack) or another "
-                       f"{key}.partition")
+                       f"{plus}{key}.partition")
         else:
             return  # a partition that can start it: Slurm picks it
     if why:

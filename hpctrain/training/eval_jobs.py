@@ -44,7 +44,7 @@ def job_cluster(cluster: ClusterConfig, ecfg: EvalConfig):
     return OmegaConf.merge(OmegaConf.structured(cluster), ecfg.cluster)
 
 
-def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig) -> None:
+def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig, parallel: ParallelConfig) -> None:
     """eval.mode=job before the run starts (one-line ConfigError): checkpoints at every eval step, written before the
     job is submitted, eval.cluster's keys and text, Slurm here, and a partition that can start the eval jobs."""
     if not ecfg.tasks or EvalMode(ecfg.mode) != EvalMode.job:
@@ -61,8 +61,13 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig) -
     if not shutil.which("sbatch"):
         raise ConfigError("eval.mode=job submits Slurm jobs, and sbatch is not on PATH here: run on a Slurm cluster, "
                           "or use eval.mode=loop")
-    merged = job_cluster(cluster, ecfg)  # (an eval partition's limit under the run's own time_min: pending for good)
-    check_partition(merged.partition, merged.time_min, None, merged.qos, key="eval.cluster")
+    from hpctrain.parallel.layout import job_shape
+    from hpctrain.parallel.process_group import launched_rank
+
+    if launched_rank() == 0:  # (not every rank of a job asks slurmctld)
+        merged = job_cluster(cluster, ecfg)  # (an eval partition's limit under the run's time_min: pending for good)
+        check_partition(merged.partition, merged.time_min, job_shape(parallel, merged)["nodes"], merged.qos,
+                        key="eval.cluster")
 
 
 class EvalJobs:

@@ -64,7 +64,7 @@ def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | N
     _check_resume(cfg)
     _check_init_from(cfg, data_dir)
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
-    eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing, cfg.cluster)
+    eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing, cfg.cluster, cfg.parallel)
     from hpctrain.training.planner import disk_bytes, stage_bytes
 
     stages = stage_bytes(cfg, shape, seq_len)
