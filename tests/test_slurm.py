@@ -700,5 +700,17 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
         slurm_jobs.append(job := p.out.split("submitted job ")[1].split()[0])
         subprocess.run(["scancel", job], check=True, timeout=30)
         until("the job to end", lambda: job_gone(job), 60)
-    finally:
-        subprocess.run(["scontrol", "delete", f"PartitionName={part}"], timeout=30)
+        # With a QOS (not checked) the job is taken and waits for good: the report the submission points to says
+        # why, before the job has written anything
+        p = run_forked(cli.main, [f"run_dir={tmp_path / 'q'}", *base, "cluster.qos=normal"], cwd=ROOT, timeout=100)
+        assert p.code == 0 and f"progress: python -m hpctrain report {tmp_path / 'q'}" in p.out, p.err
+        slurm_jobs.append(job := p.out.split("submitted job ")[1].split()[0])
+        from hpctrain.launch.sweep import report
+
+        (row,) = until("Slurm's reason", lambda: [r for r in report(str(tmp_path / "q")) if "(" in r["status"]], 30)
+        assert row["status"] == "pending (PartitionTimeLimit)" and row["slurm_job_id"] == job, row
+    finally:  # (a partition still holding a job cannot be deleted)
+        subprocess.run(["scancel", "-p", part], timeout=30)
+        until("the partition's jobs to end", lambda: not subprocess.run(
+            ["squeue", "-h", "-p", part], capture_output=True, text=True, timeout=30).stdout, 60)
+        subprocess.run(["scontrol", "delete", f"PartitionName={part}"], check=True, timeout=30)

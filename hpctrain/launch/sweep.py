@@ -43,14 +43,28 @@ def sacct_state(job_id: str) -> str | None:
     return words[0].lower() if words else None  # "CANCELLED by 1000" -> "cancelled"
 
 
+def pending_reason(job_id: str) -> str | None:
+    """Why Slurm has not started a pending job (squeue's reason: Priority, Resources, PartitionTimeLimit, ...)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    words = out.stdout.split() if out.returncode == 0 else []
+    return words[0] if words else None
+
+
 def point_status(result: dict | None, job_id: str | None, has_metrics: bool, started: bool) -> str:
-    """A point's status: result.json's, unless it is missing, "preempted" or "terminated" and Slurm knows better."""
+    """A point's status: result.json's, unless it is missing, "preempted" or "terminated" and Slurm knows better;
+    a pending job's with Slurm's reason (`pending (PartitionTimeLimit)`: one it will never start)."""
     status = (result or {}).get("status")
     if status and status not in ("preempted", "terminated"):
         return status
     # A preempted job is requeued by Slurm: it may be pending or running again by now. A terminated one was
     # cancelled, timed out or lost a node: only Slurm knows which.
     state = sacct_state(job_id) if job_id else None
+    if state == "pending":
+        reason = pending_reason(job_id)
+        return f"pending ({reason})" if reason and reason != "None" else state
     if state:
         return state
     if status:
@@ -165,7 +179,7 @@ def _run_row(run_dir: str) -> dict:
         overrides = [str(o) for o in read_yaml(os.path.join(run_dir, ".hydra", "overrides.yaml"))]
     except Exception:
         overrides = []
-    job_id = slurm.get("job_id")
+    job_id = slurm.get("job_id") or _submitted_job(run_dir)  # (slurm.json: written once the job runs)
     return {
         "dir": run_dir,
         "all_overrides": overrides,
@@ -241,7 +255,19 @@ def _num(v) -> float | None:
 
 
 def _is_run_dir(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("result.json", "metrics.jsonl"))
+    """A run's directory: it has logged or ended, or a single-run submission made it (its job may still wait)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("result.json", "metrics.jsonl")) or bool(
+        _submitted_job(path))
+
+
+def _submitted_job(run_dir: str) -> str | None:
+    """The Slurm job a single-run submission (`hydra/launcher=slurm` without -m) made for `run_dir`: its newest
+    `.submitit/<job id>` folder (a sweep's are `<job id>_<index>`)."""
+    try:
+        names = os.listdir(os.path.join(run_dir, ".submitit"))
+    except OSError:
+        return None
+    return max((n for n in names if n.isdigit()), key=int, default=None)
 
 
 def report(sweep_dir: str) -> list[dict]:
