@@ -31,26 +31,25 @@ class SweepError(Exception):
 # ---------------------------------------------------------------------------------------------- status
 
 
-def sacct_state(job_id: str) -> str | None:
-    """Slurm's state of a job, lowercased ("running", "cancelled", ...), or None when sacct cannot say."""
+def _first_word(cmd: list[str]) -> str | None:
+    """The first word of a Slurm command's first line of output, or None when it cannot say."""
     try:
-        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
-                             text=True, timeout=15)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.SubprocessError):
         return None
-    lines = out.stdout.split("\n")
-    words = lines[0].split() if out.returncode == 0 and lines else []
-    return words[0].lower() if words else None  # "CANCELLED by 1000" -> "cancelled"
+    words = out.stdout.split("\n")[0].split() if out.returncode == 0 else []
+    return words[0] if words else None
+
+
+def sacct_state(job_id: str) -> str | None:
+    """Slurm's state of a job, lowercased ("running", "cancelled", ...), or None when sacct cannot say."""
+    state = _first_word(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+    return state.lower() if state else None  # "CANCELLED by 1000" -> "cancelled"
 
 
 def pending_reason(job_id: str) -> str | None:
     """Why Slurm has not started a pending job (squeue's reason: Priority, Resources, PartitionTimeLimit, ...)."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    words = out.stdout.split() if out.returncode == 0 else []
-    return words[0] if words else None
+    return _first_word(["squeue", "-h", "-j", job_id, "-o", "%r"])
 
 
 def point_status(result: dict | None, job_id: str | None, has_metrics: bool, started: bool) -> str:

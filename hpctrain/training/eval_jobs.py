@@ -51,7 +51,8 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig, p
         return
     import shutil
 
-    check_sbatch_text(job_cluster(cluster, ecfg), "eval.cluster")
+    merged = job_cluster(cluster, ecfg)
+    check_sbatch_text(merged, "eval.cluster")
     if not checkpointing or tcfg.ckpt_async:
         raise ConfigError("eval.mode=job scores the checkpoints, written before each job is submitted: set "
                           "train.checkpointing=true and train.ckpt_async=false, or use eval.mode=loop")
@@ -64,8 +65,8 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig, p
     from hpctrain.parallel.layout import job_shape
     from hpctrain.parallel.process_group import launched_rank
 
-    if launched_rank() == 0:  # (not every rank of a job asks slurmctld)
-        merged = job_cluster(cluster, ecfg)  # (an eval partition's limit under the run's time_min: pending for good)
+    # An eval partition's limit under the run's time_min: pending for good (rank 0 asks: not every rank, slurmctld)
+    if launched_rank() == 0:
         check_partition(merged.partition, merged.time_min, job_shape(parallel, merged)["nodes"], merged.qos,
                         key="eval.cluster")
 
