@@ -44,7 +44,9 @@ def _demo_data_dir() -> str:
 
 def register() -> None:
     """Make the schema and the `${demo_data_dir:}` / `${hpctrain_slurm:KEY}` resolvers known to Hydra (idempotent)."""
-    ConfigStore.instance().store(name="base_config", node=Config)
+    store = ConfigStore.instance()
+    if "base_config.yaml" not in store.repo:  # (building the schema's node was a fifth of each compose)
+        store.store(name="base_config", node=Config)
     if not OmegaConf.has_resolver("demo_data_dir"):
         OmegaConf.register_new_resolver("demo_data_dir", _demo_data_dir)
     if not OmegaConf.has_resolver("hpctrain_slurm"):
