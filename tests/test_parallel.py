@@ -320,6 +320,9 @@ def _init_state(cfg, layout, out: str) -> None:
     model = model_on(cfg, layout, mesh, env.device)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     torch.save({k: v.detach().clone() for k, v in state.items()}, f"{out}.{env.rank}")
+    # Under pp2 nothing above waits for the other stage: rank 0 (the store's host) could exit while rank 1 still
+    # creates its own mesh groups through the store ("Connection reset by peer", once in a full suite)
+    torch.distributed.barrier()
     process_group.shutdown()
 
 
