@@ -6,8 +6,6 @@ included, and leaves no run directory behind.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import sys
 import time
@@ -25,6 +23,7 @@ from hpctrain.core.files import no_space
 from hpctrain.runs import rundir
 from hpctrain.runs.compose import compose, conf_dir, register
 from hpctrain.runs.hf_shape import shape_from_checkpoint
+from hpctrain.training.gc_schedule import importing
 
 PROG = "python -m hpctrain"
 # When the command started: what was made after it (by Hydra, for this run) may be removed again.
@@ -33,24 +32,6 @@ _full_error: str | None = None  # the user's HYDRA_FULL_ERROR, restored on retur
 _in_task = False  # Hydra has made the run directory and handed over
 
 register()
-
-
-@contextlib.contextmanager
-def _importing():
-    """Python's collector paused while a new process imports torch and the libraries around it, then what they made
-    frozen: ~300,000 objects that live as long as the process. Its full passes over them were a quarter of a small
-    run's CPU (`python -m hpctrain`, the tests' model, 6 steps: 3.7 -> 2.8 core-s of user time); frozen, no later
-    pass walks them again, and a forked rank or data worker never touches their pages. The unreachable ones among
-    them stay (+1.4 MiB of RSS). A process that imported torch before (a test's) collects as it did."""
-    if "torch" in sys.modules or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def _restore_full_error() -> None:
@@ -62,7 +43,7 @@ def _restore_full_error() -> None:
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
 def _task(cfg: DictConfig) -> dict | None:
-    with _importing():
+    with importing():
         from hpctrain.parallel.process_group import launched_rank
         from hpctrain.runtime.job import Stopped, quiet_other_ranks
         from hpctrain.training.run import check_checkpoint_space, prepare, start, train
@@ -233,7 +214,7 @@ def plan(argv: list[str]) -> int:
     except (HydraException, OmegaConfBaseException) as e:
         fail(hydra_error_line(e))
     if args.search:
-        with _importing():
+        with importing():
             from hpctrain.training import layout_search
 
         try:
@@ -251,14 +232,14 @@ def plan(argv: list[str]) -> int:
             print(f"wrote {args.write}: use it as parallel={os.path.splitext(os.path.basename(args.write))[0]} (in "
                   f"conf/parallel/) with train.micro_batch={found[0].candidate.micro_batch}")
         return 0
-    with _importing():
+    with importing():
         from hpctrain.training.planner import main as plan_main
 
     return plan_main(cfg)
 
 
 def preflight(argv: list[str]) -> int:
-    with _importing():
+    with importing():
         from hpctrain.launch.preflight import main as preflight_main
 
     return preflight_main(argv)
@@ -269,7 +250,7 @@ def check_grid(argv: list[str]) -> int:
     job would check it at its start (config, layout, data), the cluster's array limit, and with --dir that the
     points' first checkpoints fit in what DIR's filesystem has free; one line and exit 2 at the first bad point.
     sbatch/sweep.sbatch runs it before it submits anything."""
-    with _importing():
+    with importing():
         from hpctrain.core.config import ConfigError
         from hpctrain.launch.submit import Progress, check, check_array_size, grid
         from hpctrain.training.run import check_checkpoint_space
@@ -308,7 +289,7 @@ def _tool(module: str, *head: str):
     def run(argv: list[str]) -> int:
         import importlib
 
-        with _importing():
+        with importing():
             tool = importlib.import_module(module)
         code = tool.main([*head, *argv])
         return code if isinstance(code, int) else 0  # (bench returns its measurements)

@@ -189,20 +189,6 @@ def test_the_command_s_front_does_not_load_torch():
     assert out.stdout.strip() == "[]"
 
 
-def test_a_new_process_imports_torch_with_the_collector_paused_and_frozen_after():
-    """What a rank imports is never walked by Python's collector (a quarter of a small run's CPU, docs/training.md):
-    no collection while importing, the objects frozen and collection on again after; a process that has torch
-    already is left as it was."""
-    code = ("import gc, hpctrain.cli as cli\n"
-            "starts = []\ngc.callbacks.append(lambda phase, info: starts.append(info['generation']) if phase == 'start' "
-            "else None)\n"
-            "with cli._importing():\n    import torch, torch.distributed.tensor\n    paused = gc.isenabled()\n"
-            "print(starts, paused, gc.get_freeze_count() > 100_000, gc.isenabled())\n"
-            "with cli._importing():\n    print(gc.isenabled())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.splitlines() == ["[] False True True", "True"], out.stdout
-
-
 def test_the_supervisor_does_not_load_torch():
     """The in-allocation supervisor (cluster.spare_nodes) is no rank: it starts and watches srun steps, and loading
     torch cost each job 1.7 core-s and 210 MB of memory on its batch node."""

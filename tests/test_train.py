@@ -443,6 +443,24 @@ def test_garbage_is_collected_every_gc_every_steps_and_never_automatically_in_be
     assert not any("gc_s" in r for r in records(tmp_path / "every0"))
 
 
+def test_a_new_process_imports_torch_with_the_collector_paused_and_frozen_after():
+    """What a rank imports is never walked by Python's collector (a quarter of a small run's CPU, docs/training.md):
+    no collection while importing, the objects frozen and collection on again after; a process that has torch
+    already is left as it was."""
+    import subprocess
+    import sys
+
+    code = ("import gc\nfrom hpctrain.training.gc_schedule import importing\n"
+            "starts = []\ngc.callbacks.append(lambda phase, info: starts.append(info['generation']) if phase == 'start' "
+            "else None)\n"
+            "with importing():\n    import torch, torch.distributed.tensor\n    paused = gc.isenabled()\n"
+            "print(starts, paused, gc.get_freeze_count() > 100_000, gc.isenabled())\n"
+            "with importing():\n    print(gc.isenabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.join(os.path.dirname(__file__), os.pardir))
+    assert out.stdout.splitlines() == ["[] False True True", "True"], out.stdout
+
+
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
 def test_fused_and_foreach_optimizers_agree(make_cfg, tmp_path, optim):
     """optim.implementation: the fused kernel (default; no parameter-sized temporary) and the grouped foreach

@@ -186,11 +186,14 @@ def _requeue(job: str, left_out: set[str], why: str) -> None:
 def run_job(cfg: dict, run_dir: str, job_logging: dict | None) -> dict:
     """One rank of a submitted run (a job's task, a supervised step's): logging as in a local run, the resolved
     config trained in `run_dir`; a deliberate stop (preemption) exits with its code, no result for submitit."""
-    from omegaconf import OmegaConf
+    from hpctrain.training.gc_schedule import importing
 
-    from hpctrain.core.config import Config
-    from hpctrain.runtime.job import Stopped, quiet_other_ranks
-    from hpctrain.training.run import train
+    with importing():
+        from omegaconf import OmegaConf
+
+        from hpctrain.core.config import Config
+        from hpctrain.runtime.job import Stopped, quiet_other_ranks
+        from hpctrain.training.run import train
 
     if job_logging:
         logging.config.dictConfig(job_logging)  # train.log in the run dir, as in a local run
