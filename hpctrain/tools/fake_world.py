@@ -137,13 +137,16 @@ def _training_step(world: int) -> dict:
 def one_world(world: int, global_plan: bool = True) -> dict:
     """Rank 0 of a `world`-rank job: what its start-up, a step's control flow and a save plan cost. Without
     `global_plan` only rank 0's own save plan is made (deriving 8,192 ranks' plans takes this harness a minute)."""
-    import torch
+    from hpctrain.training.gc_schedule import importing
 
-    from hpctrain.core.config import ModelConfig, ParallelConfig
-    from hpctrain.monitoring.memory import Peaks
-    from hpctrain.parallel.layout import Layout
-    from hpctrain.runtime.job import StopSignals
-    from hpctrain.training.model_init import build_model
+    with importing():  # as a rank imports (training/gc_schedule.py)
+        import torch
+
+        from hpctrain.core.config import ModelConfig, ParallelConfig
+        from hpctrain.monitoring.memory import Peaks
+        from hpctrain.parallel.layout import Layout
+        from hpctrain.runtime.job import StopSignals
+        from hpctrain.training.model_init import build_model
 
     out = {"world": world, **layout_for(world)}
     times = {}
