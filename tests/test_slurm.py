@@ -707,7 +707,10 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
         slurm_jobs.append(job := p.out.split("submitted job ")[1].split()[0])
         from hpctrain.launch.sweep import report
 
-        (row,) = until("Slurm's reason", lambda: [r for r in report(str(tmp_path / "q")) if "(" in r["status"]], 30)
+        # (slurmctld first says PartitionConfig for a second, until its scheduler's pass sets the lasting reason)
+        (row,) = until("Slurm's lasting reason", lambda: [r for r in report(str(tmp_path / "q"))
+                                                          if "(" in r["status"] and "PartitionConfig" not in r["status"]],
+                       30)
         assert row["status"] == "pending (PartitionTimeLimit)" and row["slurm_job_id"] == job, row
     finally:  # (a partition still holding a job cannot be deleted)
         subprocess.run(["scancel", "-p", part], timeout=30)
