@@ -450,6 +450,12 @@ CASES = [
      ["needs about 1.5 GiB", "more than cluster.mem_gb=1, a node's --mem (1.0 GiB"]),
     ("submit-over-a-gpus-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=1",
                                        "cluster.gpu_mem_gb=1"), ["needs about 1.5 GiB", "cluster.gpu_mem_gb=1"]),
+    # Options of cluster.sbatch_extra that would replace what hpctrain writes into the job script from its own keys.
+    ("sbatch-extra-time", *_hp("+cluster.sbatch_extra.t=30"),
+     ["cluster.sbatch_extra.t would replace the job's --time, which hpctrain writes from cluster.time_min",
+      "set that instead"]),
+    ("sbatch-extra-no-requeue", *_hp("hydra/launcher=slurm", "+cluster.sbatch_extra.no_requeue=true"),
+     ["cluster.sbatch_extra.no_requeue would replace the job's --requeue", "resumes", "leave it out"]),
     ("submit-time-limit-inside-the-lead", *_hp("hydra/launcher=slurm", "cluster.time_min=2"),
      ["cluster.time_min=2 (120 s) leaves 0 s", "cluster.signal_lead_s=120", "raise cluster.time_min"]),
     ("submit-async-copies-over-a-nodes-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=2",
@@ -644,6 +650,38 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
     assert {name: tree_digest(world / name) for name in WATCHED} == before
     assert not leftovers  # no run dir, no demo build, no code run
 
+
+
+@pytest.mark.parametrize("var, value, words", [
+    ("SBATCH_TIMELIMIT", "30", ["SBATCH_TIMELIMIT=30 in the environment would replace cluster.time_min=60",
+                                "unset SBATCH_TIMELIMIT and set cluster.time_min"]),
+    ("SBATCH_SIGNAL", "USR1@60", ["SBATCH_SIGNAL in the environment would override the job script's --signal",
+                                  "cluster.signal_lead_s"]),
+    ("SBATCH_NO_REQUEUE", "", ["SBATCH_NO_REQUEUE", "--requeue", "unset SBATCH_NO_REQUEUE"]),
+    ("SBATCH_TIMELIMIT", "1:00:00", ["sbatch is not on PATH"])])  # the same time limit: not in the way
+def test_sbatch_environment_over_the_job_script_is_refused_before_submitting(world, var, value, words):
+    """sbatch takes SBATCH_* over the script's #SBATCH lines: a time limit, warning signal or no-requeue there would
+    run the job on other terms than its checks and requeue plan. One line, before Slurm is even looked for."""
+    main, argv = _hp("hydra/launcher=slurm")
+    ran = run_forked(main, [a.replace("{w}", str(world)) for a in argv], cwd=world,
+                     env={"PATH": os.path.dirname(os.__file__), var: value})
+    assert ran.code == 2 and len(ran.err_lines) == 1 and all(w in ran.err for w in words), ran.err
+    assert not (world / "new").exists()
+
+
+def test_sbatch_extra_is_one_printable_option_per_key():
+    """cluster.sbatch_extra becomes `#SBATCH --key=value` lines: a key that is no option name or a value with a
+    newline would write a line of its own into the script; other options, short or long, pass."""
+    from hpctrain.core.config import ConfigError, check_sbatch_text
+
+    for extra in ({"comment": "a\nsrun rm -rf ~"}, {"x y": 1}, {"mail-type\nsrun id": "END"}):
+        with pytest.raises(ConfigError, match="the key must be an sbatch option's name and the value one line"):
+            check_sbatch_text({"sbatch_extra": extra})
+    with pytest.raises(ConfigError, match="eval.cluster.sbatch_extra.cpus_per_task would replace the job's "
+                                          "--cpus-per-task, which hpctrain writes from cluster.cpus_per_task"):
+        check_sbatch_text({"sbatch_extra": {"cpus_per_task": 4}}, "eval.cluster")
+    check_sbatch_text({"sbatch_extra": {"exclusive": True, "requeue": True, "x": "n3", "mail_type": "END",
+                                        "mem-per-cpu": "2G", "J": "name"}})
 
 
 def test_a_run_dir_that_existed_before_is_kept(world, tmp_path):

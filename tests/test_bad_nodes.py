@@ -102,3 +102,18 @@ def test_hpctrain_nodes_lists_and_clears(tmp_path):
     bad_nodes.record(os.environ["HPCTRAIN_BAD_NODES"], ["n1"], "hung", "stopped responding")
     p = run_forked(cli.main, ["nodes"], cwd=tmp_path)
     assert p.code == 0 and "n1" in p.out and "hung" in p.out, p.out
+
+
+def test_an_exclude_in_sbatch_extra_adds_to_the_bad_node_list(make_cfg, tmp_path):
+    """`+cluster.sbatch_extra.exclude=nX` (docs/troubleshooting.md) joins the list's nodes in the job's one --exclude
+    instead of replacing it (submitit writes the extra options over its own)."""
+    from omegaconf import open_dict
+
+    path = tmp_path / "list.json"
+    bad_nodes.record(str(path), ["n2"], "died", "a collective in step 7 lost its peer", "runs/a")
+    cfg = make_cfg(f"cluster.bad_nodes={path}", "+cluster.sbatch_extra.exclude='n[7-8]'",
+                   "+cluster.sbatch_extra.exclusive=true")
+    with open_dict(cfg):
+        cfg.job = {"exclude": "${hpctrain_slurm:exclude}", "extra": "${hpctrain_slurm:sbatch_extra}"}
+    assert cfg.job.exclude == "n2,n[7-8]"
+    assert dict(cfg.job.extra) == {"requeue": True, "exclusive": True}

@@ -695,6 +695,9 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
         for partition in (None, "debug"):
             with pytest.raises(ConfigError, match="PartitionTimeLimit"):
                 check_partition(partition, 60, 1)
+        monkeypatch.setenv("SBATCH_QOS", "normal")  # sbatch takes it over the script's too: a QOS, not checked
+        check_partition(None, 60, 1)
+        monkeypatch.delenv("SBATCH_QOS")
         p = run_forked(cli.main, [f"run_dir={tmp_path / 'r'}", *base, "cluster.time_min=10"], cwd=ROOT, timeout=100)
         assert p.code == 0 and "submitted job" in p.out, p.err
         slurm_jobs.append(job := p.out.split("submitted job ")[1].split()[0])

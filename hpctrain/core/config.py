@@ -9,7 +9,9 @@ nothing of hpctrain, so every module may read the schema.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
+import re
 import signal
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
@@ -595,15 +597,51 @@ def _interval(low, low_in, high, high_in) -> str:
 
 
 SBATCH_TEXT = ("partition", "account", "qos", "constraint")  # cluster keys that become #SBATCH lines
+# sbatch's short options by their long names: a key of cluster.sbatch_extra may be either.
+_SBATCH_SHORT = {"A": "account", "C": "constraint", "G": "gpus", "N": "nodes", "a": "array", "c": "cpus-per-task",
+                 "e": "error", "n": "ntasks", "o": "output", "p": "partition", "q": "qos", "t": "time", "x": "exclude"}
+# The options hpctrain writes into the job script itself, and the keys that set them (or, in parentheses, why it
+# writes them). submitit writes cluster.sbatch_extra over them, unseen by the checks and plans made from these keys
+# (the partition's limits, the requeues, the time limit's warning).
+_LOGS = "(submitit reads the job's result from its logs in <run_dir>/.submitit/<job id>/)"
+_SBATCH_OWN = {"time": "cluster.time_min", "partition": "cluster.partition", "qos": "cluster.qos",
+               "account": "cluster.account", "constraint": "cluster.constraint",
+               "nodes": "the layout (parallel.*), cluster.nodes and cluster.spare_nodes",
+               "ntasks": "the layout (parallel.*) and cluster.tasks_per_node",
+               "ntasks-per-node": "cluster.tasks_per_node", "gpus-per-node": "cluster.gpus_per_node",
+               "gpus": "cluster.gpus_per_node", "cpus-per-task": "cluster.cpus_per_task", "mem": "cluster.mem_gb",
+               "signal": "cluster.signal and cluster.signal_lead_s",
+               "no-requeue": "(a requeued job resumes from its latest checkpoint)",
+               "array": "a sweep (-m) and cluster.pack", "output": _LOGS, "error": _LOGS, "open-mode": _LOGS}
+
+
+def sbatch_option(key: str) -> str:
+    """The long name of the #SBATCH option a key of cluster.sbatch_extra writes (`t`, `time`; `cpus_per_task` is
+    written as submitit does, `--cpus-per-task`)."""
+    return _SBATCH_SHORT.get(key, key.replace("_", "-"))
 
 
 def check_sbatch_text(cluster, where: str = "cluster") -> None:
     """The cluster keys written into a job script's #SBATCH lines: one line of printable text each (a newline would
-    add a line of its own to the script). One-line ConfigError."""
+    add a line of its own to the script); cluster.sbatch_extra's keys sbatch option names, none of the options
+    hpctrain sets from other keys. One-line ConfigError."""
+    get = cluster.get if hasattr(cluster, "get") else functools.partial(getattr, cluster)
     for key in SBATCH_TEXT:
-        value = cluster.get(key) if hasattr(cluster, "get") else getattr(cluster, key, None)
+        value = get(key, None)
         if isinstance(value, str) and not value.isprintable():
             raise ConfigError(f"{where}.{key}={value!r} holds a newline or control character: one line of text only")
+    for key, value in (get("sbatch_extra", None) or {}).items():
+        name = f"{where}.sbatch_extra.{key}"
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", str(key)) or not str(value).isprintable():
+            raise ConfigError(f"{name}={value!r}: the key must be an sbatch option's name and the value one line of "
+                              "printable text")
+        option = sbatch_option(key)
+        if (owner := _SBATCH_OWN.get(option)) and owner.startswith("("):
+            raise ConfigError(f"{name} would replace the job's --{option.removeprefix('no-')}, which hpctrain "
+                              f"writes itself {owner}: leave it out")
+        if owner:
+            raise ConfigError(f"{name} would replace the job's --{option}, which hpctrain writes from {owner}: set "
+                              "that instead")
 
 
 def check_values(cfg, prefix: str = "") -> None:

@@ -122,19 +122,40 @@ def partition_limits(partition: str | None) -> tuple[tuple[str, float | None, in
     return tuple((name, *limits) for name, limits in found.items())
 
 
+def _check_environment(time_min: int | None, key: str, plus: str) -> None:
+    """sbatch takes its SBATCH_* environment over the job script's #SBATCH lines, where submitit writes the time
+    limit, the warning signal and --requeue: one of those set there would run the job on other terms than the run
+    checks and plans by (the partition's limit, the requeues, the time limit's warning). ConfigError for it."""
+    from hpctrain.core.config import ConfigError
+
+    limit = os.environ.get("SBATCH_TIMELIMIT")
+    if limit and minutes(limit) != time_min:
+        raise ConfigError(f"SBATCH_TIMELIMIT={limit} in the environment would replace {key}.time_min={time_min} as "
+                          "the job's time limit (sbatch takes it over the job script's), unseen by the checks and the "
+                          f"requeue plan: unset SBATCH_TIMELIMIT and set {plus}{key}.time_min")
+    for var, option, instead in (("SBATCH_SIGNAL", "--signal", "the warning is cluster.signal, cluster.signal_lead_s "
+                                  "before the time limit"),
+                                 ("SBATCH_NO_REQUEUE", "--requeue", "a requeued job resumes from its latest checkpoint")):
+        if var in os.environ:
+            raise ConfigError(f"{var} in the environment would override the job script's {option} (sbatch takes it "
+                              f"over the script's #SBATCH lines): unset {var} ({instead})")
+
+
 def check_partition(partition: str | None, time_min: int | None, nodes: int | None, qos: str | None = None,
                     key: str = "cluster") -> None:
     """A job none of its partitions can ever start is not refused by sbatch under Slurm's default
     EnforcePartLimits=NO: it waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit). ConfigError for it,
     before it is submitted (`key`: the config group named). Not with a QOS, which may lift the partition's limits
-    (Flags=PartitionTimeLimit, PartitionMaxNodes)."""
+    (Flags=PartitionTimeLimit, PartitionMaxNodes). First, the SBATCH_* environment that would replace the script's
+    time limit, signal or --requeue."""
     from hpctrain.core.config import ConfigError
 
-    if qos:
+    plus = "" if key == "cluster" else "+"  # (eval.cluster starts empty: Hydra adds keys to it with +)
+    _check_environment(time_min, key, plus)
+    # (sbatch takes $SBATCH_PARTITION and $SBATCH_QOS over the script's #SBATCH lines, where submitit writes them)
+    if qos or os.environ.get("SBATCH_QOS"):
         return
     why = []
-    # (sbatch takes $SBATCH_PARTITION over the script's #SBATCH lines, where submitit writes the partition)
-    plus = "" if key == "cluster" else "+"  # (eval.cluster starts empty: Hydra adds keys to it with +)
     for name, most_min, most_nodes in partition_limits(os.environ.get("SBATCH_PARTITION") or partition or None):
         if most_min is not None and time_min and time_min > most_min:
             why.append(f"{key}.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} min): "

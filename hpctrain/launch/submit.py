@@ -105,11 +105,11 @@ class Submitting:
 
         if self._EXECUTOR == "slurm":
             _check_lead(cluster_cfg)
+            check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
+                            cluster_cfg.qos)  # (without Slurm: its SBATCH_* environment only)
             if not shutil.which("sbatch"):
                 raise ConfigError("hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run on a Slurm "
                                   "login node, or use hydra/launcher=local (or no launcher) to run on this machine")
-            check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
-                            cluster_cfg.qos)
         from submitit.core import job_environment
         from submitit.slurm import slurm
 

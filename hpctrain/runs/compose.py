@@ -10,7 +10,7 @@ import os
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.core.config import Config, ConfigError
+from hpctrain.core.config import Config, ConfigError, sbatch_option
 
 
 def _slurm(key: str, *, _root_: DictConfig):
@@ -18,17 +18,20 @@ def _slurm(key: str, *, _root_: DictConfig):
     be placed is reported by the launcher's checks, with its fix, before anything is submitted)."""
     from hpctrain.parallel.layout import job_shape, restarts_in_allocation
 
+    extra = OmegaConf.to_container(_root_.cluster.sbatch_extra)
+    own_exclude = [str(v) for k, v in extra.items() if sbatch_option(k) == "exclude"]
     if key == "sbatch_extra":  # --no-kill with spare nodes (or shrinking): a lost node must not end the job
         try:
             supervised = restarts_in_allocation(_root_.parallel, _root_.cluster)
         except ConfigError:  # (reported with its fix by the launcher's checks)
             supervised = False
         spare = {"no_kill": True} if supervised else {}
-        return {"requeue": True, **spare, **OmegaConf.to_container(_root_.cluster.sbatch_extra)}
-    if key == "exclude":  # the bad-node list's nodes (hpctrain.runtime.bad_nodes)
+        return {"requeue": True, **spare, **{k: v for k, v in extra.items() if sbatch_option(k) != "exclude"}}
+    if key == "exclude":  # the bad-node list's nodes (hpctrain.runtime.bad_nodes), and any sbatch_extra.exclude
         from hpctrain.runtime import bad_nodes
 
-        return ",".join(sorted(bad_nodes.excluded(_root_.cluster.bad_nodes, _root_.cluster.bad_node_expiry_h))) or None
+        bad = sorted(bad_nodes.excluded(_root_.cluster.bad_nodes, _root_.cluster.bad_node_expiry_h))
+        return ",".join(bad + own_exclude) or None
     try:
         shape = job_shape(_root_.parallel, _root_.cluster)
     except ConfigError:
