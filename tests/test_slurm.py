@@ -653,11 +653,12 @@ def test_sbatch_refusing_the_job_is_one_line(slurm, demo_data, tmp_path, sweep):
 def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, make_cfg, demo_data, tmp_path,
                                                                          slurm_jobs, monkeypatch):
     """Under Slurm's default EnforcePartLimits=NO sbatch takes a job longer than its partition's time limit, or
-    wider than its node limit, and it waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit): refused
-    in one line before submitting, a single run, a packed sweep's job and a run's eval jobs alike; within the limits,
-    in a list of partitions one of which can start it, or under a QOS (which may lift the limits), it is not."""
+    wider than its node limit or narrower than its MinNodes, and it waits in the queue for good (PartitionTimeLimit,
+    PartitionNodeLimit): refused in one line before submitting, a single run, a packed sweep's job and a run's eval
+    jobs alike; within the limits, in a list of partitions one of which can start it, or under a QOS (cluster.qos or
+    $SBATCH_QOS, which may lift the limits), it is not."""
     from hpctrain.core.config import ConfigError
-    from hpctrain.core.slurm import check_partition
+    from hpctrain.core.slurm import check_partition, partition_limits
     from hpctrain.training import eval_jobs
 
     part = f"short{os.getpid()}"
@@ -715,6 +716,14 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
                                                           if "(" in r["status"] and "PartitionConfig" not in r["status"]],
                        30)
         assert row["status"] == "pending (PartitionTimeLimit)" and row["slurm_job_id"] == job, row
+        # A partition's MinNodes: a job under it waits for good too (PartitionNodeLimit)
+        subprocess.run(["scontrol", "update", f"PartitionName={part}", "MinNodes=2", "MaxNodes=3"], check=True,
+                       timeout=30)
+        partition_limits.cache_clear()
+        with pytest.raises(ConfigError, match=rf"the job asks for 1 node\(s\), fewer than partition {part} gives a job "
+                                              r"\(2 at least\): .*PartitionNodeLimit"):
+            check_partition(part, 10, 1)
+        check_partition(part, 10, 2)
     finally:  # (a partition still holding a job cannot be deleted)
         subprocess.run(["scancel", "-p", part], timeout=30)
         until("the partition's jobs to end", lambda: not subprocess.run(

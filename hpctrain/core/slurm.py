@@ -104,10 +104,11 @@ def minutes(text: str) -> float | None:
 
 
 @functools.cache  # (a sweep's jobs ask for the same partition)
-def partition_limits(partition: str | None) -> tuple[tuple[str, float | None, int | None], ...]:
-    """(name, the longest time limit in minutes, the most nodes a job may have) of each partition of `partition`
-    (`a,b`: either; None: the cluster's default one), from sinfo; () where sinfo cannot say (a partition it does
-    not know: sbatch names it)."""
+def partition_limits(partition: str | None) -> tuple[tuple[str, float | None, int, int | None], ...]:
+    """(name, the longest time limit in minutes, the fewest and the most nodes a job may have) of each partition of
+    `partition` (`a,b`: either; None: the cluster's default one), from sinfo (its job sizes read `1-infinite`,
+    `16-64`, or `2` where the two are equal); () where sinfo cannot say (a partition it does not know: sbatch names
+    it)."""
     cmd = ["sinfo", "-h", "--noconvert", "-o", "%P|%l|%s"] + (["-p", partition] if partition else [])
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
@@ -117,8 +118,9 @@ def partition_limits(partition: str | None) -> tuple[tuple[str, float | None, in
     for line in out.splitlines():
         name, limit, size = (line.split("|") + ["", ""])[:3]
         if partition or name.endswith("*"):  # (sinfo marks the default partition)
-            most = size.rpartition("-")[2]
-            found[name.rstrip("*")] = (minutes(limit), int(most) if most.isdigit() else None)
+            least, most = size.partition("-")[0], size.rpartition("-")[2]
+            found[name.rstrip("*")] = (minutes(limit), int(least) if least.isdigit() else 1,
+                                       int(most) if most.isdigit() else None)
     return tuple((name, *limits) for name, limits in found.items())
 
 
@@ -146,8 +148,8 @@ def check_partition(partition: str | None, time_min: int | None, nodes: int | No
     """A job none of its partitions can ever start is not refused by sbatch under Slurm's default
     EnforcePartLimits=NO: it waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit). ConfigError for it,
     before it is submitted (`key`: the config group named). Not with a QOS, which may lift the partition's limits
-    (Flags=PartitionTimeLimit, PartitionMaxNodes). First, the SBATCH_* environment that would replace the script's
-    time limit, signal or --requeue."""
+    (Flags=PartitionTimeLimit, PartitionMaxNodes, PartitionMinNodes). First, the SBATCH_* environment that would
+    replace the script's time limit, signal or --requeue."""
     from hpctrain.core.config import ConfigError
 
     plus = "" if key == "cluster" else "+"  # (eval.cluster starts empty: Hydra adds keys to it with +)
@@ -156,7 +158,8 @@ def check_partition(partition: str | None, time_min: int | None, nodes: int | No
     if qos or os.environ.get("SBATCH_QOS"):
         return
     why = []
-    for name, most_min, most_nodes in partition_limits(os.environ.get("SBATCH_PARTITION") or partition or None):
+    for name, most_min, least_nodes, most_nodes in partition_limits(os.environ.get("SBATCH_PARTITION") or partition
+                                                                    or None):
         if most_min is not None and time_min and time_min > most_min:
             why.append(f"{key}.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} min): "
                        f"the job would wait in the queue for good (PartitionTimeLimit); use {plus}{key}.time_min="
@@ -166,6 +169,10 @@ def check_partition(partition: str | None, time_min: int | None, nodes: int | No
                        "would wait in the queue for good (PartitionNodeLimit); fewer nodes (the layout, "
                        f"{key}.gpus_per_node or {key}.tasks_per_node, {key}.spare_nodes, {key}.pack) or another "
                        f"{plus}{key}.partition")
+        elif nodes and nodes < least_nodes:
+            why.append(f"the job asks for {nodes} node(s), fewer than partition {name} gives a job ({least_nodes} at "
+                       "least): it would wait in the queue for good (PartitionNodeLimit); another "
+                       f"{plus}{key}.partition, or a layout over {least_nodes} nodes or more")
         else:
             return  # a partition that can start it: Slurm picks it
     if why:
