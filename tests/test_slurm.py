@@ -655,8 +655,8 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
     """Under Slurm's default EnforcePartLimits=NO sbatch takes a job longer than its partition's time limit, or
     wider than its node limit or narrower than its MinNodes, and it waits in the queue for good (PartitionTimeLimit,
     PartitionNodeLimit): refused in one line before submitting, a single run, a packed sweep's job and a run's eval
-    jobs alike; within the limits, in a list of partitions one of which can start it, or under a QOS (cluster.qos or
-    $SBATCH_QOS, which may lift the limits), it is not."""
+    jobs alike; within the limits, in a list of partitions one of which can start it, or beyond the limits a QOS
+    (cluster.qos or $SBATCH_QOS) lifts, it is not."""
     from hpctrain.core.config import ConfigError
     from hpctrain.core.slurm import check_partition, partition_limits
     from hpctrain.training import eval_jobs
@@ -666,7 +666,12 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
                            "State=UP"], capture_output=True, text=True, timeout=30)
     if made.returncode != 0:
         pytest.skip(f"no partition can be made here ({made.stderr.strip()})")
+    lift = f"lift{os.getpid()}"  # a QOS whose jobs may exceed a partition's time limit (not its node limits)
+    made = subprocess.run(["sacctmgr", "-i", "add", "qos", lift, "Flags=PartitionTimeLimit"], capture_output=True,
+                          text=True, timeout=30)
     try:
+        if made.returncode != 0:
+            pytest.skip(f"no QOS can be made here ({made.stderr.strip()})")
         base = ["hydra/launcher=slurm", f"data.path={demo_data}", "data.prepare_demo=false", *SMALL_MODEL,
                 f"cluster.partition={part}", "train.max_steps=1", "train.eval_every=0"]
         for more, says in ((["cluster.time_min=11"], [f"cluster.time_min=11 is longer than partition {part} allows a "
@@ -691,12 +696,16 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
         with pytest.raises(ConfigError, match=rf"asks for 2 nodes, more than partition {part} gives one job \(1\)"):
             eval_jobs.check(wide.eval, wide.train, True, wide.cluster, wide.parallel)
         check_partition(f"{part},debug", 60, 2)  # debug can start it
-        check_partition(part, 60, 2, qos="long")
+        # Under a QOS, the limits its flags lift are not checked, the others are
+        check_partition(part, 60, 1, qos=lift)
+        with pytest.raises(ConfigError, match=rf"gives one job \(1\): .*\(PartitionNodeLimit; QOS {lift} does not lift "):
+            check_partition(part, 10, 2, qos=lift)
+        check_partition(part, 60, 2, qos="long")  # (a QOS sacctmgr does not know: sbatch refuses it itself)
         monkeypatch.setenv("SBATCH_PARTITION", part)  # sbatch takes it over the script's #SBATCH --partition
         for partition in (None, "debug"):
             with pytest.raises(ConfigError, match="PartitionTimeLimit"):
                 check_partition(partition, 60, 1)
-        monkeypatch.setenv("SBATCH_QOS", "normal")  # sbatch takes it over the script's too: a QOS, not checked
+        monkeypatch.setenv("SBATCH_QOS", lift)  # and $SBATCH_QOS over the script's QOS
         check_partition(None, 60, 1)
         monkeypatch.delenv("SBATCH_QOS")
         p = run_forked(cli.main, [f"run_dir={tmp_path / 'r'}", *base, "cluster.time_min=10"], cwd=ROOT, timeout=100)
@@ -704,18 +713,20 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
         slurm_jobs.append(job := p.out.split("submitted job ")[1].split()[0])
         subprocess.run(["scancel", job], check=True, timeout=30)
         until("the job to end", lambda: job_gone(job), 60)
-        # With a QOS (not checked) the job is taken and waits for good: the report the submission points to says
-        # why, before the job has written anything
+        # A QOS that lifts nothing (Slurm's default one) is no way around the check
         p = run_forked(cli.main, [f"run_dir={tmp_path / 'q'}", *base, "cluster.qos=normal"], cwd=ROOT, timeout=100)
-        assert p.code == 0 and f"progress: python -m hpctrain report {tmp_path / 'q'}" in p.out, p.err
+        assert p.code == 2 and len(p.err_lines) == 1 and "(PartitionTimeLimit; QOS normal does not lift it)" in p.err, \
+            p.err
+        # A job that waits (here held): the report the submission points to says why, before the job has written
+        # anything
+        p = run_forked(cli.main, [f"run_dir={tmp_path / 'h'}", *base, "cluster.time_min=10",
+                                  "+cluster.sbatch_extra.hold=true"], cwd=ROOT, timeout=100)
+        assert p.code == 0 and f"progress: python -m hpctrain report {tmp_path / 'h'}" in p.out, p.err
         slurm_jobs.append(job := p.out.split("submitted job ")[1].split()[0])
         from hpctrain.launch.sweep import report
 
-        # (slurmctld first says PartitionConfig for a second, until its scheduler's pass sets the lasting reason)
-        (row,) = until("Slurm's lasting reason", lambda: [r for r in report(str(tmp_path / "q"))
-                                                          if "(" in r["status"] and "PartitionConfig" not in r["status"]],
-                       30)
-        assert row["status"] == "pending (PartitionTimeLimit)" and row["slurm_job_id"] == job, row
+        (row,) = until("Slurm's reason", lambda: [r for r in report(str(tmp_path / "h")) if "(" in r["status"]], 30)
+        assert row["status"] == "pending (JobHeldUser)" and row["slurm_job_id"] == job, row
         # A partition's MinNodes: a job under it waits for good too (PartitionNodeLimit)
         subprocess.run(["scontrol", "update", f"PartitionName={part}", "MinNodes=2", "MaxNodes=3"], check=True,
                        timeout=30)
@@ -729,3 +740,4 @@ def test_a_job_its_partition_would_never_start_is_refused_before_sbatch(slurm, m
         until("the partition's jobs to end", lambda: not subprocess.run(
             ["squeue", "-h", "-p", part], capture_output=True, text=True, timeout=30).stdout, 60)
         subprocess.run(["scontrol", "delete", f"PartitionName={part}"], check=True, timeout=30)
+        subprocess.run(["sacctmgr", "-i", "delete", "qos", lift], capture_output=True, timeout=30)

@@ -124,6 +124,23 @@ def partition_limits(partition: str | None) -> tuple[tuple[str, float | None, in
     return tuple((name, *limits) for name, limits in found.items())
 
 
+@functools.cache
+def qos_flags(qos: str) -> frozenset[str] | None:
+    """The flags of QOS `qos` from sacctmgr (PartitionTimeLimit, PartitionMaxNodes, PartitionMinNodes: the partition
+    limits a job under it may exceed); None where sacctmgr cannot say (no accounting database, a QOS it does not
+    know: sbatch names it)."""
+    cmd = ["sacctmgr", "-n", "-P", "show", "qos", f"name={qos}", "format=Name,Flags"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout  # (an unreachable slurmdbd)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        name, _, flags = line.partition("|")
+        if name == qos:
+            return frozenset(flags.split(",")) - {""}
+    return None
+
+
 def _check_environment(time_min: int | None, key: str, plus: str) -> None:
     """sbatch takes its SBATCH_* environment over the job script's #SBATCH lines, where submitit writes the time
     limit, the warning signal and --requeue: one of those set there would run the job on other terms than the run
@@ -147,31 +164,34 @@ def check_partition(partition: str | None, time_min: int | None, nodes: int | No
                     key: str = "cluster") -> None:
     """A job none of its partitions can ever start is not refused by sbatch under Slurm's default
     EnforcePartLimits=NO: it waits in the queue for good (PartitionTimeLimit, PartitionNodeLimit). ConfigError for it,
-    before it is submitted (`key`: the config group named). Not with a QOS, which may lift the partition's limits
-    (Flags=PartitionTimeLimit, PartitionMaxNodes, PartitionMinNodes). First, the SBATCH_* environment that would
-    replace the script's time limit, signal or --requeue."""
+    before it is submitted (`key`: the config group named). Under a QOS, not the limits its flags lift
+    (PartitionTimeLimit, PartitionMaxNodes, PartitionMinNodes), nor any where sacctmgr cannot tell. First, the SBATCH_*
+    environment that would replace the script's time limit, signal or --requeue."""
     from hpctrain.core.config import ConfigError
 
     plus = "" if key == "cluster" else "+"  # (eval.cluster starts empty: Hydra adds keys to it with +)
     _check_environment(time_min, key, plus)
     # (sbatch takes $SBATCH_PARTITION and $SBATCH_QOS over the script's #SBATCH lines, where submitit writes them)
-    if qos or os.environ.get("SBATCH_QOS"):
-        return
+    qos = os.environ.get("SBATCH_QOS") or qos
+    lifted = qos_flags(qos) if qos else frozenset()
+    if lifted is None:
+        return  # (a QOS sacctmgr cannot read may lift any of them)
+    kept = f"; QOS {qos} does not lift it" if qos else ""
     why = []
     for name, most_min, least_nodes, most_nodes in partition_limits(os.environ.get("SBATCH_PARTITION") or partition
                                                                     or None):
-        if most_min is not None and time_min and time_min > most_min:
+        if most_min is not None and time_min and time_min > most_min and "PartitionTimeLimit" not in lifted:
             why.append(f"{key}.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} min): "
-                       f"the job would wait in the queue for good (PartitionTimeLimit); use {plus}{key}.time_min="
+                       f"the job would wait in the queue for good (PartitionTimeLimit{kept}); use {plus}{key}.time_min="
                        f"{int(most_min)} or less, or another {plus}{key}.partition")
-        elif most_nodes is not None and nodes and nodes > most_nodes:
+        elif most_nodes is not None and nodes and nodes > most_nodes and "PartitionMaxNodes" not in lifted:
             why.append(f"the job asks for {nodes} nodes, more than partition {name} gives one job ({most_nodes}): it "
-                       "would wait in the queue for good (PartitionNodeLimit); fewer nodes (the layout, "
+                       f"would wait in the queue for good (PartitionNodeLimit{kept}); fewer nodes (the layout, "
                        f"{key}.gpus_per_node or {key}.tasks_per_node, {key}.spare_nodes, {key}.pack) or another "
                        f"{plus}{key}.partition")
-        elif nodes and nodes < least_nodes:
+        elif nodes and nodes < least_nodes and "PartitionMinNodes" not in lifted:
             why.append(f"the job asks for {nodes} node(s), fewer than partition {name} gives a job ({least_nodes} at "
-                       "least): it would wait in the queue for good (PartitionNodeLimit); another "
+                       f"least): it would wait in the queue for good (PartitionNodeLimit{kept}); another "
                        f"{plus}{key}.partition, or a layout over {least_nodes} nodes or more")
         else:
             return  # a partition that can start it: Slurm picks it
