@@ -680,6 +680,10 @@ def test_sbatch_extra_is_one_printable_option_per_key():
     with pytest.raises(ConfigError, match="eval.cluster.sbatch_extra.cpus_per_task would replace the job's "
                                           "--cpus-per-task, which hpctrain writes from cluster.cpus_per_task"):
         check_sbatch_text({"sbatch_extra": {"cpus_per_task": 4}}, "eval.cluster")
+    with pytest.raises(ConfigError, match="cluster.sbatch_extra.mem would replace the job's --mem, which hpctrain "
+                                          "writes from cluster.mem_gb"):
+        check_sbatch_text({"mem_gb": 64, "sbatch_extra": {"mem": 0}})
+    check_sbatch_text({"mem_gb": None, "sbatch_extra": {"mem": 0}})  # all of a node's memory, where none is planned
     check_sbatch_text({"sbatch_extra": {"exclusive": True, "requeue": True, "x": "n3", "mail_type": "END",
                                         "mem-per-cpu": "2G", "J": "name"}})
 

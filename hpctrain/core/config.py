@@ -636,6 +636,8 @@ def check_sbatch_text(cluster, where: str = "cluster") -> None:
             raise ConfigError(f"{name}={value!r}: the key must be an sbatch option's name and the value one line of "
                               "printable text")
         option = sbatch_option(key)
+        if option == "mem" and get("mem_gb", None) is None:
+            continue  # (no --mem is written then, and no node memory checked: --mem=0, all of it, is the user's)
         if (owner := _SBATCH_OWN.get(option)) and owner.startswith("("):
             raise ConfigError(f"{name} would replace the job's --{option.removeprefix('no-')}, which hpctrain "
                               f"writes itself {owner}: leave it out")
