@@ -655,10 +655,15 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
 @pytest.mark.parametrize("var, value, words", [
     ("SBATCH_TIMELIMIT", "30", ["SBATCH_TIMELIMIT=30 in the environment would replace cluster.time_min=60",
                                 "unset SBATCH_TIMELIMIT and set cluster.time_min"]),
-    ("SBATCH_SIGNAL", "USR1@60", ["SBATCH_SIGNAL in the environment would override the job script's --signal",
+    ("SBATCH_SIGNAL", "USR1@60", ["SBATCH_SIGNAL=USR1@60 in the environment would override the job script's --signal",
                                   "cluster.signal_lead_s"]),
     ("SBATCH_NO_REQUEUE", "", ["SBATCH_NO_REQUEUE", "--requeue", "unset SBATCH_NO_REQUEUE"]),
-    ("SBATCH_TIMELIMIT", "1:00:00", ["sbatch is not on PATH"])])  # the same time limit: not in the way
+    ("SBATCH_OUTPUT", "/tmp/x.out", ["SBATCH_OUTPUT=/tmp/x.out", "--output", "submitit reads the job's result"]),
+    ("SBATCH_EXPORT", "NONE", ["SBATCH_EXPORT=NONE", "--export=ALL", "the environment it is submitted from"]),
+    # Not in the way: the same time limit, a flag sbatch reads as unset, the whole environment and more
+    ("SBATCH_TIMELIMIT", "1:00:00", ["sbatch is not on PATH"]),
+    ("SBATCH_NO_REQUEUE", "0", ["sbatch is not on PATH"]),
+    ("SBATCH_EXPORT", "ALL,FOO=1", ["sbatch is not on PATH"])])
 def test_sbatch_environment_over_the_job_script_is_refused_before_submitting(world, var, value, words):
     """sbatch takes SBATCH_* over the script's #SBATCH lines: a time limit, warning signal or no-requeue there would
     run the job on other terms than its checks and requeue plan. One line, before Slurm is even looked for."""
@@ -677,9 +682,16 @@ def test_sbatch_extra_is_one_printable_option_per_key():
     for extra in ({"comment": "a\nsrun rm -rf ~"}, {"x y": 1}, {"mail-type\nsrun id": "END"}):
         with pytest.raises(ConfigError, match="the key must be an sbatch option's name and the value one line"):
             check_sbatch_text({"sbatch_extra": extra})
-    with pytest.raises(ConfigError, match="eval.cluster.sbatch_extra.cpus_per_task would replace the job's "
+    with pytest.raises(ConfigError, match="cluster.sbatch_extra.cpus_per_task would replace the job's "
                                           "--cpus-per-task, which hpctrain writes from cluster.cpus_per_task"):
-        check_sbatch_text({"sbatch_extra": {"cpus_per_task": 4}}, "eval.cluster")
+        check_sbatch_text({"sbatch_extra": {"cpus_per_task": 4}})
+    # sbatch reads an unambiguous start of a name as the option (`#SBATCH --partit=x` is --partition)
+    with pytest.raises(ConfigError, match=r"cluster.sbatch_extra.partit: sbatch reads the start of an option's name as "
+                                          r"the option \(--partition, which hpctrain writes from cluster.partition\)"):
+        check_sbatch_text({"sbatch_extra": {"partit": "gpu"}})
+    with pytest.raises(ConfigError, match="requeue=false would write --requeue=False: an #SBATCH flag takes no value"):
+        check_sbatch_text({"sbatch_extra": {"requeue": False}})
+    check_sbatch_text({"sbatch_extra": {"cpus_per_task": 4}}, "eval.cluster", options=False)  # (eval jobs: not theirs)
     with pytest.raises(ConfigError, match="cluster.sbatch_extra.mem would replace the job's --mem, which hpctrain "
                                           "writes from cluster.mem_gb"):
         check_sbatch_text({"mem_gb": 64, "sbatch_extra": {"mem": 0}})

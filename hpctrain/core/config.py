@@ -621,10 +621,11 @@ def sbatch_option(key: str) -> str:
     return _SBATCH_SHORT.get(key, key.replace("_", "-"))
 
 
-def check_sbatch_text(cluster, where: str = "cluster") -> None:
+def check_sbatch_text(cluster, where: str = "cluster", options: bool = True) -> None:
     """The cluster keys written into a job script's #SBATCH lines: one line of printable text each (a newline would
-    add a line of its own to the script); cluster.sbatch_extra's keys sbatch option names, none of the options
-    hpctrain sets from other keys. One-line ConfigError."""
+    add a line of its own to the script); cluster.sbatch_extra's keys sbatch option names and, with `options` (the
+    run's job, not an eval job, which gets no sbatch_extra), none of the options hpctrain sets from other keys, whole
+    or abbreviated (sbatch reads an unambiguous start of an option's name as the option). One-line ConfigError."""
     get = cluster.get if hasattr(cluster, "get") else functools.partial(getattr, cluster)
     for key in SBATCH_TEXT:
         value = get(key, None)
@@ -635,15 +636,25 @@ def check_sbatch_text(cluster, where: str = "cluster") -> None:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", str(key)) or not str(value).isprintable():
             raise ConfigError(f"{name}={value!r}: the key must be an sbatch option's name and the value one line of "
                               "printable text")
+        if value is False:
+            raise ConfigError(f"{name}=false would write --{sbatch_option(key)}=False: an #SBATCH flag takes no value; "
+                              "leave the key out not to set it")
         option = sbatch_option(key)
-        if option == "mem" and get("mem_gb", None) is None:
-            continue  # (no --mem is written then, and no node memory checked: --mem=0, all of it, is the user's)
-        if (owner := _SBATCH_OWN.get(option)) and owner.startswith("("):
-            raise ConfigError(f"{name} would replace the job's --{option.removeprefix('no-')}, which hpctrain "
-                              f"writes itself {owner}: leave it out")
-        if owner:
-            raise ConfigError(f"{name} would replace the job's --{option}, which hpctrain writes from {owner}: set "
-                              "that instead")
+        if not options or option == "mem" and get("mem_gb", None) is None:
+            continue  # (mem: no --mem is written then, and no node memory checked: --mem=0, all of it, is the user's)
+        begun = sorted(own for own in _SBATCH_OWN if own.startswith(option) and own != option)
+        if option not in _SBATCH_OWN and len(option) > 1 and begun:
+            raise ConfigError(f"{name}: sbatch reads the start of an option's name as the option (--{begun[0]}, "
+                              f"{_written(begun[0])}): write an option's whole name")
+        if option in _SBATCH_OWN:
+            how = "leave it out" if _SBATCH_OWN[option].startswith("(") else "set that instead"
+            raise ConfigError(f"{name} would replace the job's --{option.removeprefix('no-')}, {_written(option)}: "
+                              f"{how}")
+
+
+def _written(option: str) -> str:
+    owner = _SBATCH_OWN[option]
+    return f"which hpctrain writes itself {owner}" if owner.startswith("(") else f"which hpctrain writes from {owner}"
 
 
 def check_values(cfg, prefix: str = "") -> None:

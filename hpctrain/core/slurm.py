@@ -124,27 +124,49 @@ def partition_limits(partition: str | None) -> tuple[tuple[str, float | None, in
     return tuple((name, *limits) for name, limits in found.items())
 
 
-@functools.cache
+_QOS_FLAGS: dict[str, frozenset[str]] = {}  # (what sacctmgr answered; a time-out is asked again)
+
+
 def qos_flags(qos: str) -> frozenset[str] | None:
     """The flags of QOS `qos` from sacctmgr (PartitionTimeLimit, PartitionMaxNodes, PartitionMinNodes: the partition
     limits a job under it may exceed); None where sacctmgr cannot say (no accounting database, a QOS it does not
     know: sbatch names it)."""
-    cmd = ["sacctmgr", "-n", "-P", "show", "qos", f"name={qos}", "format=Name,Flags"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout  # (an unreachable slurmdbd)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        name, _, flags = line.partition("|")
-        if name == qos:
-            return frozenset(flags.split(",")) - {""}
-    return None
+    if qos not in _QOS_FLAGS:
+        cmd = ["sacctmgr", "-n", "-P", "show", "qos", f"name={qos}", "format=Name,Flags"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout  # (an unreachable slurmdbd)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        for line in out.splitlines():
+            name, _, flags = line.partition("|")
+            if name.casefold() == qos.casefold():  # (sacctmgr may spell it in another case)
+                _QOS_FLAGS[qos] = frozenset(flags.split(",")) - {""}
+    return _QOS_FLAGS.get(qos)
+
+
+def _flag_set(value: str) -> bool:
+    """sbatch's reading of a flag option's environment variable: set when empty, `yes` or a non-zero number."""
+    return value.strip() in ("", "yes") or value.strip().isdigit() and int(value) != 0
+
+
+# SBATCH_* variables that would override what hpctrain writes into the job script: (the option, what to do instead,
+# which values are in the way; None: any).
+_ENVIRONMENT = (("SBATCH_SIGNAL", "--signal", "the warning is cluster.signal, cluster.signal_lead_s before the time "
+                 "limit", None),
+                ("SBATCH_NO_REQUEUE", "--requeue", "a requeued job resumes from its latest checkpoint", _flag_set),
+                ("SBATCH_GPUS_PER_NODE", "--gpus-per-node", "set cluster.gpus_per_node", None),
+                ("SBATCH_ARRAY_INX", "--array", "a sweep (-m) is the array; cluster.pack packs it", None),
+                *((var, f"--{var[7:].lower().replace('_', '-')}", "submitit reads the job's result from its logs in "
+                   "<run_dir>/.submitit/", None) for var in ("SBATCH_OUTPUT", "SBATCH_ERROR", "SBATCH_OPEN_MODE")),
+                ("SBATCH_EXPORT", "--export=ALL", "the job needs the environment it is submitted from",
+                 lambda v: not v.upper().startswith("ALL")))
 
 
 def _check_environment(time_min: int | None, key: str, plus: str) -> None:
     """sbatch takes its SBATCH_* environment over the job script's #SBATCH lines, where submitit writes the time
-    limit, the warning signal and --requeue: one of those set there would run the job on other terms than the run
-    checks and plans by (the partition's limit, the requeues, the time limit's warning). ConfigError for it."""
+    limit, the warning signal, --requeue, the job's shape and its logs: one of those set there would run the job on
+    other terms than the run checks and plans by (the partition's limit, the requeues, the time limit's warning).
+    ConfigError for it."""
     from hpctrain.core.config import ConfigError
 
     limit = os.environ.get("SBATCH_TIMELIMIT")
@@ -152,12 +174,10 @@ def _check_environment(time_min: int | None, key: str, plus: str) -> None:
         raise ConfigError(f"SBATCH_TIMELIMIT={limit} in the environment would replace {key}.time_min={time_min} as "
                           "the job's time limit (sbatch takes it over the job script's), unseen by the checks and the "
                           f"requeue plan: unset SBATCH_TIMELIMIT and set {plus}{key}.time_min")
-    for var, option, instead in (("SBATCH_SIGNAL", "--signal", "the warning is cluster.signal, cluster.signal_lead_s "
-                                  "before the time limit"),
-                                 ("SBATCH_NO_REQUEUE", "--requeue", "a requeued job resumes from its latest checkpoint")):
-        if var in os.environ:
-            raise ConfigError(f"{var} in the environment would override the job script's {option} (sbatch takes it "
-                              f"over the script's #SBATCH lines): unset {var} ({instead})")
+    for var, option, instead, in_the_way in _ENVIRONMENT:
+        if var in os.environ and (in_the_way is None or in_the_way(os.environ[var])):
+            raise ConfigError(f"{var}={os.environ[var]} in the environment would override the job script's {option} "
+                              f"(sbatch takes it over the script's #SBATCH lines): unset {var} ({instead})")
 
 
 def check_partition(partition: str | None, time_min: int | None, nodes: int | None, qos: str | None = None,
@@ -172,14 +192,14 @@ def check_partition(partition: str | None, time_min: int | None, nodes: int | No
     plus = "" if key == "cluster" else "+"  # (eval.cluster starts empty: Hydra adds keys to it with +)
     _check_environment(time_min, key, plus)
     # (sbatch takes $SBATCH_PARTITION and $SBATCH_QOS over the script's #SBATCH lines, where submitit writes them)
+    limits = partition_limits(os.environ.get("SBATCH_PARTITION") or partition or None)
     qos = os.environ.get("SBATCH_QOS") or qos
-    lifted = qos_flags(qos) if qos else frozenset()
+    lifted = qos_flags(qos) if qos and limits else frozenset()
     if lifted is None:
         return  # (a QOS sacctmgr cannot read may lift any of them)
-    kept = f"; QOS {qos} does not lift it" if qos else ""
+    kept = f"; QOS {qos}{' ($SBATCH_QOS)' if os.environ.get('SBATCH_QOS') else ''} does not lift it" if qos else ""
     why = []
-    for name, most_min, least_nodes, most_nodes in partition_limits(os.environ.get("SBATCH_PARTITION") or partition
-                                                                    or None):
+    for name, most_min, least_nodes, most_nodes in limits:
         if most_min is not None and time_min and time_min > most_min and "PartitionTimeLimit" not in lifted:
             why.append(f"{key}.time_min={time_min} is longer than partition {name} allows a job ({most_min:g} min): "
                        f"the job would wait in the queue for good (PartitionTimeLimit{kept}); use {plus}{key}.time_min="
@@ -192,7 +212,7 @@ def check_partition(partition: str | None, time_min: int | None, nodes: int | No
         elif nodes and nodes < least_nodes and "PartitionMinNodes" not in lifted:
             why.append(f"the job asks for {nodes} node(s), fewer than partition {name} gives a job ({least_nodes} at "
                        f"least): it would wait in the queue for good (PartitionNodeLimit{kept}); another "
-                       f"{plus}{key}.partition, or a layout over {least_nodes} nodes or more")
+                       f"{plus}{key}.partition, or {least_nodes} nodes or more (the layout, {key}.nodes)")
         else:
             return  # a partition that can start it: Slurm picks it
     if why:

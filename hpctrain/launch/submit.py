@@ -98,15 +98,17 @@ class Submitting:
     _EXECUTOR: str
     params: dict
 
-    def executor(self, folder: str, cluster_cfg):
+    def executor(self, folder: str, cluster_cfg, partition_checked: bool = False):
         import shutil
 
         import submitit
 
         if self._EXECUTOR == "slurm":
             _check_lead(cluster_cfg)
-            check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
-                            cluster_cfg.qos)  # (without Slurm: its SBATCH_* environment only)
+            # (a packed sweep checks its jobs' node counts itself; without Slurm, only the SBATCH_* environment)
+            if not partition_checked:
+                check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
+                                cluster_cfg.qos)
             if not shutil.which("sbatch"):
                 raise ConfigError("hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run on a Slurm "
                                   "login node, or use hydra/launcher=local (or no launcher) to run on this machine")
@@ -235,16 +237,17 @@ class Submitting:
         def nodes_for(points: int) -> int:  # whole nodes for a point of several nodes; points of one node share nodes
             return points * shape["nodes"] if shape["nodes"] > 1 else math.ceil(points * tasks / per_node)
 
-        try:  # (the widest job, before any directory is made)
+        try:  # (the widest job and the narrowest, a short last one, before any directory is made)
             _check_lead(cluster)
-            check_partition(cluster.partition, cluster.time_min, nodes_for(min(pack, len(configs))), cluster.qos)
+            for points in {min(pack, len(configs)), len(configs) % pack or min(pack, len(configs))}:
+                check_partition(cluster.partition, cluster.time_min, nodes_for(points), cluster.qos)
             sweep_dir.mkdir(parents=True, exist_ok=True)
             points = [(self._packed_point(sweep_dir, first + i, list(o), cfg), shape["nodes"], tasks)
                       for i, (o, cfg) in enumerate(zip(job_overrides, configs))]
             jobs = []
             for start in range(0, len(points), pack):
                 chunk = points[start:start + pack]
-                executor = self.executor(self.params["submitit_folder"], cluster)
+                executor = self.executor(self.params["submitit_folder"], cluster, partition_checked=True)
                 nodes = nodes_for(len(chunk))
                 executor.update_parameters(slurm_use_srun=False, nodes=nodes,
                                            tasks_per_node=min(per_node, math.ceil(len(chunk) * tasks / nodes)))

@@ -52,7 +52,7 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig, p
     import shutil
 
     merged = job_cluster(cluster, ecfg)
-    check_sbatch_text(merged, "eval.cluster")
+    check_sbatch_text(merged, "eval.cluster", options=False)  # (an eval job gets no sbatch_extra)
     if not checkpointing or tcfg.ckpt_async:
         raise ConfigError("eval.mode=job scores the checkpoints, written before each job is submitted: set "
                           "train.checkpointing=true and train.ckpt_async=false, or use eval.mode=loop")
