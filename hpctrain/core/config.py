@@ -636,10 +636,10 @@ def check_sbatch_text(cluster, where: str = "cluster", options: bool = True) -> 
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", str(key)) or not str(value).isprintable():
             raise ConfigError(f"{name}={value!r}: the key must be an sbatch option's name and the value one line of "
                               "printable text")
-        if value is False:
-            raise ConfigError(f"{name}=false would write --{sbatch_option(key)}=False: an #SBATCH flag takes no value; "
-                              "leave the key out not to set it")
         option = sbatch_option(key)
+        if value is False:
+            raise ConfigError(f"{name}=false would write --{option}=False: an #SBATCH flag takes no value; leave the "
+                              "key out not to set it")
         if not options or option == "mem" and get("mem_gb", None) is None:
             continue  # (mem: no --mem is written then, and no node memory checked: --mem=0, all of it, is the user's)
         begun = sorted(own for own in _SBATCH_OWN if own.startswith(option) and own != option)

@@ -18,8 +18,9 @@ def _slurm(key: str, *, _root_: DictConfig):
     be placed is reported by the launcher's checks, with its fix, before anything is submitted)."""
     from hpctrain.parallel.layout import job_shape, restarts_in_allocation
 
-    extra = OmegaConf.to_container(_root_.cluster.sbatch_extra)
-    own_exclude = [str(v) for k, v in extra.items() if sbatch_option(k) == "exclude"]
+    if key in ("sbatch_extra", "exclude"):  # (an exclude of cluster.sbatch_extra joins the bad-node list's)
+        extra = OmegaConf.to_container(_root_.cluster.sbatch_extra)
+        own_exclude = [str(v) for k, v in extra.items() if sbatch_option(k) == "exclude"]
     if key == "sbatch_extra":  # --no-kill with spare nodes (or shrinking): a lost node must not end the job
         try:
             supervised = restarts_in_allocation(_root_.parallel, _root_.cluster)
