@@ -362,15 +362,23 @@ def _proc_status_kib(key: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
-def _startup_excess(cfg, layout, out: str) -> None:
-    """This rank's peak memory over its own starting point while the model is built and initialised."""
+def _startup_excess(cfg, small, layout, out: str) -> None:
+    """This rank's peak memory over its starting point while the model is built and initialised. The small model
+    is built first on the same mesh, so that the imports, the process group and the first DTensor dispatches, whose
+    cost varies with the machine and with what the parent process did before (60-75 MB more in a CI run than
+    here), are paid before the peak restarts."""
+    import gc
+
     from hpctrain.parallel import process_group
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) restarts from now: a forked rank inherits its parent's
-    start = _proc_status_kib("VmRSS")
     env = process_group.init(120.0)
-    model_on(cfg, layout, layout.build_mesh(env.device.type, 120.0), env.device)
+    mesh = layout.build_mesh(env.device.type, 120.0)
+    model_on(small, layout, mesh, env.device)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) restarts from now
+    start = _proc_status_kib("VmRSS")
+    model_on(cfg, layout, mesh, env.device)
     with open(f"{out}.{env.rank}", "w") as f:
         f.write(str((_proc_status_kib("VmHWM") - start) * 1024))
     process_group.shutdown()
@@ -386,13 +394,16 @@ def test_startup_peak_is_even_across_ranks(make_cfg, tmp_path, dp):
     from hpctrain.runs.resolve import resolve
     from hpctrain.runtime.spawn import spawn
 
-    cfg = make_cfg("model=llama_350m", "parallel=fsdp", f"parallel.dp={dp}", "train.micro_batch=1",
-                   "train.grad_accum=null", "train.global_batch=8", small_model=False)
-    spawn(dp, _startup_excess, (cfg, resolve(cfg, dp).layout, str(tmp_path / "peak")), threads=1)
+    shape = ("parallel=fsdp", f"parallel.dp={dp}", "train.micro_batch=1", "train.grad_accum=null",
+             "train.global_batch=8")
+    cfg = make_cfg("model=llama_350m", *shape, small_model=False)
+    spawn(dp, _startup_excess, (cfg, make_cfg(*shape), resolve(cfg, dp).layout, str(tmp_path / "peak")), threads=1)
     excess = [int(read(tmp_path / f"peak.{rank}")) for rank in range(dp)]
     full = num_params(model_args(cfg.model)) * 4
     assert excess[0] <= 1.15 * excess[1], excess
-    assert max(excess) < full / dp + 64 * 2**20 * 2, (excess, full)  # its fp32 shard, a chunk, and slack
+    # Its fp32 shard, a 16 MiB init chunk, and slack (measured here: 13 MiB over the shard at dp=2, 53 at dp=4); a
+    # full copy would be 1.3 GB more.
+    assert max(excess) < full / dp + 128 * 2**20, (excess, full)
 
 
 def _weights_alive_after_forward(cfg, lean: bool, out: str) -> None:
