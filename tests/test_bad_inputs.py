@@ -456,6 +456,9 @@ CASES = [
       "set that instead"]),
     ("sbatch-extra-no-requeue", *_hp("hydra/launcher=slurm", "+cluster.sbatch_extra.no_requeue=true"),
      ["cluster.sbatch_extra.no_requeue would replace the job's --requeue", "resumes", "leave it out"]),
+    # ... or change sbatch's answer: with --parsable the job ran and hpctrain failed on "Submitted batch job N" missing
+    ("sbatch-extra-parsable", *_hp("hydra/launcher=slurm", "+cluster.sbatch_extra.parsable=true"),
+     ["cluster.sbatch_extra.parsable: sbatch would print the job's id alone", "nothing watching it", "leave it out"]),
     ("submit-time-limit-inside-the-lead", *_hp("hydra/launcher=slurm", "cluster.time_min=2"),
      ["cluster.time_min=2 (120 s) leaves 0 s", "cluster.signal_lead_s=120", "raise cluster.time_min"]),
     ("submit-async-copies-over-a-nodes-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=2",
@@ -660,9 +663,12 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
     ("SBATCH_NO_REQUEUE", "", ["SBATCH_NO_REQUEUE", "--requeue", "unset SBATCH_NO_REQUEUE"]),
     ("SBATCH_OUTPUT", "/tmp/x.out", ["SBATCH_OUTPUT=/tmp/x.out", "--output", "submitit reads the job's result"]),
     ("SBATCH_EXPORT", "NONE", ["SBATCH_EXPORT=NONE", "--export=ALL", "the environment it is submitted from"]),
+    ("SBATCH_WAIT", "yes", ["SBATCH_WAIT=yes in the environment would keep sbatch from returning until the job ends",
+                            "unset SBATCH_WAIT", "cluster.wait=true"]),
     # Not in the way: the same time limit, a flag sbatch reads as unset, the whole environment and more
     ("SBATCH_TIMELIMIT", "1:00:00", ["sbatch is not on PATH"]),
     ("SBATCH_NO_REQUEUE", "0", ["sbatch is not on PATH"]),
+    ("SBATCH_WAIT", "0", ["sbatch is not on PATH"]),
     ("SBATCH_EXPORT", "ALL,FOO=1", ["sbatch is not on PATH"])])
 def test_sbatch_environment_over_the_job_script_is_refused_before_submitting(world, var, value, words):
     """sbatch takes SBATCH_* over the script's #SBATCH lines: a time limit, warning signal or no-requeue there would
@@ -696,6 +702,14 @@ def test_sbatch_extra_is_one_printable_option_per_key():
                                           "writes from cluster.mem_gb"):
         check_sbatch_text({"mem_gb": 64, "sbatch_extra": {"mem": 0}})
     check_sbatch_text({"mem_gb": None, "sbatch_extra": {"mem": 0}})  # all of a node's memory, where none is planned
+    # Options that change sbatch's answer or the job's environment, long, short or begun.
+    for extra, words in (({"test_only": True}, "test_only: sbatch would submit no job"),
+                         ({"W": True}, "W: sbatch would not return until the job ends: set cluster.wait=true"),
+                         ({"export": "NONE"}, "export=NONE: the job would not start in the environment it is submitted"),
+                         ({"pars": True}, r"pars: sbatch reads the start of an option's name as the option \(--parsable")):
+        with pytest.raises(ConfigError, match=words):
+            check_sbatch_text({"sbatch_extra": extra})
+    check_sbatch_text({"sbatch_extra": {"export": "ALL,FOO=1", "wait_all_nodes": 1}})
     check_sbatch_text({"sbatch_extra": {"exclusive": True, "requeue": True, "x": "n3", "mail_type": "END",
                                         "mem-per-cpu": "2G", "J": "name"}})
 

@@ -599,7 +599,7 @@ def _interval(low, low_in, high, high_in) -> str:
 SBATCH_TEXT = ("partition", "account", "qos", "constraint")  # cluster keys that become #SBATCH lines
 # sbatch's short options by their long names: a key of cluster.sbatch_extra may be either.
 _SBATCH_SHORT = {"A": "account", "C": "constraint", "G": "gpus", "N": "nodes", "a": "array", "c": "cpus-per-task",
-                 "e": "error", "n": "ntasks", "o": "output", "p": "partition", "q": "qos", "t": "time", "x": "exclude"}
+                 "e": "error", "n": "ntasks", "o": "output", "p": "partition", "q": "qos", "t": "time", "x": "exclude", "W": "wait"}
 # The options hpctrain writes into the job script itself, and the keys that set them (or, in parentheses, why it
 # writes them). submitit writes cluster.sbatch_extra over them, unseen by the checks and plans made from these keys
 # (the partition's limits, the requeues, the time limit's warning).
@@ -613,6 +613,15 @@ _SBATCH_OWN = {"time": "cluster.time_min", "partition": "cluster.partition", "qo
                "signal": "cluster.signal and cluster.signal_lead_s",
                "no-requeue": "(a requeued job resumes from its latest checkpoint)",
                "array": "a sweep (-m) and cluster.pack", "output": _LOGS, "error": _LOGS, "open-mode": _LOGS}
+# Options that change sbatch's answer to the submission, not the job (submitit reads the job's id from sbatch's
+# `Submitted batch job N` when it returns), or the environment the job starts in: (what they would do and the fix,
+# the values in the way; None: any). Measured on the local cluster: with --parsable the job ran, unread.
+_SBATCH_ANSWER = {"parsable": ("sbatch would print the job's id alone, which submitit cannot read, and the job would "
+                               "run with nothing watching it: leave it out", None),
+                  "test-only": ("sbatch would submit no job: leave it out", None),
+                  "wait": ("sbatch would not return until the job ends: set cluster.wait=true instead", None),
+                  "export": ("the job would not start in the environment it is submitted from, which it needs: "
+                             "leave it out (ALL) or begin it with ALL", lambda v: not str(v).upper().startswith("ALL"))}
 
 
 def sbatch_option(key: str) -> str:
@@ -624,8 +633,9 @@ def sbatch_option(key: str) -> str:
 def check_sbatch_text(cluster, where: str = "cluster", options: bool = True) -> None:
     """The cluster keys written into a job script's #SBATCH lines: one line of printable text each (a newline would
     add a line of its own to the script); cluster.sbatch_extra's keys sbatch option names and, with `options` (the
-    run's job, not an eval job, which gets no sbatch_extra), none of the options hpctrain sets from other keys, whole
-    or abbreviated (sbatch reads an unambiguous start of an option's name as the option). One-line ConfigError."""
+    run's job, not an eval job, which gets no sbatch_extra), none of the options hpctrain sets from other keys, nor
+    one that would change sbatch's answer or the job's environment (_SBATCH_ANSWER), whole or abbreviated (sbatch
+    reads an unambiguous start of an option's name as the option). One-line ConfigError."""
     get = cluster.get if hasattr(cluster, "get") else functools.partial(getattr, cluster)
     for key in SBATCH_TEXT:
         value = get(key, None)
@@ -642,10 +652,13 @@ def check_sbatch_text(cluster, where: str = "cluster", options: bool = True) -> 
                               "key out not to set it")
         if not options or option == "mem" and get("mem_gb", None) is None:
             continue  # (mem: no --mem is written then, and no node memory checked: --mem=0, all of it, is the user's)
-        begun = sorted(own for own in _SBATCH_OWN if own.startswith(option) and own != option)
-        if option not in _SBATCH_OWN and len(option) > 1 and begun:
+        begun = sorted(own for own in (*_SBATCH_OWN, *_SBATCH_ANSWER) if own.startswith(option) and own != option)
+        if option not in _SBATCH_OWN and option not in _SBATCH_ANSWER and len(option) > 1 and begun:
             raise ConfigError(f"{name}: sbatch reads the start of an option's name as the option (--{begun[0]}, "
                               f"{_written(begun[0])}): write an option's whole name")
+        answer, in_the_way = _SBATCH_ANSWER.get(option, (None, None))
+        if answer and (in_the_way is None or in_the_way(value)):
+            raise ConfigError(f"{name}{'' if value is True else f'={value}'}: {answer}")
         if option in _SBATCH_OWN:
             how = "leave it out" if _SBATCH_OWN[option].startswith("(") else "set that instead"
             raise ConfigError(f"{name} would replace the job's --{option.removeprefix('no-')}, {_written(option)}: "
@@ -653,6 +666,8 @@ def check_sbatch_text(cluster, where: str = "cluster", options: bool = True) -> 
 
 
 def _written(option: str) -> str:
+    if option in _SBATCH_ANSWER:
+        return _SBATCH_ANSWER[option][0].split(":")[0]
     owner = _SBATCH_OWN[option]
     return f"which hpctrain writes itself {owner}" if owner.startswith("(") else f"which hpctrain writes from {owner}"
 

@@ -166,7 +166,7 @@ def _check_environment(time_min: int | None, key: str, plus: str) -> None:
     """sbatch takes its SBATCH_* environment over the job script's #SBATCH lines, where submitit writes the time
     limit, the warning signal, --requeue, the job's shape and its logs: one of those set there would run the job on
     other terms than the run checks and plans by (the partition's limit, the requeues, the time limit's warning).
-    ConfigError for it."""
+    SBATCH_WAIT would hold the submission until the job ends. ConfigError for either."""
     from hpctrain.core.config import ConfigError
 
     limit = os.environ.get("SBATCH_TIMELIMIT")
@@ -174,6 +174,10 @@ def _check_environment(time_min: int | None, key: str, plus: str) -> None:
         raise ConfigError(f"SBATCH_TIMELIMIT={limit} in the environment would replace {key}.time_min={time_min} as "
                           "the job's time limit (sbatch takes it over the job script's), unseen by the checks and the "
                           f"requeue plan: unset SBATCH_TIMELIMIT and set {plus}{key}.time_min")
+    if _flag_set(os.environ.get("SBATCH_WAIT", "0")):  # (measured: sbatch returned when the job ended)
+        instead = " (cluster.wait=true waits for the job instead)" if key == "cluster" else ""
+        raise ConfigError(f"SBATCH_WAIT={os.environ['SBATCH_WAIT']} in the environment would keep sbatch from returning "
+                          f"until the job ends: unset SBATCH_WAIT{instead}")
     for var, option, instead, in_the_way in _ENVIRONMENT:
         if var in os.environ and (in_the_way is None or in_the_way(os.environ[var])):
             raise ConfigError(f"{var}={os.environ[var]} in the environment would override the job script's {option} "
