@@ -666,10 +666,10 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
     ("SBATCH_WAIT", "yes", ["SBATCH_WAIT=yes in the environment would keep sbatch from returning until the job ends",
                             "unset SBATCH_WAIT", "cluster.wait=true"]),
     # Not in the way: the same time limit, a flag sbatch reads as unset, the whole environment and more
-    ("SBATCH_TIMELIMIT", "1:00:00", ["sbatch is not on PATH"]),
-    ("SBATCH_NO_REQUEUE", "0", ["sbatch is not on PATH"]),
-    ("SBATCH_WAIT", "0", ["sbatch is not on PATH"]),
-    ("SBATCH_EXPORT", "ALL,FOO=1", ["sbatch is not on PATH"])])
+    ("SBATCH_TIMELIMIT", "1:00:00", ["sbatch and srun are not on PATH"]),
+    ("SBATCH_NO_REQUEUE", "0", ["sbatch and srun are not on PATH"]),
+    ("SBATCH_WAIT", "0", ["sbatch and srun are not on PATH"]),
+    ("SBATCH_EXPORT", "ALL,FOO=1", ["sbatch and srun are not on PATH"])])
 def test_sbatch_environment_over_the_job_script_is_refused_before_submitting(world, var, value, words):
     """sbatch takes SBATCH_* over the script's #SBATCH lines: a time limit, warning signal or no-requeue there would
     run the job on other terms than its checks and requeue plan. One line, before Slurm is even looked for."""
@@ -678,6 +678,29 @@ def test_sbatch_environment_over_the_job_script_is_refused_before_submitting(wor
                      env={"PATH": os.path.dirname(os.__file__), var: value})
     assert ran.code == 2 and len(ran.err_lines) == 1 and all(w in ran.err for w in words), ran.err
     assert not (world / "new").exists()
+
+
+def test_an_sbatch_answer_submitit_cannot_read_is_one_line_and_keeps_the_run_dir(world, tmp_path):
+    """An sbatch wrapper (or --parsable) that answers with the job id alone: the job may be queued all the same, so
+    one line saying so (exit 1, no bad input), and the run directory the job would write is kept. Before that, with
+    no srun on PATH (submitit looks for it first), one line and no run directory."""
+    for name, text in (("sbatch", "echo 12345"), ("srun", "exit 1")):  # (sbatch --parsable's answer; srun: not run)
+        (tmp_path / name).write_text(f"#!/bin/sh\n{text}\n")
+        (tmp_path / name).chmod(0o755)
+    main, argv = _hp("hydra/launcher=slurm")
+    argv = [a.replace("{w}", str(world)).replace("/new", "/answered") for a in argv]
+    path = f"{tmp_path}:{os.path.dirname(os.__file__)}"
+    (tmp_path / "srun").rename(tmp_path / "srun-aside")
+    ran = run_forked(main, argv, cwd=world, env={"PATH": path})
+    assert ran.code == 2 and ran.err_lines == ["hpctrain: error: hydra/launcher=slurm needs Slurm, and srun is not on "
+                                               "PATH here: run on a Slurm login node, or use hydra/launcher=local (or "
+                                               "no launcher) to run on this machine"], ran.err
+    assert not (world / "answered").exists()
+    (tmp_path / "srun-aside").rename(tmp_path / "srun")
+    ran = run_forked(main, argv, cwd=world, env={"PATH": path})
+    assert ran.code == 1 and len(ran.err_lines) == 1, ran.err
+    assert "sbatch answered '12345', not 'Submitted batch job N': a job may have been queued" in ran.err, ran.err
+    assert (world / "answered" / ".submitit").is_dir()
 
 
 def test_sbatch_extra_is_one_printable_option_per_key():

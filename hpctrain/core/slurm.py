@@ -85,6 +85,15 @@ def exclude_nodes(job: str, nodes: list[str]) -> None:
         log.error("could not leave out %s in job %s (%s)", ",".join(sorted(nodes)), job, p.stderr.strip())
 
 
+def missing_commands() -> str | None:
+    """Which of the Slurm commands a submission runs are not on PATH ("sbatch is", "srun is", "sbatch and srun
+    are"), or None: submitit submits with sbatch and, before that, looks for srun (a traceback where it is missing)."""
+    import shutil
+
+    missing = [c for c in ("sbatch", "srun") if not shutil.which(c)]
+    return f"{' and '.join(missing)} {'are' if len(missing) > 1 else 'is'}" if missing else None
+
+
 def minutes(text: str) -> float | None:
     """A Slurm time (`infinite`, `30`, `10:00`, `2:00:00`, `1-12`, `1-00:00:00`: minutes, minutes:seconds,
     hours:minutes:seconds, days-hours[:minutes[:seconds]]) in minutes; None for infinite or unreadable."""

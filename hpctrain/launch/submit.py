@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.core.config import ConfigError
 from hpctrain.core.errors import BAD_INPUT, fail
-from hpctrain.core.slurm import check_partition
+from hpctrain.core.slurm import check_partition, missing_commands
 from hpctrain.parallel.layout import job_shape, min_nodes, restarts_in_allocation
 from hpctrain.runtime.task_exits import SRUN_ARGS, exit_trap
 
@@ -99,8 +100,6 @@ class Submitting:
     params: dict
 
     def executor(self, folder: str, cluster_cfg, partition_checked: bool = False):
-        import shutil
-
         import submitit
 
         if self._EXECUTOR == "slurm":
@@ -109,9 +108,10 @@ class Submitting:
             if not partition_checked:
                 check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
                                 cluster_cfg.qos)
-            if not shutil.which("sbatch"):
-                raise ConfigError("hydra/launcher=slurm needs Slurm, and sbatch is not on PATH here: run on a Slurm "
-                                  "login node, or use hydra/launcher=local (or no launcher) to run on this machine")
+            missing = missing_commands()
+            if missing:
+                raise ConfigError(f"hydra/launcher=slurm needs Slurm, and {missing} not on PATH here: run on a "
+                                  "Slurm login node, or use hydra/launcher=local (or no launcher) to run on this machine")
         from submitit.core import job_environment
         from submitit.slurm import slurm
 
@@ -418,7 +418,9 @@ def _wait(jobs, where: str, batch_only: bool = False) -> None:
 
 
 def _orfail(submit):
-    """submit(); sbatch refusing the job (a bad partition, account, time limit...) becomes one line."""
+    """submit(); sbatch refusing the job (a bad partition, account, time limit...) becomes one line. So does an
+    answer of sbatch's that submitit cannot read, but as no bad input: a job may be queued all the same, and the run
+    directory it would write is kept."""
     import contextlib
     import io
 
@@ -431,5 +433,10 @@ def _orfail(submit):
         refusal = [line for line in str(e).splitlines() if "error" in line.lower()] or str(e).splitlines() or ["?"]
         raise ConfigError(f"sbatch refused the job ({refusal[0].strip()}): check cluster.partition, "
                           "cluster.account, cluster.qos, cluster.time_min and cluster.sbatch_extra") from None
+    except submitit.core.utils.FailedSubmissionError as e:
+        answer = re.search(r'"(.*)"', str(e), re.S)
+        fail(f"sbatch answered {(answer.group(1) if answer else str(e)).strip()[:200]!r}, not 'Submitted batch job N': a job "
+             "may have been queued all the same (squeue --me; scancel it); an sbatch wrapper on PATH or "
+             "cluster.sbatch_extra changed sbatch's answer", code=1)
 
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from hpctrain.core.config import ClusterConfig, EvalConfig, EvalMode, ParallelConfig, check_sbatch_text
 from hpctrain.core.errors import ConfigError
 from hpctrain.core.files import read_evals, read_metrics
-from hpctrain.core.slurm import check_partition
+from hpctrain.core.slurm import check_partition, missing_commands
 from hpctrain.storage import checkpoint
 from hpctrain.training.cadence import AUTO
 
@@ -49,7 +49,6 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig, p
     job is submitted, eval.cluster's keys and text, Slurm here, and a partition that can start the eval jobs."""
     if not ecfg.tasks or EvalMode(ecfg.mode) != EvalMode.job:
         return
-    import shutil
 
     merged = job_cluster(cluster, ecfg)
     check_sbatch_text(merged, "eval.cluster", options=False)  # (an eval job gets no sbatch_extra)
@@ -59,9 +58,10 @@ def check(ecfg: EvalConfig, tcfg, checkpointing: bool, cluster: ClusterConfig, p
     if ecfg.every and (tcfg.ckpt_every == AUTO or not tcfg.ckpt_every or ecfg.every % tcfg.ckpt_every):
         raise ConfigError(f"eval.every={ecfg.every} with eval.mode=job must be a multiple of train.ckpt_every="
                           f"{tcfg.ckpt_every}: each evaluation scores a checkpoint")
-    if not shutil.which("sbatch"):
-        raise ConfigError("eval.mode=job submits Slurm jobs, and sbatch is not on PATH here: run on a Slurm cluster, "
-                          "or use eval.mode=loop")
+    missing = missing_commands()
+    if missing:
+        raise ConfigError(f"eval.mode=job submits Slurm jobs, and {missing} not on PATH here: run on a Slurm "
+                          "cluster, or use eval.mode=loop")
     from hpctrain.parallel.layout import job_shape
     from hpctrain.parallel.process_group import launched_rank
 
