@@ -598,8 +598,9 @@ def _interval(low, low_in, high, high_in) -> str:
 
 SBATCH_TEXT = ("partition", "account", "qos", "constraint")  # cluster keys that become #SBATCH lines
 # sbatch's short options by their long names: a key of cluster.sbatch_extra may be either.
-_SBATCH_SHORT = {"A": "account", "C": "constraint", "G": "gpus", "N": "nodes", "a": "array", "c": "cpus-per-task",
-                 "e": "error", "n": "ntasks", "o": "output", "p": "partition", "q": "qos", "t": "time", "x": "exclude", "W": "wait"}
+_SBATCH_SHORT = {"A": "account", "C": "constraint", "G": "gpus", "N": "nodes", "W": "wait", "a": "array",
+                 "c": "cpus-per-task", "e": "error", "n": "ntasks", "o": "output", "p": "partition", "q": "qos",
+                 "t": "time", "x": "exclude"}
 # The options hpctrain writes into the job script itself, and the keys that set them (or, in parentheses, why it
 # writes them). submitit writes cluster.sbatch_extra over them, unseen by the checks and plans made from these keys
 # (the partition's limits, the requeues, the time limit's warning).
