@@ -444,6 +444,10 @@ CASES = [
     ("slurm-launcher-without-slurm", *_hp("hydra/launcher=slurm"), ["sbatch", "hydra/launcher=local"]),
     ("slurm-sweep-without-slurm", cli.main, ["-m", "hydra/launcher=slurm", "hydra.sweep.dir={w}/sweep2",
                                              "data.path={w}/data", *BASE, "optim.lr=1e-3,3e-3"], ["sbatch"]),
+    # A packed sweep looks for Slurm before it makes the points' directories too (Hydra writes multirun.yaml).
+    ("slurm-packed-sweep-without-slurm", cli.main, ["-m", "hydra/launcher=slurm", "hydra.sweep.dir={w}/sweep4",
+                                                    "cluster.pack=2", "data.path={w}/data", *BASE,
+                                                    "optim.lr=1e-3,3e-3"], ["sbatch and srun are not on PATH"]),
     # What a job asks of its nodes, checked before it is submitted (before sbatch is looked for): a 1.5 GiB model
     # on 1 GiB of a CPU node's --mem, of a GPU, and two GPU ranks' asynchronous checkpoint copies on the host.
     ("submit-over-a-nodes-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.mem_gb=1"),
@@ -451,14 +455,14 @@ CASES = [
     ("submit-over-a-gpus-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=1",
                                        "cluster.gpu_mem_gb=1"), ["needs about 1.5 GiB", "cluster.gpu_mem_gb=1"]),
     # Options of cluster.sbatch_extra that would replace what hpctrain writes into the job script from its own keys.
-    ("sbatch-extra-time", *_hp("+cluster.sbatch_extra.t=30"),
-     ["cluster.sbatch_extra.t would replace the job's --time, which hpctrain writes from cluster.time_min",
+    ("sbatch-extra-time", *_hp("+cluster.sbatch_extra.time=30"),
+     ["cluster.sbatch_extra.time would replace the job's --time, which hpctrain writes from cluster.time_min",
       "set that instead"]),
     ("sbatch-extra-no-requeue", *_hp("hydra/launcher=slurm", "+cluster.sbatch_extra.no_requeue=true"),
      ["cluster.sbatch_extra.no_requeue would replace the job's --requeue", "resumes", "leave it out"]),
     # ... or change sbatch's answer: with --parsable the job ran and hpctrain failed on "Submitted batch job N" missing
     ("sbatch-extra-parsable", *_hp("hydra/launcher=slurm", "+cluster.sbatch_extra.parsable=true"),
-     ["cluster.sbatch_extra.parsable: sbatch would print the job's id alone", "nothing watching it", "leave it out"]),
+     ["cluster.sbatch_extra.parsable: sbatch would print the job's id alone", "fail as it starts", "leave it out"]),
     ("submit-time-limit-inside-the-lead", *_hp("hydra/launcher=slurm", "cluster.time_min=2"),
      ["cluster.time_min=2 (120 s) leaves 0 s", "cluster.signal_lead_s=120", "raise cluster.time_min"]),
     ("submit-async-copies-over-a-nodes-memory", *_hp("hydra/launcher=slurm", *BIG_MODEL, "cluster.gpus_per_node=2",
@@ -632,7 +636,7 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
     env = {"PATH": os.path.dirname(os.__file__), "HPCTRAIN_CACHE": str(world / "cache")}
     try:
         ran = run_forked(main, argv, cwd=world, env=env)
-        leftovers = [gone for gone in ("new", "shardz", "pwned", "cache", "sweep/0", "out") if (world / gone).exists()]
+        leftovers = [gone for gone in ("new", "shardz", "pwned", "cache", "sweep/0", "sweep4/0", "out") if (world / gone).exists()]
         leftovers += glob.glob(str(world / "*.partial-*")) + glob.glob(str(world / "notes" / "*.lock"))
         if name in BUILD_STARTED:
             leftovers.remove("out")
@@ -663,12 +667,15 @@ def test_bad_input_is_one_line(world, name, main, argv, words):
     ("SBATCH_NO_REQUEUE", "", ["SBATCH_NO_REQUEUE", "--requeue", "unset SBATCH_NO_REQUEUE"]),
     ("SBATCH_OUTPUT", "/tmp/x.out", ["SBATCH_OUTPUT=/tmp/x.out", "--output", "submitit reads the job's result"]),
     ("SBATCH_EXPORT", "NONE", ["SBATCH_EXPORT=NONE", "--export=ALL", "the environment it is submitted from"]),
-    ("SBATCH_WAIT", "yes", ["SBATCH_WAIT=yes in the environment would keep sbatch from returning until the job ends",
+    ("SBATCH_EXPORT", "ALLOWED=1", ["SBATCH_EXPORT=ALLOWED=1", "--export=ALL"]),
+    ("SBATCH_WAIT", "YES", ["SBATCH_WAIT=YES in the environment would keep sbatch from returning until the job ends",
                             "unset SBATCH_WAIT", "cluster.wait=true"]),
     # Not in the way: the same time limit, a flag sbatch reads as unset, the whole environment and more
     ("SBATCH_TIMELIMIT", "1:00:00", ["sbatch and srun are not on PATH"]),
     ("SBATCH_NO_REQUEUE", "0", ["sbatch and srun are not on PATH"]),
     ("SBATCH_WAIT", "0", ["sbatch and srun are not on PATH"]),
+    ("SBATCH_WAIT", "1 ", ["sbatch and srun are not on PATH"]),  # (measured: sbatch reads it as unset)
+    ("SBATCH_EXPORT", "FOO=1,ALL", ["sbatch and srun are not on PATH"]),
     ("SBATCH_EXPORT", "ALL,FOO=1", ["sbatch and srun are not on PATH"])])
 def test_sbatch_environment_over_the_job_script_is_refused_before_submitting(world, var, value, words):
     """sbatch takes SBATCH_* over the script's #SBATCH lines: a time limit, warning signal or no-requeue there would
@@ -699,7 +706,8 @@ def test_an_sbatch_answer_submitit_cannot_read_is_one_line_and_keeps_the_run_dir
     (tmp_path / "srun-aside").rename(tmp_path / "srun")
     ran = run_forked(main, argv, cwd=world, env={"PATH": path})
     assert ran.code == 1 and len(ran.err_lines) == 1, ran.err
-    assert "sbatch answered '12345', not 'Submitted batch job N': a job may have been queued" in ran.err, ran.err
+    assert "sbatch answered '12345', not 'Submitted batch job N': submitit cannot put the job's files in place, so a " \
+           "job queued all the same fails as it starts (squeue --me; scancel it)" in ran.err, ran.err
     assert (world / "answered" / ".submitit").is_dir()
 
 
@@ -715,8 +723,9 @@ def test_sbatch_extra_is_one_printable_option_per_key():
                                           "--cpus-per-task, which hpctrain writes from cluster.cpus_per_task"):
         check_sbatch_text({"sbatch_extra": {"cpus_per_task": 4}})
     # sbatch reads an unambiguous start of a name as the option (`#SBATCH --partit=x` is --partition)
-    with pytest.raises(ConfigError, match=r"cluster.sbatch_extra.partit: sbatch reads the start of an option's name as "
-                                          r"the option \(--partition, which hpctrain writes from cluster.partition\)"):
+    with pytest.raises(ConfigError, match=r"cluster.sbatch_extra.partit: sbatch takes the start of an option's name for "
+                                          r"the option where only one begins so.*\(--partition, which hpctrain writes "
+                                          r"from cluster.partition\)"):
         check_sbatch_text({"sbatch_extra": {"partit": "gpu"}})
     with pytest.raises(ConfigError, match="requeue=false would write --requeue=False: an #SBATCH flag takes no value"):
         check_sbatch_text({"sbatch_extra": {"requeue": False}})
@@ -727,14 +736,20 @@ def test_sbatch_extra_is_one_printable_option_per_key():
     check_sbatch_text({"mem_gb": None, "sbatch_extra": {"mem": 0}})  # all of a node's memory, where none is planned
     # Options that change sbatch's answer or the job's environment, long, short or begun.
     for extra, words in (({"test_only": True}, "test_only: sbatch would submit no job"),
-                         ({"W": True}, "W: sbatch would not return until the job ends: set cluster.wait=true"),
+                         ({"wait": True}, "wait: sbatch would not return until the job ends: set cluster.wait=true"),
                          ({"export": "NONE"}, "export=NONE: the job would not start in the environment it is submitted"),
-                         ({"pars": True}, r"pars: sbatch reads the start of an option's name as the option \(--parsable")):
+                         ({"export": "ALLOWED=1"}, "export=ALLOWED=1: the job would not start in the environment"),
+                         ({"pars": True}, r"pars: sbatch takes the start of an option's name .*\(--parsable"),
+                         # submitit writes a key as --KEY: --J=name is unrecognized, --t=30 ambiguous (measured)
+                         ({"J": "name"}, "J: submitit writes it as --J, which sbatch does not read as -J .*: use its "
+                                         "long name"),
+                         ({"t": 30}, "t: submitit writes it as --t.*: use --time, which hpctrain writes from "
+                                     "cluster.time_min")):
         with pytest.raises(ConfigError, match=words):
             check_sbatch_text({"sbatch_extra": extra})
-    check_sbatch_text({"sbatch_extra": {"export": "ALL,FOO=1", "wait_all_nodes": 1}})
+    check_sbatch_text({"sbatch_extra": {"export": "FOO=1,ALL", "wait_all_nodes": 1}})
     check_sbatch_text({"sbatch_extra": {"exclusive": True, "requeue": True, "x": "n3", "mail_type": "END",
-                                        "mem-per-cpu": "2G", "J": "name"}})
+                                        "mem-per-cpu": "2G", "job_name": "name"}})
 
 
 def test_a_run_dir_that_existed_before_is_kept(world, tmp_path):

@@ -364,6 +364,8 @@ def _startup_excess(cfg, small, layout, out: str) -> None:
     (60-75 MB more in a CI run than here), are paid before the probe starts."""
     import gc
 
+    import torch
+
     from hpctrain.monitoring.memory import MemoryProbe
     from hpctrain.parallel import process_group
 
@@ -371,7 +373,7 @@ def _startup_excess(cfg, small, layout, out: str) -> None:
     mesh = layout.build_mesh(env.device.type, 120.0)
     model_on(small, layout, mesh, env.device)
     gc.collect()
-    probe = MemoryProbe(env.device)
+    probe = MemoryProbe(torch.device("cpu"))  # the host's resident peak, where a GPU rank would hold a copy too
     model_on(cfg, layout, mesh, env.device)
     with open(f"{out}.{env.rank}", "w") as f:
         f.write(str(probe.peak()))

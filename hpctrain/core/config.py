@@ -598,7 +598,7 @@ def _interval(low, low_in, high, high_in) -> str:
 
 SBATCH_TEXT = ("partition", "account", "qos", "constraint")  # cluster keys that become #SBATCH lines
 # sbatch's short options by their long names: a key of cluster.sbatch_extra may be either.
-_SBATCH_SHORT = {"A": "account", "C": "constraint", "G": "gpus", "N": "nodes", "W": "wait", "a": "array",
+_SBATCH_SHORT = {"A": "account", "C": "constraint", "G": "gpus", "N": "nodes", "a": "array",
                  "c": "cpus-per-task", "e": "error", "n": "ntasks", "o": "output", "p": "partition", "q": "qos",
                  "t": "time", "x": "exclude"}
 # The options hpctrain writes into the job script itself, and the keys that set them (or, in parentheses, why it
@@ -616,13 +616,20 @@ _SBATCH_OWN = {"time": "cluster.time_min", "partition": "cluster.partition", "qo
                "array": "a sweep (-m) and cluster.pack", "output": _LOGS, "error": _LOGS, "open-mode": _LOGS}
 # Options that change sbatch's answer to the submission, not the job (submitit reads the job's id from sbatch's
 # `Submitted batch job N` when it returns), or the environment the job starts in: (what they would do and the fix,
-# the values in the way; None: any). Measured on the local cluster: with --parsable the job ran, unread.
+# the values in the way; None: any). Measured on the local cluster: with --parsable the job was queued, unread, and
+# failed at its start.
 _SBATCH_ANSWER = {"parsable": ("sbatch would print the job's id alone, which submitit cannot read, and the job would "
-                               "run with nothing watching it: leave it out", None),
+                               "fail as it starts, its files never put in place: leave it out", None),
                   "test-only": ("sbatch would submit no job: leave it out", None),
                   "wait": ("sbatch would not return until the job ends: set cluster.wait=true instead", None),
                   "export": ("the job would not start in the environment it is submitted from, which it needs: "
-                             "leave it out (ALL) or begin it with ALL", lambda v: not str(v).upper().startswith("ALL"))}
+                             "leave it out (ALL) or add ALL to it", lambda v: not exports_all(v))}
+
+
+def exports_all(value) -> bool:
+    """Whether an --export value (sbatch_extra.export, $SBATCH_EXPORT) passes the submitting environment on: ALL as
+    one of its comma-separated words, as Slurm reads it."""
+    return "ALL" in {word.strip().upper() for word in str(value).split(",")}
 
 
 def sbatch_option(key: str) -> str:
@@ -636,7 +643,8 @@ def check_sbatch_text(cluster, where: str = "cluster", options: bool = True) -> 
     add a line of its own to the script); cluster.sbatch_extra's keys sbatch option names and, with `options` (the
     run's job, not an eval job, which gets no sbatch_extra), none of the options hpctrain sets from other keys, nor
     one that would change sbatch's answer or the job's environment (_SBATCH_ANSWER), whole or abbreviated (sbatch
-    reads an unambiguous start of an option's name as the option). One-line ConfigError."""
+    reads an unambiguous start of an option's name as the option), nor a one-letter key (submitit writes --KEY).
+    One-line ConfigError."""
     get = cluster.get if hasattr(cluster, "get") else functools.partial(getattr, cluster)
     for key in SBATCH_TEXT:
         value = get(key, None)
@@ -653,10 +661,16 @@ def check_sbatch_text(cluster, where: str = "cluster", options: bool = True) -> 
                               "key out not to set it")
         if not options or option == "mem" and get("mem_gb", None) is None:
             continue  # (mem: no --mem is written then, and no node memory checked: --mem=0, all of it, is the user's)
+        if len(str(key)) == 1 and option != "exclude":  # (x joins the bad-node list's --exclude: runs.compose)
+            long = f"--{option}" + (f", {_written(option)}" if option in _SBATCH_OWN else "") if key in _SBATCH_SHORT \
+                else "its long name"
+            raise ConfigError(f"{name}: submitit writes it as --{key}, which sbatch does not read as -{key} (measured: "
+                              f"unrecognized or ambiguous): use {long}")
         begun = sorted(own for own in (*_SBATCH_OWN, *_SBATCH_ANSWER) if own.startswith(option) and own != option)
-        if option not in _SBATCH_OWN and option not in _SBATCH_ANSWER and len(option) > 1 and begun:
-            raise ConfigError(f"{name}: sbatch reads the start of an option's name as the option (--{begun[0]}, "
-                              f"{_written(begun[0])}): write an option's whole name")
+        if option not in _SBATCH_OWN and option not in _SBATCH_ANSWER and begun:
+            raise ConfigError(f"{name}: sbatch takes the start of an option's name for the option where only one "
+                              f"begins so, and refuses it where several do (--{begun[0]}, {_written(begun[0])}): write "
+                              "an option's whole name")
         answer, in_the_way = _SBATCH_ANSWER.get(option, (None, None))
         if answer and (in_the_way is None or in_the_way(value)):
             raise ConfigError(f"{name}{'' if value is True else f'={value}'}: {answer}")

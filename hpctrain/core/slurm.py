@@ -154,8 +154,15 @@ def qos_flags(qos: str) -> frozenset[str] | None:
 
 
 def _flag_set(value: str) -> bool:
-    """sbatch's reading of a flag option's environment variable: set when empty, `yes` or a non-zero number."""
-    return value.strip() in ("", "yes") or value.strip().isdigit() and int(value) != 0
+    """sbatch's reading of a flag option's environment variable: set when empty, `yes` in any case, or a whole
+    number other than zero."""
+    return value == "" or value.lower() == "yes" or bool(re.fullmatch(r"\s*[+-]?[0-9]+", value)) and int(value) != 0
+
+
+def _exports_all(value: str) -> bool:
+    from hpctrain.core.config import exports_all
+
+    return exports_all(value)
 
 
 # SBATCH_* variables that would override what hpctrain writes into the job script: (the option, what to do instead,
@@ -168,7 +175,7 @@ _ENVIRONMENT = (("SBATCH_SIGNAL", "--signal", "the warning is cluster.signal, cl
                 *((var, f"--{var[7:].lower().replace('_', '-')}", "submitit reads the job's result from its logs in "
                    "<run_dir>/.submitit/", None) for var in ("SBATCH_OUTPUT", "SBATCH_ERROR", "SBATCH_OPEN_MODE")),
                 ("SBATCH_EXPORT", "--export=ALL", "the job needs the environment it is submitted from",
-                 lambda v: not v.upper().startswith("ALL")))
+                 lambda v: not _exports_all(v)))
 
 
 def _check_environment(time_min: int | None, key: str, plus: str) -> None:

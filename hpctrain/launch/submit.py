@@ -108,10 +108,7 @@ class Submitting:
             if not partition_checked:
                 check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
                                 cluster_cfg.qos)
-            missing = missing_commands()
-            if missing:
-                raise ConfigError(f"hydra/launcher=slurm needs Slurm, and {missing} not on PATH here: run on a "
-                                  "Slurm login node, or use hydra/launcher=local (or no launcher) to run on this machine")
+            _check_slurm_here()
         from submitit.core import job_environment
         from submitit.slurm import slurm
 
@@ -237,10 +234,11 @@ class Submitting:
         def nodes_for(points: int) -> int:  # whole nodes for a point of several nodes; points of one node share nodes
             return points * shape["nodes"] if shape["nodes"] > 1 else math.ceil(points * tasks / per_node)
 
-        try:  # (the widest job and the narrowest, a short last one, before any directory is made)
+        try:  # (the widest job and the narrowest, a short last one, and Slurm here, before any directory is made)
             _check_lead(cluster)
             for points in {min(pack, len(configs)), len(configs) % pack or min(pack, len(configs))}:
                 check_partition(cluster.partition, cluster.time_min, nodes_for(points), cluster.qos)
+            _check_slurm_here()
             sweep_dir.mkdir(parents=True, exist_ok=True)
             points = [(self._packed_point(sweep_dir, first + i, list(o), cfg), shape["nodes"], tasks)
                       for i, (o, cfg) in enumerate(zip(job_overrides, configs))]
@@ -251,7 +249,7 @@ class Submitting:
                 nodes = nodes_for(len(chunk))
                 executor.update_parameters(slurm_use_srun=False, nodes=nodes,
                                            tasks_per_node=min(per_node, math.ceil(len(chunk) * tasks / nodes)))
-                jobs.append(_orfail(lambda c=chunk, e=executor: e.submit(PackedRuns(c, cluster.cpus_per_task))))
+                jobs.append(_orfail(lambda c=chunk, e=executor: e.submit(PackedRuns(c, cluster.cpus_per_task)), jobs))
         except _BAD_INPUT as e:
             fail(str(e))
         print(f"hpctrain: submitted {len(jobs)} job(s) {' '.join(j.job_id for j in jobs)} ({min(pack, len(points))} "
@@ -417,10 +415,17 @@ def _wait(jobs, where: str, batch_only: bool = False) -> None:
     print(f"hpctrain: {len(jobs)} job(s) completed", flush=True)
 
 
-def _orfail(submit):
+def _check_slurm_here() -> None:
+    missing = missing_commands()
+    if missing:
+        raise ConfigError(f"hydra/launcher=slurm needs Slurm, and {missing} not on PATH here: run on a Slurm login "
+                          "node, or use hydra/launcher=local (or no launcher) to run on this machine")
+
+
+def _orfail(submit, queued=()):
     """submit(); sbatch refusing the job (a bad partition, account, time limit...) becomes one line. So does an
-    answer of sbatch's that submitit cannot read, but as no bad input: a job may be queued all the same, and the run
-    directory it would write is kept."""
+    answer of sbatch's that submitit cannot read, but as no bad input: the run directory is kept, as a job may be
+    queued all the same (`queued`: the jobs this command submitted before, named too)."""
     import contextlib
     import io
 
@@ -435,8 +440,9 @@ def _orfail(submit):
                           "cluster.account, cluster.qos, cluster.time_min and cluster.sbatch_extra") from None
     except submitit.core.utils.FailedSubmissionError as e:
         answer = re.search(r'"(.*)"', str(e), re.S)
-        fail(f"sbatch answered {(answer.group(1) if answer else str(e)).strip()[:200]!r}, not 'Submitted batch job N': a job "
-             "may have been queued all the same (squeue --me; scancel it); an sbatch wrapper on PATH or "
-             "cluster.sbatch_extra changed sbatch's answer", code=1)
+        before = f"; job(s) {' '.join(j.job_id for j in queued)} were submitted before it" if queued else ""
+        fail(f"sbatch answered {(answer.group(1) if answer else str(e)).strip()[:200]!r}, not 'Submitted batch job "
+             "N': submitit cannot put the job's files in place, so a job queued all the same fails as it starts "
+             f"(squeue --me; scancel it){before}; is an sbatch wrapper on PATH changing sbatch's answer?", code=1)
 
 
