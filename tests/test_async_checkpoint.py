@@ -188,3 +188,43 @@ def test_a_stop_signal_publishes_the_background_write_before_the_run_stops(make_
     assert result["status"] == "preempted" and 3 <= result["steps"] < 100000
     assert checkpoint.latest(str(tmp_path)).endswith(f"step-{result['steps']:07d}")
     assert not [name for name in os.listdir(tmp_path / "checkpoints") if name.startswith(".tmp")]
+
+
+def test_a_late_copy_of_the_stop_signal_is_only_noted_until_the_run_has_requeued(make_cfg, tmp_path, monkeypatch):
+    """Ranks stop on the first rank's signal; a rank's own copy can come later, after the checkpoint (seen in a Slurm
+    job under load). The previous handler (submitit's in a job: it requeues and exits, without the bad-node list's
+    ExcNodeList) is put back only after the run's own requeue: the late copy, here sent while result.json is
+    written, is only noted, and the previous handler is in place again once train() has raised."""
+    import threading
+
+    from hpctrain.runtime import job
+    from hpctrain.training import trainer
+
+    called = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: called.append(signum))
+    real_write = trainer.write_json
+
+    def write_after_a_late_signal(path, doc):
+        if doc.get("status") == "preempted":
+            os.kill(os.getpid(), signal.SIGUSR2)  # (handled at once: the main thread, this one)
+        return real_write(path, doc)
+
+    monkeypatch.setattr(trainer, "write_json", write_after_a_late_signal)
+    ended = threading.Event()
+
+    def preempt_after_step_3():
+        while last_step(tmp_path) < 3:
+            if ended.wait(0.005):
+                return
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+    threading.Thread(target=preempt_after_step_3, daemon=True).start()
+    try:
+        with pytest.raises(job.Stopped):
+            train(make_cfg("train.max_steps=100000", "train.eval_every=0"), str(tmp_path))
+        handler = signal.getsignal(signal.SIGUSR2)
+    finally:
+        ended.set()
+        signal.signal(signal.SIGUSR2, previous)
+    assert read_json(tmp_path / "result.json")["status"] == "preempted"
+    assert called == [] and handler is not previous and handler.__name__ == "<lambda>", (called, handler)

@@ -148,11 +148,12 @@ class StopSignals:
         if job:
             requeue_job(job, exclude)
 
-    def restore(self, drain: bool = True) -> None:
-        """Put the previous handlers back. `drain`: first collect the vote in flight, so that no collective is left
-        pending (not after a failure: a rank that died might never join it, and this process is ending)."""
+    def restore(self, drain: bool = True, handlers: bool = True) -> None:
+        """Put the previous handlers back (with `handlers`). `drain`: first collect the vote in flight, so that no
+        collective is left pending (not after a failure: a rank that died might never join it, and this process is
+        ending)."""
         self._vote.drop(drain)
-        for sig, prev in self._previous.items():
+        for sig, prev in self._previous.items() if handlers else ():
             signal.signal(sig, prev)
 
 

@@ -340,8 +340,8 @@ class Trainer:
 
     def _finish(self, status: RunStatus, error: str | None) -> dict:
         failed = status in (RunStatus.failed, RunStatus.interrupted)
-        if not failed:
-            self.signals.restore()
+        if not failed:  # (a stopped run's handlers stay until it has requeued: _stopped)
+            self.signals.restore(handlers=status == RunStatus.completed)
         self.metrics.close()
         s = self.state
         result = {"status": status.value, "error": error, "final_loss": s.last_loss, "final_val_loss": s.last_val_loss,
@@ -383,10 +383,17 @@ class Trainer:
         return self.env.is_main or (self.hang.lost_rank0 and self.env.rank == self._next_node_rank())
 
     def _stopped(self, stop: Stop):
-        log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
-                    "checkpoint written" if self.checkpointer.enabled else "no checkpoint (train.checkpointing=false)")
-        if stop == Stop.PREEMPT and self.env.is_main:
-            self.signals.requeue(bad_nodes.leave_out(self.cfg.cluster.bad_nodes, self.cfg.cluster.bad_node_expiry_h))
+        """Log the stop, requeue the job (the main rank, on the preemption signal), then put the previous signal
+        handlers back. Only then: a rank's own copy of the signal can come after the ranks agreed to stop on
+        another's (seen under load, 25 ms after the checkpoint), and submitit's handler, back in place, would have
+        requeued the job itself and exited, without the bad-node list's ExcNodeList."""
+        try:
+            log.warning("stopped by %s after step %d; %s", self.signals.name(stop), self.state.step,
+                        "checkpoint written" if self.checkpointer.enabled else "no checkpoint (train.checkpointing=false)")
+            if stop == Stop.PREEMPT and self.env.is_main:
+                self.signals.requeue(bad_nodes.leave_out(self.cfg.cluster.bad_nodes, self.cfg.cluster.bad_node_expiry_h))
+        finally:
+            self.signals.restore(drain=False)
         raise job.Stopped(stop, self.state.step, self.signals.name(stop), main=self.env.is_main)
 
     def _log_start(self, seq_len: int) -> None:
