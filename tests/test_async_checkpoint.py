@@ -4,9 +4,11 @@ resumes from the previous checkpoint exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -160,30 +162,33 @@ def test_async_with_checkpointing_off_writes_nothing(make_cfg, tmp_path):
     assert result["status"] == "completed" and not (tmp_path / "checkpoints").exists()
 
 
-def test_a_stop_signal_publishes_the_background_write_before_the_run_stops(make_cfg, tmp_path):
-    """Preempted while training (one process): the stop's checkpoint is written in the background, then waited for,
-    so `latest` names the step the run stopped at when it exits (and requeues)."""
-    import threading
-
-    from hpctrain.runtime import job
-
-    # The run outlasts any starved thread (a SIGUSR2 after train() put the default action back would kill this
-    # pytest worker), and the thread ends with the test whatever happened.
+@contextlib.contextmanager
+def _preempted_after_step_3(run_dir):
+    """SIGUSR2 to this process once the in-process run in `run_dir` has logged step 3. The run outlasts any starved
+    thread (a SIGUSR2 after train() put the default action back would kill this pytest worker), and the thread ends
+    with the block whatever happened."""
     ended = threading.Event()
 
-    def preempt_after_step_3():
-        while last_step(tmp_path) < 3:
+    def preempt():
+        while last_step(run_dir) < 3:
             if ended.wait(0.005):
                 return
         os.kill(os.getpid(), signal.SIGUSR2)
 
-    threading.Thread(target=preempt_after_step_3, daemon=True).start()
+    threading.Thread(target=preempt, daemon=True).start()
     try:
-        with pytest.raises(job.Stopped):
-            train(make_cfg(ASYNC, "train.max_steps=100000", "train.ckpt_every=2", "train.eval_every=0"),
-                  str(tmp_path))
+        yield
     finally:
         ended.set()
+
+
+def test_a_stop_signal_publishes_the_background_write_before_the_run_stops(make_cfg, tmp_path):
+    """Preempted while training (one process): the stop's checkpoint is written in the background, then waited for,
+    so `latest` names the step the run stopped at when it exits (and requeues)."""
+    from hpctrain.runtime import job
+
+    with _preempted_after_step_3(tmp_path), pytest.raises(job.Stopped):
+        train(make_cfg(ASYNC, "train.max_steps=100000", "train.ckpt_every=2", "train.eval_every=0"), str(tmp_path))
     result = read_json(tmp_path / "result.json")
     assert result["status"] == "preempted" and 3 <= result["steps"] < 100000
     assert checkpoint.latest(str(tmp_path)).endswith(f"step-{result['steps']:07d}")
@@ -195,8 +200,6 @@ def test_a_late_copy_of_the_stop_signal_is_only_noted_until_the_run_has_requeued
     job under load). The previous handler (submitit's in a job: it requeues and exits, without the bad-node list's
     ExcNodeList) is put back only after the run's own requeue: the late copy, here sent while result.json is
     written, is only noted, and the previous handler is in place again once train() has raised."""
-    import threading
-
     from hpctrain.runtime import job
     from hpctrain.training import trainer
 
@@ -210,21 +213,11 @@ def test_a_late_copy_of_the_stop_signal_is_only_noted_until_the_run_has_requeued
         return real_write(path, doc)
 
     monkeypatch.setattr(trainer, "write_json", write_after_a_late_signal)
-    ended = threading.Event()
-
-    def preempt_after_step_3():
-        while last_step(tmp_path) < 3:
-            if ended.wait(0.005):
-                return
-        os.kill(os.getpid(), signal.SIGUSR2)
-
-    threading.Thread(target=preempt_after_step_3, daemon=True).start()
     try:
-        with pytest.raises(job.Stopped):
+        with _preempted_after_step_3(tmp_path), pytest.raises(job.Stopped):
             train(make_cfg("train.max_steps=100000", "train.eval_every=0"), str(tmp_path))
         handler = signal.getsignal(signal.SIGUSR2)
     finally:
-        ended.set()
         signal.signal(signal.SIGUSR2, previous)
     assert read_json(tmp_path / "result.json")["status"] == "preempted"
     assert called == [] and handler is not previous and handler.__name__ == "<lambda>", (called, handler)
