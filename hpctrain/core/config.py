@@ -597,7 +597,8 @@ def _interval(low, low_in, high, high_in) -> str:
 
 
 SBATCH_TEXT = ("partition", "account", "qos", "constraint")  # cluster keys that become #SBATCH lines
-# sbatch's short options by their long names: a key of cluster.sbatch_extra may be either.
+# sbatch's short options by their long names: a one-letter key of cluster.sbatch_extra is refused, naming the long one
+# (submitit writes --KEY), except x, which joins the bad-node list's --exclude.
 _SBATCH_SHORT = {"A": "account", "C": "constraint", "G": "gpus", "N": "nodes", "a": "array",
                  "c": "cpus-per-task", "e": "error", "n": "ntasks", "o": "output", "p": "partition", "q": "qos",
                  "t": "time", "x": "exclude"}
