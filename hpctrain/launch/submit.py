@@ -99,15 +99,15 @@ class Submitting:
     _EXECUTOR: str
     params: dict
 
-    def executor(self, folder: str, cluster_cfg, partition_checked: bool = False):
+    def executor(self, folder: str, cluster_cfg, checked: bool = False):
         import submitit
 
-        if self._EXECUTOR == "slurm":
+        # (`checked`: a packed sweep ran these once, for its jobs' node counts; without Slurm, check_partition reads
+        # only the SBATCH_* environment)
+        if self._EXECUTOR == "slurm" and not checked:
             _check_lead(cluster_cfg)
-            # (a packed sweep checks its jobs' node counts itself; without Slurm, only the SBATCH_* environment)
-            if not partition_checked:
-                check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
-                                cluster_cfg.qos)
+            check_partition(self.params.get("partition"), self.params.get("timeout_min"), self.params.get("nodes"),
+                            cluster_cfg.qos)
             _check_slurm_here()
         from submitit.core import job_environment
         from submitit.slurm import slurm
@@ -245,7 +245,7 @@ class Submitting:
             jobs = []
             for start in range(0, len(points), pack):
                 chunk = points[start:start + pack]
-                executor = self.executor(self.params["submitit_folder"], cluster, partition_checked=True)
+                executor = self.executor(self.params["submitit_folder"], cluster, checked=True)
                 nodes = nodes_for(len(chunk))
                 executor.update_parameters(slurm_use_srun=False, nodes=nodes,
                                            tasks_per_node=min(per_node, math.ceil(len(chunk) * tasks / nodes)))
