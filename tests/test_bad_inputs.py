@@ -356,6 +356,8 @@ CASES = [
      ["run_dir={w}/run", "checkpoint={w}/evil/checkpoints/step-0000001", "max_new_tokens=2"], ["step-0000001"]),
     # 3. A global batch the data cannot hold, a micro-batch the memory cannot.
     ("huge-global-batch", *_hp("train.global_batch=100000000"), ["global_batch=100000000", "samples"]),
+    ("nan-mixture-weight", *_hp("data.sources=[{name:a,path:{w}/data,weight:nan},{name:b,path:{w}/data,weight:1}]"),
+     ["mixture weights [nan, 1.0]", "all finite"]),
     ("huge-global-batch-derived", *_hp("train.global_batch=null", "train.grad_accum=10000000"),
      ["samples", "lower train.global_batch"]),
     ("model-too-big-for-memory", cli.main, ["run_dir={w}/new", "data.path={w}/data", "model=llama_70b", *BASE[7:]],

@@ -276,3 +276,124 @@ def test_plan_prints_the_mixture(sources, tmp_path):
     per_epoch = read_manifest(sources[0].path).num_samples("train")
     assert f"web          weight 0.5: 40 samples, 0.0000B tokens, {40 / per_epoch:.2f} epochs of its {per_epoch}" in p.out
     assert "math         weight 0.2: 96 samples" in p.out and "from step 11: web 0, code 0, math 1" in p.out, p.out
+
+
+def _copy(source: Source, to, edit=None) -> str:
+    """A copy of `source`'s shard set at `to`, its manifest.json edited by `edit(doc)` (given)."""
+    import json
+    import shutil
+
+    shutil.copytree(source.path, to)
+    if edit:
+        doc = json.loads((to / "manifest.json").read_text())
+        edit(doc)
+        (to / "manifest.json").write_text(json.dumps(doc))
+    return str(to)
+
+
+def test_bad_sources_and_weights_are_one_line_before_anything_starts(make_cfg, sources, tmp_path):
+    """Before any spawn (`prepare`), one line naming the fix: a source's train or val shard missing, a source with no
+    train split or too few shards for dp, a weight that is not a number. data.path gives a mixture only its tokenizer
+    and validation split: a train split smaller than the global batch is no reason to refuse one."""
+    import os
+
+    from hpctrain.training.run import prepare
+
+    web, code, math = sources
+    no_train = _copy(code, tmp_path / "no_train", lambda doc: doc["splits"].update(train=[]))
+    one_shard = _copy(code, tmp_path / "one_shard", lambda doc: doc["splits"].update(train=doc["splits"]["train"][:1]))
+    missing = {split: _copy(code, tmp_path / f"no_{split}_shard") for split in ("train", "val")}
+    for split, path in missing.items():
+        os.remove(os.path.join(path, read_manifest(path).shards(split)[-1].name))
+
+    def refused(mixed, *overrides) -> str:
+        with pytest.raises(DataError) as e:
+            prepare(_cfg(make_cfg, mixed, *overrides))
+        assert "\n" not in str(e.value), str(e.value)
+        return str(e.value)
+
+    assert f"shard {missing['train']}/train-" in refused([web, Source("code", missing["train"], 0.3), math])
+    assert f"shard {missing['val']}/val-" in refused([web, Source("code", missing["val"], 0.3), math],
+                                                    "train.eval_every=2")
+    prepare(_cfg(make_cfg, [web, Source("code", missing["val"], 0.3), math]))  # (no evaluation: its val split unread)
+    assert f"source 'code' ({no_train}) has no train samples" in refused([web, Source("code", no_train, 0.3), math])
+    assert f"source 'code' ({one_shard}): dp=2 ranks need at least 2 non-empty train shards" in refused(
+        [web, Source("code", one_shard, 0.3), math], "parallel=ddp", "parallel.dp=2")
+    assert "mixture weights [0.5, nan, 0.2]: every weight must be >= 0 and one > 0, all finite" in refused(
+        [web, Source("code", code.path, float("nan")), math])
+    assert "data.schedule at step 3: weights {'web': 0.0, 'code': 0.0, 'math': inf}" in refused(
+        sources, "data.schedule=[{step:3,weights:{math:inf}}]")
+    small = _copy(code, tmp_path / "small", lambda doc: doc["splits"].update(train=doc["splits"]["train"][:1]))
+    assert read_manifest(small).num_samples("train") < 8
+    prepare(_cfg(make_cfg, sources, f"data.path={small}"))  # a global batch of 8 from the sources
+
+
+def test_a_skipped_shard_of_a_source_is_named_in_a_warning(sources, tmp_path):
+    """data.on_corrupt=skip in a mixture: the corrupt shard is replaced and a warning names it, as for one shard set."""
+    import logging
+
+    bad = _copy(sources[1], tmp_path / "bad")
+    names = [s.name for s in read_manifest(bad).shards("train")[:10]]
+    for name in names:
+        with open(f"{bad}/{name}", "r+b") as f:
+            f.write(b"not a tar")
+    stream = MixtureStream([sources[0], Source("code", bad, 0.5)], "train", 2, 7, lanes=4, on_corrupt="skip")
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("hpctrain").addHandler(handler)
+    try:
+        for _ in zip(range(100), stream):  # 200 samples: more than an epoch of both sources
+            pass
+    finally:
+        logging.getLogger("hpctrain").removeHandler(handler)
+    assert stream.corrupt_shards >= 1 and len(warned) == stream.corrupt_shards, (stream.corrupt_shards, warned)
+    assert all("shard skipped" in w and any(f"{bad}/{name} checksum mismatch" in w for name in names) for w in warned)
+
+
+def test_resuming_with_a_begun_phase_or_sources_changed_is_refused(make_cfg, sources):
+    """The run state against the resumed run's data group: a phase that has begun by the step it resumes at, or
+    sources where it trained on data.path alone, are refused (one line); a phase yet to begin may change; a
+    checkpoint older than mixtures (no data_mixture) is not checked."""
+    from hpctrain.training.feed import check_bound, mixture
+    from hpctrain.training.run import TrainingError
+
+    dcfg = _cfg(make_cfg, sources, "data.schedule=[{step:3,weights:{math:1}}]").data
+    later = _cfg(make_cfg, sources, "data.schedule=[{step:6,weights:{math:1}}]").data
+    for run, words in (({"step": 4, "data_mixture": mixture(dcfg), "data_schedule": [[6, [0, 0, 1], 40]]},
+                        "data.schedule=[[3, [0.0, 0.0, 1.0]]] but this run was trained with data.schedule=[]"),
+                       ({"step": 4, "data_mixture": mixture(dcfg), "data_schedule": None},
+                        "data.schedule=[[3, [0.0, 0.0, 1.0]]] but this run was trained with data.schedule=[]"),
+                       ({"step": 4, "data_mixture": None, "data_schedule": None},
+                        "data.sources=[['web', 0.5], ['code', 0.3], ['math', 0.2]] but this run was trained with "
+                        "data.sources=[]")):
+        with pytest.raises(TrainingError) as e:
+            check_bound(run, dcfg, 0, sources[0].path)
+        assert words in str(e.value), str(e.value)
+    check_bound({"step": 4, "data_mixture": mixture(dcfg), "data_schedule": [[5, [0, 0, 1], 32]]}, later, 0,
+                sources[0].path)
+    check_bound({"step": 4}, dcfg, 0, sources[0].path)
+
+
+def test_a_phase_stays_at_its_step_when_the_global_batch_changes_or_a_rollback_skips_data(make_cfg, sources, tmp_path):
+    """Resumed with another train.global_batch, a begun phase keeps the sample it began at (the counts of every
+    source continue from there); a phase yet to begin, after a resume or a rollback's skipped window, begins a
+    global batch a step from where the run is."""
+    from hpctrain.core.files import read_metrics
+    from hpctrain.data.mixture import Schedule
+    from hpctrain.training.feed import phase_starts
+    from hpctrain.training.run import train
+
+    anneal = "data.schedule=[{step:3,weights:{math:1}},{step:7,weights:{web:1}}]"
+    run = str(tmp_path / "run")
+    assert train(_cfg(make_cfg, sources, anneal, "train.max_steps=4"), run)["status"] == "completed"
+    resumed = _cfg(make_cfg, sources, anneal, "train.max_steps=7", "train.global_batch=16")
+    assert train(resumed, run)["status"] == "completed"
+    records = {m["step"]: m for m in read_metrics(run) if "data_samples/web" in m}
+    # steps 1-2: 16 samples at 0.5/0.3/0.2; steps 3-4 (8 each) and 5-6 (16 each) math alone; step 7 (16) web alone
+    want = Schedule([(0, [0.5, 0.3, 0.2]), (16, [0, 0, 1]), (64, [1, 0, 0])]).counts(3, 1, 80).sum(axis=1)
+    got = [records[7][f"data_samples/{s.name}"] for s in sources]
+    assert got == list(want) == [8 + 16, 5, 3 + 48], (got, want)
+    # a rollback from step 12 to the checkpoint of step 8, the data position past step 12's batch (sample 96)
+    assert phase_starts(resumed.data, 8, 8, 96, [[3, [0, 0, 1], 16], [10, [1, 0, 0], 72]]) == \
+        [[3, [0.0, 0.0, 1.0], 16], [7, [1.0, 0.0, 0.0], 16 + 4 * 8]]

@@ -405,10 +405,7 @@ class ShardStream:
             have = {k: sum(s.samples for s in v) for k, v in self.manifest.splits.items()}
             raise DataError(f"split {split!r} of {data_dir} has no samples (samples per split: {have}): "
                             "use another split or rebuild with more data")
-        missing = [s.name for s in shards if not os.path.isfile(os.path.join(data_dir, s.name))]
-        if missing:
-            raise DataError(f"shard {os.path.join(data_dir, missing[0])} is missing ({len(missing)} of "
-                            f"{len(shards)} {split} shards missing): restore the files or rebuild the shards")
+        check_files(data_dir, self.manifest, split)
         _check_layout(lanes, dp_rank, dp_size, batch_size, global_batch, start_sample)
         self._plan = _Plan(data_dir, self.manifest, split, seed, shuffle, loop, lanes)
         if lanes > self._plan.nonempty:
@@ -531,6 +528,15 @@ def _check_layout(lanes: int, dp_rank: int, dp_size: int, batch_size: int, globa
         if start_sample % global_batch:
             raise DataError(f"start_sample={start_sample} is not a multiple of global_batch={global_batch}: "
                             "resume at a step boundary (step * global_batch)")
+
+
+def check_files(data_dir: str, manifest: Manifest, split: str) -> None:
+    """Every shard of `split` the manifest lists is there (one-line DataError naming the first missing)."""
+    shards = manifest.shards(split)
+    missing = [s.name for s in shards if not os.path.isfile(os.path.join(data_dir, s.name))]
+    if missing:
+        raise DataError(f"shard {os.path.join(data_dir, missing[0])} is missing ({len(missing)} of "
+                        f"{len(shards)} {split} shards missing): restore the files or rebuild the shards")
 
 
 DEFAULT_LANES = 8

@@ -16,6 +16,7 @@ never on dp, ranks or workers. A source that runs out starts its next epoch, res
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 
 from hpctrain.core.shard_format import DataError, read_manifest
-from hpctrain.data.loader import ON_CORRUPT, _check_layout, _Plan
+from hpctrain.data.loader import ON_CORRUPT, _check_layout, _Plan, check_files
+
+log = logging.getLogger("hpctrain.data.loader")
 
 MAX_PERIOD = 100_000  # weights whose least common denominator is larger are refused (round them)
 WINDOW_SAMPLES = 256  # a rank's samples assembled at once (~0.5 MB of 257-token blocks)
@@ -41,9 +44,9 @@ class Source:
 
 def fractions(weights: Sequence[float]) -> list[Fraction]:
     """The weights as exact fractions summing to 1 (0.7 is 7/10: its decimal, not its binary float)."""
+    if not weights or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise DataError(f"mixture weights {list(weights)}: every weight must be >= 0 and one > 0, all finite")
     exact = [Fraction(str(w)) for w in weights]
-    if not exact or any(w < 0 for w in exact) or not any(exact):
-        raise DataError(f"mixture weights {list(weights)}: every weight must be >= 0 and one > 0")
     total = sum(exact)
     return [w / total for w in exact]
 
@@ -128,6 +131,9 @@ class MixtureStream:
         manifests = [read_manifest(s.path) for s in self.sources]
         check_sources(self.sources, manifests)
         self.manifest = manifests[0]
+        for source, m in zip(self.sources, manifests):
+            check_nonempty(source, m, split)
+            check_files(source.path, m, split)
         self._plans = [_Plan(s.path, m, split, seed, shuffle, True, lanes) for s, m in zip(self.sources, manifests)]
         for source, plan in zip(self.sources, self._plans):
             if lanes > plan.nonempty:
@@ -169,6 +175,8 @@ class MixtureStream:
                     if replaced is not None:
                         self.corrupt_shards += 1
                         self.corrupt_names.append(replaced[0])
+                        log.warning("shard skipped (on_corrupt=skip; replaced by samples of another shard; %d skipped "
+                                    "so far): %s", self.corrupt_shards, replaced[1])  # (names it)
                     if len(chunk):
                         buf.append(chunk)
                 k = min(n, len(buf[0]))
@@ -195,6 +203,13 @@ class MixtureStream:
                 view[rows] = take((key // L, key % L), len(rows))
             g = g + window * bs * dp
             yield from out.split(bs)
+
+
+def check_nonempty(source: Source, manifest, split: str) -> None:
+    """A source with samples in `split` (one-line DataError naming it)."""
+    if not manifest.num_samples(split):
+        raise DataError(f"source {source.name!r} ({source.path}) has no {split} samples: build its {split} split "
+                        "(hpctrain prep shards) or take it out of data.sources")
 
 
 def check_sources(sources: Sequence[Source], manifests) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -15,8 +16,8 @@ import torch
 
 from hpctrain.core.config import DataConfig, OnMaxEpochs, TrainConfig
 from hpctrain.core.errors import TrainingError
-from hpctrain.data.loader import DataError, ShardStream, choose_lanes, read_manifest
-from hpctrain.data.mixture import MixtureStream, Schedule, Source
+from hpctrain.data.loader import DataError, ShardStream, check_files, choose_lanes, read_manifest
+from hpctrain.data.mixture import MixtureStream, Schedule, Source, check_nonempty, check_sources
 from hpctrain.runs.resolve import RunShape
 from hpctrain.training.step import Groups
 
@@ -106,11 +107,12 @@ def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=
         raise TrainingError(f"data.lanes={dcfg.lanes} but this run was trained with {lanes} lanes: drop the "
                             f"override or set data.lanes={lanes} (lanes fix the sample order)")
     step = run.get("step") or 0
-    for key, was, now in (("train.seed", run.get("data_seed"), seed),
-                          ("data.shuffle", run.get("data_shuffle"), bool(dcfg.shuffle)),
-                          ("data.sources", run.get("data_mixture"), mixture(dcfg)),
-                          # the phases begun by the step it resumes at (later ones may change)
-                          ("data.schedule", _begun(run.get("data_schedule"), step), _begun(phases(dcfg), step))):
+    bound = [("train.seed", run.get("data_seed"), seed), ("data.shuffle", run.get("data_shuffle"), bool(dcfg.shuffle))]
+    if step and "data_mixture" in run:  # (a checkpoint older than mixtures records neither; one shard set None)
+        bound += [("data.sources", run["data_mixture"] or [], mixture(dcfg) or []),
+                  # the phases begun by the step it resumes at (later ones may change)
+                  ("data.schedule", _begun(run.get("data_schedule"), step), _begun(phases(dcfg), step))]
+    for key, was, now in bound:
         if was is not None and was != now:
             raise TrainingError(f"{key}={now} but this run was trained with {key}={was}, which fixes the order of its "
                                 f"samples: drop the override or set {key}={was} (or start over: train.resume=never)")
@@ -138,12 +140,29 @@ def phases(dcfg: DataConfig) -> list | None:
         if phase.step < 2 or (out and phase.step <= out[-1][0]):
             raise DataError(f"data.schedule steps {[p.step for p in dcfg.schedule]}: each >= 2 (data.sources' weights "
                             "are step 1's) and later than the one before")
-        out.append([int(phase.step), [float(phase.weights.get(name, 0.0)) for name in names]])
+        weights = [float(phase.weights.get(name, 0.0)) for name in names]
+        if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+            raise DataError(f"data.schedule at step {phase.step}: weights {dict(zip(names, weights))}: every weight "
+                            "must be >= 0 and one > 0, all finite")
+        out.append([int(phase.step), weights])
     return out
 
 
-def _begun(schedule: list | None, step: int) -> list | None:
-    return [p for p in schedule or () if p[0] <= step] or None
+def _begun(schedule: list | None, step: int) -> list:
+    """[step, weights] of the phases begun by `step` (a recorded phase's start sample left out)."""
+    return [p[:2] for p in schedule or () if p[0] <= step]
+
+
+def phase_starts(dcfg: DataConfig, global_batch: int, step: int = 0, samples: int = 0,
+                 recorded: list | None = None) -> list:
+    """data.schedule as the run state records it: [[step, [weight per source], global sample where it begins], ...]
+    for a run at `step` and global sample `samples`. A phase begins at its step: one already begun keeps the sample
+    `recorded` for it (the run state's), a later one begins global_batch samples a step from the run's position, so
+    neither a rollback's skipped window nor a train.global_batch changed on resume moves a phase off its step. For a
+    new run, step k (from 1) trains on samples [(k - 1)·global_batch, k·global_batch)."""
+    began = {p[0]: p[2] for p in recorded or () if len(p) > 2 and p[0] <= step}
+    return [[s, weights, began.get(s, (s - 1) * global_batch) if s <= step  # (no start recorded: a new run's)
+             else samples + (s - 1 - step) * global_batch] for s, weights in phases(dcfg) or ()]
 
 
 def check_epochs(stream: MixtureStream, dcfg: DataConfig, max_steps: int, global_batch: int) -> None:
@@ -180,10 +199,10 @@ def mixture_summary(dcfg: DataConfig, max_steps: int, global_batch: int, seq_len
     return "\n".join(lines)
 
 
-def schedule_samples(dcfg: DataConfig, global_batch: int) -> list[tuple[int, list[float]]]:
-    """The phases as MixtureStream takes them: (global sample where each begins, its weights); step k (from 1)
-    trains on samples [(k - 1)·global_batch, k·global_batch)."""
-    return [((step - 1) * global_batch, weights) for step, weights in phases(dcfg) or ()]
+def schedule_samples(dcfg: DataConfig, global_batch: int, recorded: list | None = None) -> list[tuple[int, list]]:
+    """The phases as MixtureStream takes them: (global sample where each begins, its weights), from the run state's
+    record (`phase_starts`), else a new run's."""
+    return [(start, weights) for _, weights, start in recorded or phase_starts(dcfg, global_batch)]
 
 
 def sources(dcfg: DataConfig) -> list[Source]:
@@ -192,20 +211,43 @@ def sources(dcfg: DataConfig) -> list[Source]:
 
 def data_lanes(dcfg: DataConfig, dp: int, manifest) -> int:
     """The lanes a new run reads with: data.lanes, else chosen for `manifest`'s shards — for a mixture, as many as its
-    smallest source allows (every source is read through all of them)."""
-    manifests = [read_manifest(s.path) for s in sources(dcfg)] or [manifest]
-    return min(choose_lanes(dcfg.lanes, dp, m) for m in manifests)
+    smallest source allows (every source is read through all of them; an error names the source)."""
+    if not dcfg.sources:
+        return choose_lanes(dcfg.lanes, dp, manifest)
+    lanes = []
+    for source in sources(dcfg):
+        m = read_manifest(source.path)
+        check_nonempty(source, m, "train")
+        try:
+            lanes.append(choose_lanes(dcfg.lanes, dp, m))
+        except DataError as e:
+            raise DataError(f"source {source.name!r} ({source.path}): {e}") from None
+    return min(lanes)
 
 
-def bind_run(dcfg: DataConfig, seed: int, data_dir: str, state, dp: int) -> int:
+def check_mixture(dcfg: DataConfig, shape: RunShape, train: TrainConfig, data_dir: str, manifest) -> None:
+    """data.sources before any spawn: mixable with data.path (its tokenizer and blocks), each source's train shards
+    there and enough for the lanes, the weights, the epochs; with evaluations, each source's val shards there."""
+    mixed = sources(dcfg)
+    check_sources([Source("data.path", data_dir, 1.0), *mixed], [manifest, *(read_manifest(s.path) for s in mixed)])
+    stream = MixtureStream(mixed, "train", shape.micro_batch, train.seed, shuffle=dcfg.shuffle,
+                           lanes=data_lanes(dcfg, shape.dp, manifest), dp_size=shape.dp,
+                           global_batch=shape.global_batch, on_corrupt=dcfg.on_corrupt,
+                           schedule=schedule_samples(dcfg, shape.global_batch))
+    check_epochs(stream, dcfg, train.max_steps, shape.global_batch)
+    for source in mixed if train.eval_every else ():
+        check_files(source.path, read_manifest(source.path), "val")
+
+
+def bind_run(dcfg: DataConfig, seed: int, data_dir: str, state, shape: RunShape) -> int:
     """Check the shards and the sample order against what the run was trained on (`check_bound`), record them in
     the run state; return the data lanes (a mixture's: as many as its smallest source allows)."""
     manifest = read_manifest(data_dir)
     check_bound(state.state_dict(), dcfg, seed, data_dir, manifest)
     state.tokenizer_sha256 = manifest.tokenizer.sha256
-    state.data_lanes = state.data_lanes or data_lanes(dcfg, dp, manifest)
+    state.data_lanes = state.data_lanes or data_lanes(dcfg, shape.dp, manifest)
     state.data_seed, state.data_shuffle, state.data_mixture = seed, bool(dcfg.shuffle), mixture(dcfg)
-    state.data_schedule = phases(dcfg)
+    state.data_schedule = phase_starts(dcfg, shape.global_batch, state.step, state.samples, state.data_schedule) or None
     return state.data_lanes
 
 
@@ -215,7 +257,7 @@ class TrainFeed:
     def __init__(self, dcfg: DataConfig, seed: int, data_dir: str, shape, state, device: torch.device, dp_mesh):
         """`dcfg`: the `data` group; `seed`: train.seed; `dp_mesh`: the ranks the global batch is split over
         (`Layout.batch_mesh`)."""
-        lanes = bind_run(dcfg, seed, data_dir, state, shape.dp)
+        lanes = bind_run(dcfg, seed, data_dir, state, shape)
         pin = device.type == "cuda" if dcfg.pin_memory is None else dcfg.pin_memory
 
         def stream(start_sample: int) -> ShardStream | MixtureStream:
@@ -224,7 +266,7 @@ class TrainFeed:
                     sources(dcfg), "train", shape.micro_batch, seed, start_sample=start_sample, shuffle=dcfg.shuffle,
                     lanes=lanes, dp_rank=dp_mesh.get_local_rank(), dp_size=shape.dp, global_batch=shape.global_batch,
                     pin_memory=pin, on_corrupt=dcfg.on_corrupt,
-                    schedule=schedule_samples(dcfg, shape.global_batch))
+                    schedule=schedule_samples(dcfg, shape.global_batch, state.data_schedule))
             return ShardStream(
                 data_dir, "train", shape.micro_batch, seed, start_sample=start_sample,
                 shuffle=dcfg.shuffle, num_workers=dcfg.num_workers, lanes=lanes,
@@ -232,12 +274,15 @@ class TrainFeed:
                 pin_memory=pin, on_corrupt=dcfg.on_corrupt, prefetch=dcfg.prefetch)
 
         self._make_stream, self.stream = stream, stream(state.samples)
-        self.dp_mesh, self.grad_accum, self.shape = dp_mesh, shape.grad_accum, shape
+        self.dcfg, self.state, self.dp_mesh, self.grad_accum, self.shape = dcfg, state, dp_mesh, shape.grad_accum, shape
         self._it, self._wait, self._corrupt_before = iter(self.stream), 0.0, 0
 
     def seek(self, samples: int) -> None:
-        """Continue from global sample position `samples` (a rollback skipping a data window)."""
+        """Continue from global sample position `samples` (a rollback skipping a data window: the run state is the
+        checkpoint's, at `samples`; the phases it has not begun begin at their steps from there)."""
         self._it.close()  # its loader workers stop
+        self.state.data_schedule = phase_starts(self.dcfg, self.shape.global_batch, self.state.step, samples,
+                                                self.state.data_schedule) or None
         self._corrupt_before += self.stream.corrupt_shards
         self.stream = self._make_stream(samples)
         self._it = iter(self.stream)

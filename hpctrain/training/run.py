@@ -16,7 +16,6 @@ from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
 from hpctrain.core.files import RESULT_FILE, free_bytes, nearest_dir, read_json
 from hpctrain.core.host import memory_headroom
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
-from hpctrain.data.mixture import MixtureStream, Source, check_sources
 from hpctrain.models import init_source
 from hpctrain.monitoring.hang import HANG_DIR, apply_flight_recorder
 from hpctrain.monitoring.monitor import check_monitor
@@ -30,7 +29,7 @@ from hpctrain.runs.resolve import RunShape, check_cp_seq_len, resolve
 from hpctrain.runtime import job
 from hpctrain.storage import checkpoint
 from hpctrain.training import downstream, eval_jobs
-from hpctrain.training.feed import ValSplit, check_bound, check_epochs, data_lanes, schedule_samples, sources
+from hpctrain.training.feed import ValSplit, check_bound, check_mixture
 from hpctrain.training.save_resume import check_trainer_state
 from hpctrain.training.trainer import Trainer
 
@@ -145,21 +144,16 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
         raise TrainingError(f"seq_len {seq_len} (from the shards in {path}) is not divisible by parallel.tp="
                             f"{shape.tp} with sequence_parallel: set train.seq_len to a multiple of {shape.tp}")
     check_cp_seq_len(seq_len, shape.layout, cfg.parallel.sequence_parallel, f"seq_len (from the shards in {path})")
-    if shape.global_batch > manifest.num_samples("train"):
+    if cfg.data.sources:  # a mixture: data.path gives only the tokenizer and the validation split
+        check_mixture(cfg.data, shape, cfg.train, path, manifest)
+    elif shape.global_batch > manifest.num_samples("train"):
         raise DataError(f"train.global_batch={shape.global_batch} is more than the {manifest.num_samples('train')} "
                         f"samples of the train split in {path}: one step would repeat samples; lower "
                         "train.global_batch or use more data")
-    # Checks the lane/dp divisibility rules and that every shard is there, before any spawn.
-    ShardStream(path, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
-                lanes=choose_lanes(cfg.data.lanes, shape.dp, manifest), dp_size=shape.dp,
-                global_batch=shape.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
-    if cfg.data.sources:  # a mixture: data.path's tokenizer and blocks, weights, every source's lanes
-        mixed = sources(cfg.data)
-        check_sources([Source("data.path", path, 1.0), *mixed], [manifest, *(read_manifest(s.path) for s in mixed)])
-        stream = MixtureStream(mixed, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
-                               lanes=data_lanes(cfg.data, shape.dp, manifest), dp_size=shape.dp, global_batch=shape.global_batch,
-                               on_corrupt=cfg.data.on_corrupt, schedule=schedule_samples(cfg.data, shape.global_batch))
-        check_epochs(stream, cfg.data, cfg.train.max_steps, shape.global_batch)
+    else:  # checks the lane/dp divisibility rules and that every shard is there, before any spawn
+        ShardStream(path, "train", shape.micro_batch, cfg.train.seed, shuffle=cfg.data.shuffle,
+                    lanes=choose_lanes(cfg.data.lanes, shape.dp, manifest), dp_size=shape.dp,
+                    global_batch=shape.global_batch, on_corrupt=cfg.data.on_corrupt, prefetch=cfg.data.prefetch)
     if cfg.train.eval_every:
         need = shape.micro_batch * shape.dp
         if manifest.num_samples("val") < need:

@@ -57,7 +57,8 @@ class RunState:
     data_shuffle: bool | None = None
     tokenizer_sha256: str | None = None  # the token ids the weights were trained on
     data_mixture: list | None = None  # [[source name, weight], ...] of data.sources: the sample order too
-    data_schedule: list | None = None  # [[step, [weight per source]], ...] of data.schedule: its past phases too
+    # [[step, [weight per source], global sample where it begins], ...] of data.schedule: its past phases too
+    data_schedule: list | None = None
     started_at: float = field(default_factory=time.time, repr=False)  # not saved
 
     def elapsed_s(self) -> float:
@@ -113,9 +114,10 @@ def _check_run(doc: dict) -> None:
         raise TypeError(f"data_mixture={mixture!r} is not a list of [name, weight]")
     phases = doc.get("data_schedule")
     if phases is not None and not (isinstance(phases, list) and all(
-            isinstance(p, list) and len(p) == 2 and type(p[0]) is int and isinstance(p[1], list)
-            and all(type(w) in (int, float) and math.isfinite(w) for w in p[1]) for p in phases)):
-        raise TypeError(f"data_schedule={phases!r} is not a list of [step, [weights]]")
+            isinstance(p, list) and len(p) in (2, 3) and type(p[0]) is int and isinstance(p[1], list)
+            and all(type(w) in (int, float) and math.isfinite(w) for w in p[1])
+            and (len(p) == 2 or (type(p[2]) is int and p[2] >= 0)) for p in phases)):  # (2: before the start sample)
+        raise TypeError(f"data_schedule={phases!r} is not a list of [step, [weights], start sample]")
     sha = doc.get("tokenizer_sha256")
     if sha is not None and not (isinstance(sha, str) and _SHA256.match(sha)):
         raise TypeError(f"tokenizer_sha256={sha!r} is not a sha256")
