@@ -618,6 +618,8 @@ def test_each_family_converts_both_ways_with_transformers_logits(case, tmp_path)
 @pytest.mark.parametrize("family, kw, words", [
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding-window layers"),
     ("qwen3", dict(attention_bias=True), "attention_bias=True"),
+    # (Qwen3-MoE's config has no layer_types: transformers windows every layer)
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "sliding-window layers"),
     ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
                                     "original_max_position_embeddings": 32}), "rope type 'yarn'"),
 ])
@@ -686,3 +688,78 @@ def test_a_run_started_from_a_directory_since_removed_resumes(tmp_path, demo_dat
     assert run_forked(cli.main, [*args, "train.max_steps=3"], cwd=tmp_path).code == 0  # and again
     p = run_forked(cli.main, [f"run_dir={tmp_path / 'fresh'}", *args[1:], "train.max_steps=1"], cwd=tmp_path)
     assert p.code == 2 and "has no config.json" in p.err, p.err  # a new run still needs the directory
+
+
+def test_a_config_json_transformers_cannot_read_is_one_line(tmp_path, demo_data):
+    """A hand-edited or truncated config.json that transformers' own checks refuse (a missing RoPE field, a null
+    where a number belongs): one line naming the file, not transformers' traceback."""
+    from hpctrain.core.config import ConfigError
+
+    path = Path(_published(tmp_path))
+    conf = json.loads((path / "config.json").read_text())
+    for bad in ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+                {"num_hidden_layers": None}):
+        (path / "config.json").write_text(json.dumps({**conf, **bad}))
+        with pytest.raises(ConfigError) as e:
+            _compose(f"model.init_from=hf:{path}", f"data.path={demo_data}")
+        msg = str(e.value)
+        assert "\n" not in msg and f"{path}/config.json: transformers cannot read it (" in msg, msg
+        assert "fix that field or download config.json again" in msg, msg
+
+
+def test_an_moe_checkpoints_loss_coefficients_may_be_set(tmp_path, demo_data):
+    """model.moe.aux_loss_coef and z_loss_coef are training settings, not the checkpoint's shape: a run from a
+    published MoE model may set them (router_aux_loss_coef in its config.json notwithstanding)."""
+    path = _published(tmp_path, case="qwen3_moe")
+    m = _compose(f"model.init_from=hf:{path}", f"data.path={demo_data}", "model.moe.aux_loss_coef=0.01",
+                 "model.moe.z_loss_coef=0.001").model
+    assert (m.family, m.moe.aux_loss_coef, m.moe.z_loss_coef, m.moe.num_experts) == ("qwen3_moe", 0.01, 0.001, 4)
+
+
+def test_the_index_says_which_safetensors_files_are_the_model(tmp_path):
+    """With model.safetensors.index.json, the files it lists are the model (a Mistral download's consolidated.safetensors
+    under names of its own is not read, as transformers does not); one it lists that is missing (an interrupted
+    download) is named."""
+    from safetensors.torch import save_file
+
+    from hpctrain.models.llama.hf import ADAPTER, load_hf_weights
+
+    path = Path(_published(tmp_path))
+    save_file({"layers.0.attention.wk.weight": torch.zeros(32, 64)}, path / "consolidated.safetensors")
+    args = ADAPTER.read_args(path)
+    ADAPTER.check_hf_dir(path, args)
+    ours = Llama(args).eval()
+    load_hf_weights(ours, path, args)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert max_diff(ours, hf, torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))) <= TOL
+    listed = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    (path / listed[1]).unlink()
+    with pytest.raises(ValueError) as e:
+        ADAPTER.check_hf_dir(path, args)
+    assert str(e.value) == f"{path}/{listed[1]}, listed in model.safetensors.index.json, is missing (1 of " \
+                           f"{len(listed)} files): download it again"
+
+
+def test_an_export_keeps_the_originals_context_and_takes_the_shards_tokenizer_where_it_had_none(tmp_path, demo_data):
+    """A run from a model of weights and config.json alone (no tokenizer files), trained at a model.max_seq_len below
+    the original's max_position_embeddings: the export's config.json keeps the original's context, and the shards'
+    tokenizer (the run's: `prep shards --tokenizer` made them) is beside it."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from hpctrain.runs.compose import compose
+    from hpctrain.training.run import train
+    from hpctrain.weights import export_hf
+
+    path = tmp_path / "weights-only"
+    LlamaForCausalLM(LlamaConfig(**{**RUN_MODEL, "max_position_embeddings": 256})).save_pretrained(path)
+    cfg = compose([f"model.init_from=hf:{path}", "model.max_seq_len=64", f"data.path={demo_data}",
+                   "data.prepare_demo=false", "train.max_steps=1", "train.global_batch=2", "train.micro_batch=2",
+                   "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1"])
+    run_dir, out = tmp_path / "run", tmp_path / "exported"
+    assert train(cfg, str(run_dir))["status"] == "completed"
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    assert export_hf.main([str(run_dir), str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 256
+    assert AutoTokenizer.from_pretrained(out).vocab_size == 512

@@ -73,12 +73,38 @@ def _checked(file: str, header: dict, data_bytes: int) -> dict:
     return out
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: str) -> list[str]:
+    """The model's safetensors files in directory `path`: those its model.safetensors.index.json maps tensors to, as
+    transformers reads them (Mistral's repositories also hold a consolidated.safetensors under names of their own),
+    else every *.safetensors file. A file the index lists that is not there is one ValueError line."""
+    from hpctrain.core.files import MAX_JSON_BYTES, FileCheckError, read_json
+
+    if not os.path.lexists(os.path.join(path, INDEX)):
+        return sorted(e for e in os.listdir(path) if e.endswith(".safetensors"))
+    try:
+        weight_map = read_json(os.path.join(path, INDEX), MAX_JSON_BYTES).get("weight_map")
+    except (OSError, FileCheckError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}/{INDEX} is not a safetensors index ({' '.join(str(e).split())}): download it "
+                         "again") from None
+    files = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else None
+    if not files or not all(isinstance(f, str) and f.endswith(".safetensors") and os.path.basename(f) == f
+                            for f in files):
+        raise ValueError(f"{path}/{INDEX} maps no tensors to safetensors files of its directory: download it again")
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ValueError(f"{path}/{missing[0]}, listed in {INDEX}, is missing ({len(missing)} of {len(files)} "
+                         "files): download it again")
+    return files
+
+
 def tensors(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{name: (safetensors dtype, shape)} of every *.safetensors file in directory `path`, checked."""
+    """{name: (safetensors dtype, shape)} of the model's safetensors files in directory `path` (`weight_files`),
+    checked."""
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for entry in sorted(os.listdir(path)):
-        if not entry.endswith(".safetensors"):
-            continue
+    for entry in weight_files(path):
         for name, spec in _header(os.path.join(path, entry)).items():
             if name in found:
                 raise ValueError(f"{path}: tensor {name} is in two safetensors files")

@@ -82,7 +82,7 @@ def shape_from_checkpoint(cfg, overrides, run_dir: str | None = None) -> None:
     for key in sorted(typed):
         top, mine = key.split(".")[0], OmegaConf.select(cfg.model, key)
         mine = getattr(mine, "value", mine)  # (an enum)
-        if top not in adapter.FREE and key in theirs and not float32_equal(mine, theirs[key]):
+        if key not in adapter.FREE and top not in adapter.FREE and key in theirs and not float32_equal(mine, theirs[key]):
             raise ConfigError(
                 f"model.{key}={mine} contradicts {os.path.join(path, 'config.json')} "
                 f"({adapter.field_name(key)}={theirs[key]}): drop the override (with "

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from hpctrain.core.config import ModelConfig
+from hpctrain.core.config import ModelConfig, RopeType
 
 SHARD_BYTES = 2 * 10**9
 USAGE = ("usage: python -m hpctrain export-hf RUN_DIR OUT [checkpoint=DIR]\nwrites the run's latest checkpoint "
@@ -95,11 +95,11 @@ def _write(model_cfg: ModelConfig, data_path: str, ckpt: str, tmp: str, weights:
     write_json(os.path.join(tmp, "model.safetensors.index.json"),
                {"metadata": {"total_size": total}, "weight_map": weight_map})
     origin = _origin(model_cfg)
-    if origin:  # the model the run started from: its tokenizer, chat template, generation settings and token ids
-        ids = _carry_over(origin, tmp)
-    else:
+    # the model the run started from: its tokenizer, chat template, generation settings, token ids and context
+    ids = _carry_over(origin, tmp, args) if origin else {}
+    if not any(os.path.exists(os.path.join(tmp, name)) for name in TOKENIZER_FILES):  # (an origin of weights alone)
         eos = _copy_tokenizer(data_path, tmp)
-        ids = {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
+        ids = ids or ({} if eos is None else {"bos_token_id": eos, "eos_token_id": eos})
     spec.hf().to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
     fsync_dir(tmp)
 
@@ -109,6 +109,7 @@ def _write(model_cfg: ModelConfig, data_path: str, ckpt: str, tmp: str, weights:
 CARRIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
            "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
            "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what AutoTokenizer builds one from
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 CARRIED_BYTES = 64 * 2**20  # a tokenizer.json of a 256k vocabulary is ~30 MB
 
@@ -121,9 +122,10 @@ def _origin(model_cfg: ModelConfig) -> str | None:
     return init[1] if init and init[0] and os.path.isfile(os.path.join(init[1], "config.json")) else None
 
 
-def _carry_over(origin: str, dest: str) -> dict:
+def _carry_over(origin: str, dest: str, args=None) -> dict:
     """Copy CARRIED files of `origin` (regular files of sane size; symlinks of a hub cache followed) into `dest`;
-    return its config.json's special-token ids."""
+    return its config.json's special-token ids, and its max_position_embeddings where the run trained at a shorter
+    model.max_seq_len (lowered to save memory: the model's context is still the original's)."""
     from hpctrain.core.files import FileCheckError, read_bytes, read_json
 
     try:
@@ -136,7 +138,12 @@ def _carry_over(origin: str, dest: str) -> dict:
         config = read_json(os.path.join(origin, "config.json"))
     except (FileCheckError, ValueError) as e:
         raise ExportError(f"cannot carry {origin}'s tokenizer and settings over: {' '.join(str(e).split())}") from None
-    return {k: config[k] for k in SPECIAL_IDS if isinstance(config, dict) and config.get(k) is not None}
+    config = config if isinstance(config, dict) else {}
+    out = {k: config[k] for k in SPECIAL_IDS if config.get(k) is not None}
+    context = config.get("max_position_embeddings")
+    if args and type(context) is int and context > args.max_seq_len and args.rope_scaling.type != RopeType.dynamic:
+        out["max_position_embeddings"] = context  # (dynamic NTK's is where its growth starts: the config's own)
+    return out
 
 
 def _copy_tokenizer(data_path: str, dest: str) -> int | None:

@@ -255,7 +255,13 @@ class HFAdapter:
             check_file(str(path / "config.json"), MAX_JSON_BYTES)
         except FileCheckError as e:
             raise ValueError(str(e)) from None
-        return self.from_hf_config(self.hf_classes()[0].from_pretrained(str(path), local_files_only=True))
+        try:
+            config = self.hf_classes()[0].from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - transformers' checks raise KeyError, TypeError, its own dataclass errors
+            raise ValueError(f"{path}/config.json: transformers cannot read it ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:300]}): fix that field or download config.json again"
+                             ) from None
+        return self.from_hf_config(config)
 
     def field_name(self, key: str) -> str:
         """config.json's name of the dotted model key (rope_scaling.factor -> rope_scaling.factor, dim -> hidden_size)."""
@@ -279,7 +285,9 @@ class HFAdapter:
         path = Path(path)
         theirs = self.read_args(path)
         if not any(path.glob("*.safetensors")):
-            raise ValueError(f"{path} has no *.safetensors weights (only safetensors are read, never pickles)")
+            raise ValueError(f"{path} has no *.safetensors weights (only safetensors are read, never pickles): "
+                             "download the model's *.safetensors files, or convert its .bin weights (transformers' "
+                             "save_pretrained writes safetensors)")
         bad = [f"{self.field_name(key)}={a} vs model.{key}={b}" for key, a, b in self.mismatches(theirs, args)]
         if bad:
             raise ValueError(f"{path}/config.json does not describe this model: {'; '.join(bad)}")

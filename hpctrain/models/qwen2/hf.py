@@ -5,9 +5,11 @@ from hpctrain.models.llama.hf import HFAdapter
 
 
 def sliding_layers(config) -> list[str]:
-    """The problem of a Qwen config whose layers use a sliding window (hpctrain's window is Mistral's: every layer)."""
-    layers = getattr(config, "layer_types", None) or ()
-    return ["sliding-window layers (use_sliding_window=True)"] if "sliding_attention" in layers else []
+    """The problem of a Qwen config whose layers use a sliding window (hpctrain's window is Mistral's: every layer).
+    Qwen3-MoE's config has no layer_types: its window, set, is every layer's."""
+    layers = getattr(config, "layer_types", None)
+    sliding = "sliding_attention" in layers if layers is not None else getattr(config, "sliding_window", None)
+    return ["sliding-window layers (use_sliding_window=True)"] if sliding else []
 
 
 class Qwen2HF(HFAdapter):
