@@ -743,7 +743,8 @@ def test_the_index_says_which_safetensors_files_are_the_model(tmp_path):
 def test_an_export_keeps_the_originals_context_and_takes_the_shards_tokenizer_where_it_had_none(tmp_path, demo_data):
     """A run from a model of weights and config.json alone (no tokenizer files), trained at a model.max_seq_len below
     the original's max_position_embeddings: the export's config.json keeps the original's context, and the shards'
-    tokenizer (the run's: `prep shards --tokenizer` made them) is beside it."""
+    tokenizer (the run's: `prep shards --tokenizer` made them) is beside it. Its RoPE is written in both
+    transformers' forms."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -752,7 +753,9 @@ def test_an_export_keeps_the_originals_context_and_takes_the_shards_tokenizer_wh
     from hpctrain.weights import export_hf
 
     path = tmp_path / "weights-only"
-    LlamaForCausalLM(LlamaConfig(**{**RUN_MODEL, "max_position_embeddings": 256})).save_pretrained(path)
+    shape = {k: v for k, v in RUN_MODEL.items() if k not in ("rope_theta", "max_position_embeddings")}
+    LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=256, rope_parameters=LLAMA3_ROPE)).save_pretrained(
+        path)
     cfg = compose([f"model.init_from=hf:{path}", "model.max_seq_len=64", f"data.path={demo_data}",
                    "data.prepare_demo=false", "train.max_steps=1", "train.global_batch=2", "train.micro_batch=2",
                    "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1"])
@@ -761,5 +764,13 @@ def test_an_export_keeps_the_originals_context_and_takes_the_shards_tokenizer_wh
     (run_dir / ".hydra").mkdir()
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     assert export_hf.main([str(run_dir), str(out)]) == 0
-    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 256
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 256
     assert AutoTokenizer.from_pretrained(out).vocab_size == 512
+    # RoPE in transformers 4's keys too, for readers that know only those: the same parameters read from them alone
+    assert (config["rope_theta"], config["rope_scaling"]["rope_type"]) == (500000.0, "llama3"), config
+    legacy = {k: v for k, v in config.items() if k != "rope_parameters"}
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(legacy))
+    assert LlamaConfig.from_pretrained(tmp_path / "legacy").rope_parameters == LlamaConfig.from_pretrained(
+        out).rope_parameters == {**LLAMA3_ROPE}

@@ -101,7 +101,23 @@ def _write(model_cfg: ModelConfig, data_path: str, ckpt: str, tmp: str, weights:
         eos = _copy_tokenizer(data_path, tmp)
         ids = ids or ({} if eos is None else {"bos_token_id": eos, "eos_token_id": eos})
     spec.hf().to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
+    _write_legacy_rope(os.path.join(tmp, "config.json"))
     fsync_dir(tmp)
+
+
+def _write_legacy_rope(config_json: str) -> None:
+    """config.json's RoPE also as transformers 4 wrote it (`rope_theta`, `rope_scaling`): a reader that knows only
+    those keys (a serving stack pinned to transformers 4) would otherwise take the default theta and no scaling,
+    silently; transformers 5 reads either form."""
+    from hpctrain.core.files import read_json, write_json
+
+    config = read_json(config_json)
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default":
+            config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        write_json(config_json, config)
 
 
 # What a published model directory holds besides its weights and config.json: an export of a run started from it
