@@ -593,6 +593,11 @@ CASES = [
     ("export-under-a-file", export_hf.main, ["{w}/run", "{w}/afile/out"], ["cannot create", "afile"]),
     ("export-into-proc", export_hf.main, ["{w}/run", "/proc/hpctrain-export"], ["cannot create"]),
     ("export-truncated-checkpoint", export_hf.main, ["{w}/trunc", "{w}/out"], ["a file ends early"]),
+    # a tool's fix is another checkpoint=DIR, not a resume
+    ("export-checkpoints-dir", export_hf.main, ["{w}/run", "{w}/out", "checkpoint={w}/run/checkpoints"],
+     ["cannot load checkpoint {w}/run/checkpoints", "pass checkpoint=RUN_DIR/checkpoints/step-N"]),
+    ("generate-checkpoints-dir", generate.main, ["run_dir={w}/run", "checkpoint={w}/run/checkpoints"],
+     ["cannot load checkpoint {w}/run/checkpoints", "pass checkpoint=RUN_DIR/checkpoints/step-N"]),
     # generate on non-finite weights and text that is not UTF-8.
     ("generate-non-finite-weights", generate.main, ["run_dir={w}/nanrun", "max_new_tokens=2"],
      ["holds non-finite weights"]),

@@ -56,8 +56,18 @@ log = logging.getLogger("hpctrain")
 _FIX = "resume from another checkpoint (train.resume=PATH) or train.resume=never"
 
 
+_TOOL_FIX = "pass checkpoint=RUN_DIR/checkpoints/step-N (a complete one), or leave checkpoint= out for the latest"
+
+
 def cannot_load(path: str, reason: str) -> CheckpointError:
     return CheckpointError(f"cannot load checkpoint {path} ({reason}): {_FIX}", reason)
+
+
+def as_tool_says(e: CheckpointError) -> CheckpointError:
+    """`e` as a tool that reads a checkpoint (generate, export-hf) words it: its fix is another checkpoint=DIR,
+    not a resume."""
+    msg = str(e)
+    return CheckpointError(msg[:-len(_FIX)] + _TOOL_FIX, e.reason, e.fix) if msg.endswith(_FIX) else e
 
 
 def _describe(e: BaseException) -> str:

@@ -108,8 +108,15 @@ def main(argv: list[str]) -> int:
     from hpctrain.core.errors import CheckpointError
     from hpctrain.data.loader import DataError
     from hpctrain.runs.rundir import RunDirError
+    from hpctrain.storage.checkpoint import as_tool_says
 
-    return run_command(lambda: print(run(parse(argv))), "hpctrain generate",
+    def work() -> None:
+        try:
+            print(run(parse(argv)))
+        except CheckpointError as e:
+            raise as_tool_says(e) from None
+
+    return run_command(work, "hpctrain generate",
                        (GenerateError, RunDirError, CheckpointError, DataError, OmegaConfBaseException))
 
 

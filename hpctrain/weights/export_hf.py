@@ -185,6 +185,7 @@ def main(argv: list[str]) -> int:
     from hpctrain.core.command import run_command
     from hpctrain.core.errors import CheckpointError
     from hpctrain.runs.rundir import RunDirError, run_config
+    from hpctrain.storage import checkpoint
 
     positional = [a for a in argv if "=" not in a]
     options = dict(a.split("=", 1) for a in argv if "=" in a)
@@ -193,7 +194,10 @@ def main(argv: list[str]) -> int:
         if len(positional) != 2 or set(options) - {"checkpoint"}:
             raise ExportError(f"expected RUN_DIR OUT [checkpoint=DIR], got {' '.join(argv) or 'nothing'}")
         cfg, ckpt = run_config(positional[0], options.get("checkpoint"))
-        print(f"exported {ckpt} to {export(cfg.model, cfg.data.path, ckpt, positional[1])}")
+        try:
+            print(f"exported {ckpt} to {export(cfg.model, cfg.data.path, ckpt, positional[1])}")
+        except CheckpointError as e:
+            raise checkpoint.as_tool_says(e) from None
 
     # A disk that filled, a directory that vanished: nothing of OUT is left (see export).
     return run_command(work, "hpctrain export-hf", (ExportError, RunDirError, CheckpointError),
