@@ -77,7 +77,7 @@ def _task(cfg: DictConfig) -> dict | None:
         with rundir.claimed(run_dir):  # one run at a time, from here to the end of training
             try:
                 if launched_rank() == 0:
-                    start(cfg, run_dir)  # a previous run moved aside, where it resumes checked: before the record
+                    start(cfg, run_dir, prepared.shape.dp)  # a previous run moved aside, where it resumes checked: before the record
                 rundir.save_config(run_dir, cfg)
             except OSError as e:
                 fail(f"cannot write to the run directory {run_dir} ({e.strerror}: {e.filename}): choose a writable "

@@ -482,6 +482,9 @@ CASES = [
     ("tokenizer-over-a-tokenizer", tokenizer_cli.main, ["--corpus", "{w}/corpus/*.txt", "--vocab", "300",
                                                         "--out", "{w}/data/tokenizer"], ["already holds tokenizer.json"]),
     # 2. A step-N in checkpoints/ that no run completed is never replaced.
+    ("resume-at-a-dp-the-lanes-cannot-share", *_run("run", "parallel=ddp", "parallel.dp=3", "train.global_batch=12",
+                                                    "train.max_steps=4"),
+     ["lanes, which dp=3 ranks cannot share", "resume at a dp among [1, 2,"]),
     ("stray-checkpoint-directory", *_run("stray", "train.max_steps=4"), ["step-0000003 is not a complete checkpoint"]),
     ("stray-checkpoint-file", *_run("strayfile", "train.max_steps=4"), ["step-0000004 is not a complete checkpoint"]),
     # 3. Code in a data directory never runs.

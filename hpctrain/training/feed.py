@@ -92,10 +92,11 @@ class ValSplit:
         return targets, nbytes
 
 
-def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=None) -> None:
+def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=None, dp: int | None = None) -> None:
     """A run state (`RunState.state_dict()`, or the `run` of a checkpoint's trainer_state.json) against this run's
-    `data` group, train.seed and shards: the tokenizer the weights were trained on and what fixes the order of the
-    samples (lanes, seed, shuffling) cannot change on resume (one TrainingError line)."""
+    `data` group, train.seed, shards and data-parallel size `dp` (given): the tokenizer the weights were trained on
+    and what fixes the order of the samples (lanes, seed, shuffling) cannot change on resume, and the lanes must
+    divide among the dp ranks (one TrainingError line)."""
     manifest = manifest or read_manifest(data_dir)
     was = run.get("tokenizer_sha256")
     if was not in (None, manifest.tokenizer.sha256):
@@ -106,6 +107,10 @@ def check_bound(run: dict, dcfg: DataConfig, seed: int, data_dir: str, manifest=
     if lanes is not None and dcfg.lanes is not None and dcfg.lanes != lanes:
         raise TrainingError(f"data.lanes={dcfg.lanes} but this run was trained with {lanes} lanes: drop the "
                             f"override or set data.lanes={lanes} (lanes fix the sample order)")
+    if lanes is not None and dp and lanes % dp:
+        fits = [d for d in range(1, lanes + 1) if lanes % d == 0]
+        raise TrainingError(f"this run reads its data through {lanes} lanes, which dp={dp} ranks cannot share (lanes "
+                            f"fix the sample order): resume at a dp among {fits}, or start over (train.resume=never)")
     step = run.get("step") or 0
     bound = [("train.seed", run.get("data_seed"), seed), ("data.shuffle", run.get("data_shuffle"), bool(dcfg.shuffle))]
     if step and "data_mixture" in run:  # (a checkpoint older than mixtures records neither; one shard set None)

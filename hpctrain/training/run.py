@@ -289,11 +289,11 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
     with rundir.claimed(run_dir):  # (the main rank; re-entered when the CLI holds it already)
         os.makedirs(run_dir, exist_ok=True)
         if process_group.launched_world() is None:  # the ranks forked here start as decided here, before the fork
-            start(cfg, run_dir)
+            start(cfg, run_dir, prepared.shape.dp)
         return _launch(cfg, run_dir, prepared)
 
 
-def start(cfg, run_dir: str) -> str | None:
+def start(cfg, run_dir: str, dp: int | None = None) -> str | None:
     """The main rank's decisions before a run begins (before its config is recorded or a rank forked): a previous
     run moved aside when it starts over, then where it starts ("auto", a checkpoint, None). Refused (one line) when
     it would continue over checkpoint directories that are not its own, or from the checkpoints of another model
@@ -308,7 +308,7 @@ def start(cfg, run_dir: str) -> str | None:
                 checkpoint.check_model(newest, _weights(cfg))
                 run = checkpoint.check_loadable(newest).get("run")
                 if isinstance(run, dict):
-                    check_bound(run, cfg.data, cfg.train.seed, os.path.expanduser(cfg.data.path))
+                    check_bound(run, cfg.data, cfg.train.seed, os.path.expanduser(cfg.data.path), dp=dp)
         except CheckpointError as e:
             if e.fix:
                 raise
@@ -346,7 +346,7 @@ def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
         shared = [run_dir, None, None]
         if env.is_main:
             try:
-                begin = start(cfg, run_dir)  # (done already when this process forked the ranks)
+                begin = start(cfg, run_dir, prepared.shape.dp)  # (done already when this process forked the ranks)
                 last = checkpoint.latest(run_dir) if begin == "auto" else None
                 shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
                                                cfg.cluster.max_stalled_restarts, nccl)
