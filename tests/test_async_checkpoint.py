@@ -221,3 +221,23 @@ def test_a_late_copy_of_the_stop_signal_is_only_noted_until_the_run_has_requeued
         signal.signal(signal.SIGUSR2, previous)
     assert read_json(tmp_path / "result.json")["status"] == "preempted"
     assert called == [] and handler is not previous and handler.__name__ == "<lambda>", (called, handler)
+
+
+def test_a_run_stopped_at_an_evaluation_step_evaluates_it_when_it_resumes(make_cfg, tmp_path):
+    """A step's checkpoint is written before its evaluation, which a stop skips: the resumed run evaluates that step
+    first (once), then goes on, so no score is lost to a preemption."""
+    from hpctrain.core.files import read_metrics
+    from hpctrain.runtime import job
+
+    def evaluated() -> list[int]:
+        return [r["step"] for r in read_metrics(str(tmp_path)) if "val_loss" in r]
+
+    with _preempted_after_step_3(tmp_path), pytest.raises(job.Stopped):
+        train(make_cfg("train.max_steps=100000", "train.ckpt_every=1000", "train.eval_every=1", "train.eval_batches=1"),
+              str(tmp_path))
+    stopped = read_json(tmp_path / "result.json")["steps"]
+    assert evaluated() == list(range(1, stopped))
+    cfg = make_cfg(f"train.max_steps={stopped + 1}", "train.ckpt_every=1000", "train.eval_every=1",
+                   "train.eval_batches=1")
+    assert train(cfg, str(tmp_path))["status"] == "completed"
+    assert evaluated() == list(range(1, stopped + 2))

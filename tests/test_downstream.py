@@ -65,6 +65,13 @@ def local_tasks(tmp_path_factory) -> str:
     (out / "hpc_sample.yaml").write_text(_task("hpc_sample", out / "mc.jsonl", (
         "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
         "generation_kwargs:\n  do_sample: true\n  temperature: 0.7\nmetric_list:\n  - metric: exact_match\n")))
+    # lm-eval samples where a temperature is set, and gives 256 new tokens where max_gen_toks is not
+    (out / "hpc_warm.yaml").write_text(_task("hpc_warm", out / "mc.jsonl", (
+        "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  temperature: 0.7\n  max_gen_toks: 6\nmetric_list:\n  - metric: exact_match\n")))
+    (out / "hpc_long.yaml").write_text(_task("hpc_long", out / "mc.jsonl", (
+        "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\nmetric_list:\n  - metric: exact_match\n")))
     (out / "hpc_nodata.yaml").write_text(_task("hpc_nodata", out / "missing.jsonl", (
         "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
         "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")))
@@ -170,6 +177,11 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(make_cfg, local_tasks, tmp_p
     (["eval.tasks=[nope_task]"], ["eval.tasks: nope_task unknown to lm-eval", "eval.include_path"]),
     (["eval.tasks=[hpc_sample]"], ["hpc_sample sample their generations", "do_sample: false"]),
     (["eval.tasks=[hpc_nodata]"], ["lm-eval could not load them", "data files"]),
+    (["eval.tasks=[hpc_warm]"], ["eval.tasks: hpc_warm asks for sampling", "no temperature"]),
+    (["eval.tasks=[hpc_long]"], ["eval.tasks: hpc_long asks for 256 new tokens", "eval.max_length=64"]),
+    (["eval.tasks=[hpc_mc]", "eval.num_fewshot=20"], ["eval.num_fewshot=20 but hpc_mc has 10 documents", "at most 9"]),
+    (["eval.tasks=[hpc_mc]", "eval.num_fewshot=-1"], ["eval.num_fewshot=-1", "num_fewshot >= 0"]),
+    (["eval.tasks=[hpc_mc]", "eval.max_length=-5"], ["eval.max_length=-5", "max_length >= 1"]),
     (["eval.tasks=[hpc_mc]", "eval.max_length=4096"], ["eval.max_length=4096 exceeds model.max_seq_len"]),
     (["eval.tasks=[hpc_mc]", "eval.batch_size=0"], ["eval.batch_size=0"]),
     (["eval.tasks=[hpc_mc]", "eval.mode=job", "train.ckpt_async=true"], ["eval.mode=job", "train.ckpt_async=false"]),
@@ -218,10 +230,31 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
 
     shown = format_table(report(str(tmp_path / "sweep")))  # the sweep report: each run's latest scores
     assert "downstream (last eval)" in shown and "hpc_mc/acc " in shown, shown
+    last = read_evals(str(run))[-1]  # (the sweep's eval.limit=4 scores)
+    with open(run / "evals.jsonl", "a") as f:  # another task scored later at the latest step: both are shown
+        f.write(json.dumps({"step": 4, "eval/hpc_gen/exact_match": 0.25}) + "\n")
+    scores = report(str(tmp_path / "sweep"))[0]["eval_scores"]
+    assert scores["hpc_gen/exact_match"] == 0.25 and scores["hpc_mc/acc"] == last["eval/hpc_mc/acc"], scores
+    # refused before anything is scored: a checkpoint not the run's own step-N, one checkpoint for a whole sweep, a
+    # sweep with a run that has no checkpoint (the other's evals.jsonl untouched), a checkpoint that cannot be loaded
+    best, broken = run / "best", run / "checkpoints" / "step-0000009"
+    shutil.copytree(run / "checkpoints" / "step-0000004", best)
+    shutil.copytree(run / "checkpoints" / "step-0000004", broken)
+    (shard,) = [p for p in broken.iterdir() if p.suffix == ".distcp"][:1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    (tmp_path / "sweep" / "2" / ".hydra").mkdir(parents=True)
+    shutil.copy(run / ".hydra" / "config.yaml", tmp_path / "sweep" / "2" / ".hydra")
+    before = (run / "evals.jsonl").read_text()
     for argv, words in (([str(run), "eval.tasks=[]"], "pass 'eval.tasks=[TASK,...]'"), ([str(run), "train.lr=1", *tasks], "train.lr="),
-                        ([str(tmp_path / "nope"), *tasks], "is not a directory")):
+                        ([str(tmp_path / "nope"), *tasks], "is not a directory"),
+                        ([str(run), f"checkpoint={best}", *tasks], f"checkpoint={best} is not one of {run}/checkpoints"),
+                        ([str(tmp_path / "sweep"), f"checkpoint={run}/checkpoints/step-0000004", *tasks],
+                         "with the 3 runs of"),
+                        ([str(tmp_path / "sweep"), *tasks], f"no complete checkpoint in {tmp_path}/sweep/2/checkpoints"),
+                        ([str(run), f"checkpoint={broken}", *tasks], "pass checkpoint=RUN_DIR/checkpoints/step-N")):
         ran = run_forked(evaluate.main, argv, cwd=tmp_path)
         assert ran.code == 2 and words in ran.err and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert (run / "evals.jsonl").read_text() == before
 
 
 @pytest.mark.slow

@@ -88,23 +88,13 @@ class HpctrainLM(TemplateLM):
         """Greedy continuations, as lm-eval's hf model makes them: the context left-truncated to max_length −
         max_gen_toks, generation until a stop sequence (EOS included) or max_gen_toks, the text cut at the first stop
         sequence."""
-        from lm_eval.models.utils import (
-            handle_stop_sequences,
-            normalize_gen_kwargs,
-            postprocess_generated_text,
-        )
+        from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
 
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         rows, stops = [], []
         for context, gen_kwargs in (r.args for r in requests):
-            kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
-            if kwargs.get("do_sample") or kwargs.get("temperature"):
-                raise ConfigError(f"a generative task asks for sampling ({gen_kwargs}): hpctrain generates greedily "
-                                  "only; set do_sample: false in the task's generation_kwargs")
+            kwargs = greedy_kwargs(gen_kwargs, self._max_length, "a generative task")
             until, n = handle_stop_sequences(kwargs.pop("until", None), eos=eos), kwargs.pop("max_gen_toks")
-            if n >= self._max_length:
-                raise ConfigError(f"a generative task asks for {n} new tokens, not below eval.max_length="
-                                  f"{self._max_length}: lower its max_gen_toks or raise eval.max_length")
             rows.append((self.tok_encode(context)[-(self._max_length - n):], n))
             stops.append(until)
         texts = []
@@ -119,6 +109,22 @@ class HpctrainLM(TemplateLM):
             return any(term and term in text for term in stops[i])
 
         return done
+
+
+def greedy_kwargs(gen_kwargs: dict, max_length: int, task: str) -> dict:
+    """`task`'s generation_kwargs as lm-eval's hf model reads them (256 new tokens unless max_gen_toks; a temperature
+    samples), checked for what hpctrain generates: greedily, fewer new tokens than eval.max_length (one-line
+    ConfigError)."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), 256)
+    if kwargs.get("do_sample") or kwargs.get("temperature"):
+        raise ConfigError(f"{task} asks for sampling ({dict(gen_kwargs)}): hpctrain generates greedily only; set "
+                          "do_sample: false and no temperature in the task's generation_kwargs")
+    if kwargs["max_gen_toks"] >= max_length:
+        raise ConfigError(f"{task} asks for {kwargs['max_gen_toks']} new tokens (max_gen_toks, 256 when unset), not "
+                          f"below eval.max_length={max_length}: lower its max_gen_toks or raise eval.max_length")
+    return kwargs
 
 
 _managers: dict = {}
@@ -139,10 +145,10 @@ def task_manager(include_path: str | None, tasks: Sequence[str]):
     return _managers[key]
 
 
-def check_tasks(ecfg: EvalConfig) -> list[str]:
+def check_tasks(ecfg: EvalConfig, max_length: int) -> list[str]:
     """eval.tasks that lm-eval knows and can load (their data found: on an offline cluster, local files or a filled
-    datasets cache), generative ones greedy; eval.include_path a directory. One-line ConfigError otherwise. Returns
-    the generative ones."""
+    datasets cache), generative ones greedy and shorter than `max_length`, eval.num_fewshot examples there to draw;
+    eval.include_path a directory. One-line ConfigError otherwise. Returns the generative ones."""
     if ecfg.include_path and not os.path.isdir(os.path.expanduser(ecfg.include_path)):
         raise ConfigError(f"eval.include_path={ecfg.include_path} is not a directory: point it at your task YAML files")
     tasks = list(ecfg.tasks)
@@ -162,7 +168,22 @@ def check_tasks(ecfg: EvalConfig) -> list[str]:
     if sampled:
         raise ConfigError(f"eval.tasks: {', '.join(sampled)} sample their generations (do_sample: true), and hpctrain "
                           "generates greedily: set do_sample: false in the task's generation_kwargs")
+    for name in generative:
+        greedy_kwargs(loaded[name].config.generation_kwargs, max_length, f"eval.tasks: {name}")
+    for name, task in loaded.items() if ecfg.num_fewshot else ():
+        _check_fewshot(name, task, ecfg.num_fewshot)
     return generative
+
+
+def _check_fewshot(name: str, task, shots: int) -> None:
+    """eval.num_fewshot examples to draw for `task` besides the document they precede (lm-eval's sampler)."""
+    try:
+        pool = len(task.fewshot_docs())
+    except Exception:  # noqa: BLE001 - a task without a few-shot pool, or one lm-eval builds lazily: its own checks
+        return
+    if shots >= pool:
+        raise ConfigError(f"eval.num_fewshot={shots} but {name} has {pool} documents to draw examples from, one of "
+                          f"them the document scored: at most {pool - 1}")
 
 
 def _path(ecfg: EvalConfig) -> str | None:

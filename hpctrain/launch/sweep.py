@@ -194,7 +194,7 @@ def _run_row(run_dir: str) -> dict:
         "loss_by_source": _by_source(train[-1] if train else {}, "loss/"),
         "val_by_source": _by_source(val[-1] if val else {}, "val_loss/"),
         # downstream tasks: the scores of the latest step evaluated (in the loop, or by `hpctrain eval`)
-        "eval_scores": _by_source(evals[-1] if evals else {}, "eval/"),
+        "eval_scores": _by_source(_latest_step(evals), "eval/"),
         "tokens_per_s": sum(tps) / len(tps) if tps else None,
         "wall_time_s": wall,
         "steps": res.get("steps") if isinstance(res.get("steps"), int)
@@ -239,6 +239,15 @@ def _eval_records(run_dir: str, records: list) -> list[dict]:
     with contextlib.suppress(OSError):  # unreadable: the loop's own scores only
         found += read_evals(run_dir)
     return sorted((r for r in found if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+
+
+def _latest_step(records: list[dict]) -> dict:
+    """The records of the latest step merged, later ones over earlier (each task scored last; none: {})."""
+    merged: dict = {}
+    for r in records:
+        if r["step"] == records[-1]["step"]:
+            merged.update(r)
+    return merged
 
 
 def _by_source(record: dict, prefix: str) -> dict[str, float]:

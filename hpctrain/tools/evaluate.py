@@ -67,11 +67,18 @@ def configured(run_dir: str, overrides: list[str]):
 
 
 def checkpoints(run_dir: str, which: str | None) -> list[str]:
+    """The checkpoints to score: `which` (all, or one of the run's own), else the latest."""
     from hpctrain.storage import checkpoint
 
     if which == "all":
         found = checkpoint.complete_checkpoints(run_dir)
     elif which:
+        own = os.path.realpath(checkpoint.root(run_dir))
+        if os.path.realpath(os.path.dirname(os.path.normpath(which))) != own or \
+                not checkpoint.is_step_dir(os.path.basename(os.path.normpath(which))):
+            raise ConfigError(f"checkpoint={which} is not one of {checkpoint.root(run_dir)}/step-N: the scores go to "
+                              "this run's evals.jsonl at the checkpoint's step (score another run's checkpoint with "
+                              "that run's directory)")
         found = [which]
     else:
         found = [p for p in [checkpoint.latest(run_dir)] if p]
@@ -97,10 +104,16 @@ def run(argv: list[str]) -> str:
         raise ConfigError("usage: hpctrain eval RUN_DIR [checkpoint=DIR|all] [key=value ...] (hpctrain eval --help)")
     own = {k: v for k, _, v in (a.partition("=") for a in argv[1:]) if k in OWN}
     overrides = [a for a in argv[1:] if a.partition("=")[0] not in OWN]
+    runs = runs_of(argv[0])
+    if len(runs) > 1 and own.get("checkpoint") not in (None, "all"):
+        raise ConfigError(f"checkpoint={own['checkpoint']} with the {len(runs)} runs of {argv[0]}: one checkpoint "
+                          "belongs to one run; pass that run's directory, or checkpoint=all")
+    # every run's config and checkpoints first: a run that cannot be scored stops the command before any is
+    scoring = [(run_dir, configured(run_dir, overrides), checkpoints(run_dir, own.get("checkpoint")))
+               for run_dir in runs]
     rows = []
-    for run_dir in runs_of(argv[0]):
-        cfg = configured(run_dir, overrides)
-        for ckpt in checkpoints(run_dir, own.get("checkpoint")):
+    for run_dir, cfg, found in scoring:
+        for ckpt in found:
             try:
                 record = score_checkpoint(cfg, run_dir, ckpt, once=own.get("once") == "true")
             finally:
@@ -117,10 +130,17 @@ def main(argv: list[str]) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from hpctrain.core.command import run_command
-    from hpctrain.core.errors import BAD_INPUT
+    from hpctrain.core.errors import BAD_INPUT, CheckpointError
     from hpctrain.runs.rundir import RunDirError
+    from hpctrain.storage.checkpoint import as_tool_says
 
-    return run_command(lambda: print(run(argv)), "hpctrain eval", (*BAD_INPUT, RunDirError, OmegaConfBaseException))
+    def work() -> None:
+        try:
+            print(run(argv))
+        except CheckpointError as e:
+            raise as_tool_says(e) from None
+
+    return run_command(work, "hpctrain eval", (*BAD_INPUT, RunDirError, OmegaConfBaseException))
 
 
 if __name__ == "__main__":

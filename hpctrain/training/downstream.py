@@ -145,9 +145,12 @@ def check(ecfg: EvalConfig, layout, data_dir: str, seq_len: int, max_seq_len: in
     loadable, none sampling); one-line ConfigError."""
     if not ecfg.tasks:
         return
-    if ecfg.every < 0 or ecfg.batch_size < 1 or (ecfg.limit is not None and ecfg.limit <= 0):
-        raise ConfigError(f"eval.every={ecfg.every}, eval.batch_size={ecfg.batch_size}, eval.limit={ecfg.limit}: need "
-                          "every >= 0 (0: the last step only), batch_size >= 1, limit > 0 or null")
+    if ecfg.every < 0 or ecfg.batch_size < 1 or (ecfg.limit is not None and ecfg.limit <= 0) or \
+            (ecfg.num_fewshot is not None and ecfg.num_fewshot < 0) or (ecfg.max_length is not None and ecfg.max_length < 1):
+        raise ConfigError(f"eval.every={ecfg.every}, eval.batch_size={ecfg.batch_size}, eval.limit={ecfg.limit}, "
+                          f"eval.num_fewshot={ecfg.num_fewshot}, eval.max_length={ecfg.max_length}: need every >= 0 (0: "
+                          "the last step only), batch_size >= 1, limit > 0 or null, num_fewshot >= 0 or null, "
+                          "max_length >= 1 or null")
     length = max_length(ecfg, seq_len)
     if length > max_seq_len:
         raise ConfigError(f"eval.max_length={length} exceeds model.max_seq_len={max_seq_len}: lower eval.max_length")
@@ -159,7 +162,7 @@ def check(ecfg: EvalConfig, layout, data_dir: str, seq_len: int, max_seq_len: in
     tokenizer_of(data_dir)
     from hpctrain.evaluation import harness  # (lm-eval: imported only where tasks are asked for)
 
-    harness.check_tasks(ecfg)
+    harness.check_tasks(ecfg, length)
 
 
 class DownstreamEval:

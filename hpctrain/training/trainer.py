@@ -18,7 +18,7 @@ import torch
 
 from hpctrain.core.config import Config, ParallelConfig, PrecisionName, SpikeAction
 from hpctrain.core.errors import TrainingError
-from hpctrain.core.files import RESULT_FILE, no_space, write_json
+from hpctrain.core.files import METRICS_FILE, RESULT_FILE, no_space, read_metrics, write_json
 from hpctrain.data.loader import DataError, read_manifest
 from hpctrain.models import spec_of
 from hpctrain.models.packing import DocumentMask
@@ -49,6 +49,13 @@ from hpctrain.training.state import RunState
 from hpctrain.training.step import StepStatus, build_train_step, params_finite
 
 log = logging.getLogger("hpctrain")
+
+
+def logged_evaluations(run_dir: str, step: int) -> tuple[bool, bool]:
+    """Whether metrics.jsonl holds `step`'s validation loss, and its downstream scores."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    records = [r for r in read_metrics(run_dir, lenient=True) if r.get("step") == step] if os.path.exists(path) else []
+    return any("val_loss" in r for r in records), any(str(k).startswith("eval/") for r in records for k in r)
 # The schedule advances on every step, skipped ones included (step s always has lr(s)).
 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
 
@@ -169,6 +176,7 @@ class Trainer:
         self.applied = self.overflowed = 0  # steps of this session applied, and skipped by fp16's loss scaling
         try:
             with self.metrics.redirect(), self.gc:
+                self._evaluate_missed()
                 while self.state.step < self.cfg.train.max_steps:
                     self.hang.begin(self.state.step + 1)  # the whole iteration: step, checkpoint, evaluation
                     if self._train_step():  # rolled back to the last checkpoint: nothing to save or evaluate
@@ -320,6 +328,27 @@ class Trainer:
             return
         os.makedirs(os.path.dirname(out), exist_ok=True)
         log.info("exported %s as a transformers model to %s", ckpt, export(self.cfg.model, self.cfg.data.path, ckpt, out))
+
+    def _evaluate_missed(self) -> None:
+        """The step a run resumes at, evaluated where it was due and nothing of it was logged: a step's checkpoint is
+        written before its evaluation, so a stop there (preemption, a time limit) or a failed evaluation left it
+        unscored. Every rank takes the main rank's reading of metrics.jsonl."""
+        step = self.state.step
+        due = self.evaluator.due(step), self.downstream.due(step)
+        if not step or not any(due):
+            return
+        logged = [logged_evaluations(self.run_dir, step) if self.env.is_main else None]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(logged, src=0)
+        missed = [d and not done for d, done in zip(due, logged[0])]
+        if any(missed):
+            log.info("step %d's evaluation did not run before the run stopped: evaluating it first", step)
+            self.hang.begin(step)
+            if missed[0]:
+                self.evaluator.run(self.state)
+            if missed[1]:
+                self.downstream.run(self.state)
+            self.hang.end()
 
     def _evaluate(self, saved: bool) -> None:
         t0 = time.perf_counter()
