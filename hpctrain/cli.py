@@ -230,7 +230,7 @@ def plan(argv: list[str]) -> int:
             except OSError as e:
                 fail(f"cannot write {args.write} ({e.strerror}): choose a writable path")
             print(f"wrote {args.write}: use it as parallel={os.path.splitext(os.path.basename(args.write))[0]} (in "
-                  f"conf/parallel/) with train.micro_batch={found[0].candidate.micro_batch}")
+                  f"conf/parallel/) with train.micro_batch={found[0].candidate.micro_batch} train.grad_accum=null")
         return 0
     with importing():
         from hpctrain.training.planner import main as plan_main

@@ -133,7 +133,7 @@ def test_the_plan_names_the_longest_sequence_that_fits_and_cp_lengthens_it(make_
 
     longest = {}
     for cp in (1, 2, 4):
-        cfg = make_cfg("model=llama_1b", "model.max_seq_len=131072", "train.seq_len=8192", "train.global_batch=1",
+        cfg = make_cfg("model=llama_1b", "model.max_seq_len=524288", "train.seq_len=8192", "train.global_batch=1",
                        "train.micro_batch=1", "precision=bf16", "parallel=fsdp", "parallel.dp=1", f"parallel.cp={cp}",
                        "parallel.activation_checkpointing=full", "cluster.gpu_mem_gb=80", small_model=False)
         plan = resolve(cfg, world_of(cfg.parallel, 8))

@@ -195,6 +195,7 @@ def test_a_nodes_ranks_are_summed_by_their_pipeline_stages():
     (LLAMA_70B[:-3] + ["train.global_batch=16", "train.micro_batch=1", "train.seq_len=4096"],
      ["train.grad_accum=2", "parallel.pp=4"]),
     (["train.bogus=1"], ["bogus"]),
+    (["cluster.gpu_type=B200", "cluster.gpu_mem_gb=80"], ["cluster.gpu_type=B200 has no default rates"]),
 ])
 def test_errors_are_one_line(tmp_path, overrides, words):
     from helpers import run_forked
@@ -521,3 +522,25 @@ def test_a_compiled_block_saves_what_the_planner_counts(kind):
     per_token = (saved(4) - saved(2)) / (2 * 32)  # the weights' casts and RoPE's slices do not grow with the batch
     assert per_token == block_activations(args, 1, kind, 1, 1, 32, compiled=True)[0]
     assert per_token < 0.8 * block_activations(args, 1, kind, 1, 1, 32)[0]
+
+
+def test_the_plan_counts_a_tied_model_once_names_cp_and_caps_the_longest_sequence(make_cfg):
+    """The headline: a tied embedding counted once however many stages hold a copy, the layout's product with cp in
+    it; the longest sequence that fits, never past model.max_seq_len (the memory's figure beside it)."""
+    from hpctrain.parallel.layout import world_of
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.training import planner
+
+    texts = {}
+    for name, extra in (("one", []), ("pp2", ["parallel.pp=2"]),
+                        ("cp4", ["parallel.cp=4", "parallel.tp=2", "train.seq_len=1024"])):
+        cfg = make_cfg("model=llama_1b", "parallel.dp=1", "train.global_batch=8", "train.micro_batch=1",
+                       "cluster.gpu_mem_gb=80", *extra, small_model=False)
+        plan = resolve(cfg, world_of(cfg.parallel, 8))
+        texts[name] = planner.report(cfg, plan, cfg.train.seq_len or cfg.model.max_seq_len, [])[0]
+    heads = {name: text.splitlines()[0].split("; ") for name, text in texts.items()}
+    assert heads["one"][0] == heads["pp2"][0] == "model llama_1b: 1.236B parameters (counted on the meta device)"
+    assert heads["cp4"][1].startswith("layout pp×dp×cp×tp = 1×1×4×2 = 8 devices"), heads["cp4"]
+    longest = next(line for line in texts["one"].splitlines() if line.startswith("longest train.seq_len"))
+    assert longest.endswith("8192 tokens (model.max_seq_len; the memory would hold 12105: raise model.max_seq_len "
+                            "to train longer)"), longest

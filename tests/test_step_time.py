@@ -156,6 +156,9 @@ def test_search_prints_the_fastest_that_fit_and_writes_a_parallel_file(tmp_path,
     from hpctrain.runs.resolve import resolve
 
     plan = resolve(cfg, 64)
+    printed = re.findall(r"^  overrides: (.*)$", text, re.M)  # what a user copies: whatever the base's accumulation
+    assert printed and all(line.endswith("train.grad_accum=null") for line in printed), printed
+    resolve(compose([*overrides, "train.micro_batch=null", "train.grad_accum=2", *printed[0].split()]), 64)
     again = predict(StepInputs.of(cfg.model, cfg.parallel, cfg.precision, plan, 4096, document_mask=False),
                     step_time.hardware_of(cfg.cluster, "bf16"))
     assert f"{again.step_s:.3g} s/step" in text.splitlines()[1]

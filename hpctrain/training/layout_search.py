@@ -191,7 +191,7 @@ def report(cfg, gpus: int, top: int = 5) -> tuple[str, list[Found]]:
         out.append(f"{i}. {f.candidate.describe()}: {p.step_s:.3g} s/step, {p.tokens_per_s_per_gpu:,.0f} tokens/s "
                    f"per GPU, MFU {p.mfu:.1%}, {f.memory_gib:.1f} GiB per GPU")
         out.append("  " + p.breakdown().strip())
-        out.append("  overrides: " + " ".join(f.candidate.overrides()[:-1]))
+        out.append("  overrides: " + " ".join(f.candidate.overrides()))
     return "\n".join(out), found
 
 

@@ -281,14 +281,20 @@ def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
     return [(total(row, mode), row["async_copy"]) for row in estimate(cfg, plan, seq_len)["rows"]]
 
 
+def whole_model(cfg) -> StageParams:
+    """The model's parameters counted as one stage: each once (a tied embedding once, all experts)."""
+    spec = spec_of(cfg.model)
+    (whole,) = stage_params(spec.args(cfg.model), 1, 1, spec)
+    return whole
+
+
 def disk_bytes(cfg, plan: RunShape) -> float:
     """A checkpoint's bytes on disk: the model's fp32 parameters and optimizer state (save_resume), each parameter
     once whatever the layout (counted as one stage: a tied embedding once, all experts; a tied weight's second
     name not counted, so the figure errs low), and with parallel.grad_compression every replica's residuals."""
     if not cfg.train.checkpointing:
         return 0.0
-    spec = spec_of(cfg.model)
-    (whole,) = stage_params(spec.args(cfg.model), 1, 1, spec)
+    whole = whole_model(cfg)
     params = whole.sharded + whole.replicated
     residuals = compression.saved_bytes(params, plan.layout.dp) if _Run.compressing(cfg.parallel, plan) else 0
     return checkpoint_bytes(cfg.train, params, optimizer.state_bytes(cfg.optim, params, whole.factored)) + residuals
@@ -386,9 +392,12 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
     e = estimate(cfg, plan, seq_len)
     p, args, rows = cfg.parallel, e["args"], e["rows"]
     mode = ActCkpt(p.activation_checkpointing).value
-    out = [f"model {cfg.model.name}: {sum(s.sharded + s.replicated for s in e['stages']) / 1e9:.3f}B parameters "
-           f"(counted on the meta device); layout pp×dp×tp = {plan.pp}×{plan.dp}×{plan.tp} = {plan.world} devices"
-           + (f" (×cp={plan.layout.cp}: each sequence split over {plan.layout.cp} ranks)" if plan.layout.cp > 1 else "")
+    whole, cp = whole_model(cfg), plan.layout.cp
+    shape = f"pp×dp×cp×tp = {plan.pp}×{plan.dp}×{cp}×{plan.tp}" if cp > 1 else \
+        f"pp×dp×tp = {plan.pp}×{plan.dp}×{plan.tp}"
+    out = [f"model {cfg.model.name}: {(whole.sharded + whole.replicated) / 1e9:.3f}B parameters "
+           f"(counted on the meta device); layout {shape} = {plan.world} devices"
+           + (f" (each sequence split over {cp} ranks)" if cp > 1 else "")
            + (f", experts shared out over ep={plan.layout.ep}" if plan.layout.ep > 1 else ""),
            f"batch: global {plan.global_batch} = micro {plan.micro_batch} × accum {plan.grad_accum} × dp {plan.dp}"
            f", seq_len {seq_len}; precision {PrecisionName(cfg.precision.name).value}, zero_stage {p.zero_stage}"
@@ -421,9 +430,11 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
                f"{'FITS' if fits else 'DOES NOT FIT'}")
     if not fits:
         out.append("suggestion: " + _suggest(cfg, plan, worst, usable, args))
-    longest = longest_seq_len(cfg, plan, mode, usable, e["stages"])
+    longest, reach = longest_seq_len(cfg, plan, mode, usable, e["stages"]), cfg.model.max_seq_len
     out.append(f"longest train.seq_len that fits this layout (micro_batch {plan.micro_batch}, ckpt={mode}): "
-               + (f"{longest} tokens" if longest else "none (not even the shortest)"))
+               + (f"{reach} tokens (model.max_seq_len; the memory would hold {longest}: raise model.max_seq_len to "
+                  "train longer)" if longest > reach else f"{longest} tokens" if longest else
+                  "none (not even the shortest)"))
     return "\n".join(out), fits
 
 
@@ -573,7 +584,11 @@ def main(cfg) -> int:
     if seq_len is None:
         seq_len = cfg.model.max_seq_len
         notes.append(f"train.seq_len unset: planned for model.max_seq_len={seq_len}")
-    text, _ = report(cfg, plan, seq_len, notes)
+    try:
+        text, _ = report(cfg, plan, seq_len, notes)
+    except ConfigError as e:  # (cluster.gpu_type without rates of its own)
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(text)
     if cfg.data.sources:
         from hpctrain.training.feed import mixture_summary
