@@ -544,3 +544,27 @@ def test_the_plan_counts_a_tied_model_once_names_cp_and_caps_the_longest_sequenc
     longest = next(line for line in texts["one"].splitlines() if line.startswith("longest train.seq_len"))
     assert longest.endswith("8192 tokens (model.max_seq_len; the memory would hold 12105: raise model.max_seq_len "
                             "to train longer)"), longest
+
+
+def test_cpu_offload_counts_its_host_memory_and_a_node_it_does_not_fit_is_said(make_cfg):
+    """parallel.cpu_offload: the device holds no fp32 weights, gradients or optimizer state; the host holds them
+    (sharded) per rank, which the node line — the submission's check — counts against cluster.mem_gb."""
+    from hpctrain.parallel.layout import world_of
+    from hpctrain.runs.resolve import resolve
+    from hpctrain.training import planner
+
+    base = ["model=llama_7b", "parallel=fsdp", "parallel.dp=8", "train.global_batch=8", "train.micro_batch=1",
+            "train.seq_len=4096", "cluster.gpus_per_node=8", "cluster.mem_gb=64", "cluster.gpu_mem_gb=80"]
+    cfg = make_cfg(*base, "parallel.cpu_offload=true", small_model=False)
+    plan = resolve(cfg, world_of(cfg.parallel, 8))
+    (row,) = planner.estimate(cfg, plan, 4096)["rows"]
+    assert row["params"] == row["grads"] == row["optim"] == 0
+    assert row["offload"] == 16 * row["params_per_device"] / 8  # fp32 weights, gradients, AdamW's two moments
+    assert planner.stage_bytes(cfg, plan, 4096)[0][1] == row["offload"]
+    text, _ = planner.report(cfg, plan, 4096, [])
+    line = next(x for x in text.splitlines() if x.startswith("host memory per node"))
+    assert f"8 rank(s) × {row['offload'] / planner.GiB:.2f} GiB (parallel.cpu_offload's weights and optimizer " \
+           "state)" in line and "cluster.mem_gb=64: DOES NOT FIT" in line, line
+    on_device = make_cfg(*base, small_model=False)
+    (row,) = planner.estimate(on_device, resolve(on_device, 8), 4096)["rows"]
+    assert row["offload"] == 0 and row["params"] > 0

@@ -348,6 +348,12 @@ def sharded_weights(params: float, shard: int, on_host: bool, accumulating: bool
     return {"params": Term.held(own), "grads": grads}
 
 
+def offloaded_bytes(params: float, shard: int, optimizer_state: float, on_host: bool) -> float:
+    """Host memory per rank under parallel.cpu_offload: the fp32 parameters and gradients FSDP keeps there, sharded
+    (what `sharded_weights` leaves off the device), and the optimizer's state, which steps there."""
+    return (8 * params + optimizer_state) / shard if on_host else 0.0
+
+
 def gathered_copies(zero_stage: int, replicas: int, compute_bytes: int, params: float, largest_block: float) -> Term:
     """Parameters in the compute dtype beside the fp32 ones, from forward to backward: ZeRO-3 two blocks gathered
     (the current one and the prefetched next); ZeRO-2 and replicate every gathered parameter; one replica in

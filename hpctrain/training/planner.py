@@ -16,6 +16,7 @@ the planner gathers them per pipeline stage and takes the worst moment (`total`)
   last unit reduced       parallel/parallelize.last_unit_reduced  (parallel/compression.memory_terms instead when
                                                                   gradients are compressed, with its residual)
   host copy               training/save_resume.host_copy_bytes   train.ckpt_async, host memory beside the device's
+  host: offloaded         parallel/parallelize.offloaded_bytes    parallel.cpu_offload: (8·P + optimizer) / dp on the host
 
 A checkpoint on disk (disk_bytes): save_resume.checkpoint_bytes, plus parallel/compression.saved_bytes.
 
@@ -43,6 +44,7 @@ from hpctrain.parallel.parallelize import (
     checkpointed_activations,
     gathered_copies,
     last_unit_reduced,
+    offloaded_bytes,
     saved_activation_kind,
     sharded_weights,
 )
@@ -236,7 +238,8 @@ def estimate(cfg, plan: RunShape, seq_len: int, stages: list[StageParams] | None
                      **{name: terms.get(name, Term()).size for name in LINES},
                      "acts": {mode: t.backward for mode, t in acts.items()},
                      "recompute": {mode: t.recompute - t.backward for mode, t in acts.items()},
-                     "flight": layout.in_flight(i, r.m), "async_copy": host_copy_bytes(cfg.train, P, state, r.shard)})
+                     "flight": layout.in_flight(i, r.m), "async_copy": host_copy_bytes(cfg.train, P, state, r.shard),
+                     "offload": offloaded_bytes(P, r.shard, state, cfg.parallel.cpu_offload)})
     flops = r.spec.flops_per_token(r.args, seq_len) * plan.global_batch * seq_len
     return {"stages": stages, "rows": rows, "m": r.m, "b": plan.micro_batch,
             "schedule": layout.pp_schedule if layout.pipelined else "none", "bubble": layout.bubble(r.m),
@@ -276,9 +279,14 @@ def largest_part(cfg, plan: RunShape, seq_len: int) -> tuple[str, float, str]:
 
 def stage_bytes(cfg, plan: RunShape, seq_len: int) -> list[tuple[float, float]]:
     """Estimated memory of a device of each pipeline stage, with the run's activation checkpointing, and the host
-    memory its rank holds besides (train.ckpt_async's copy)."""
+    memory its rank holds besides (train.ckpt_async's copy, parallel.cpu_offload's weights and state)."""
     mode = ActCkpt(cfg.parallel.activation_checkpointing).value
-    return [(total(row, mode), row["async_copy"]) for row in estimate(cfg, plan, seq_len)["rows"]]
+    return [(total(row, mode), host(row)) for row in estimate(cfg, plan, seq_len)["rows"]]
+
+
+def host(row: dict) -> float:
+    """A stage's host memory per rank besides its device's."""
+    return row["async_copy"] + row["offload"]
 
 
 def whole_model(cfg) -> StageParams:
@@ -454,12 +462,14 @@ def _node_lines(cfg, plan: RunShape, rows: list[dict], mode: str) -> list[str]:
     checks it (training/run.NodeMemory): on GPUs train.ckpt_async's copies, on CPUs their devices' memory too."""
     gib = cfg.cluster.mem_gb
     gpus = bool(cfg.cluster.gpus_per_node)
-    need, ranks, unequal = node_bytes([(total(r, mode), r["async_copy"]) for r in rows], gpus, plan.world,
+    need, ranks, unequal = node_bytes([(total(r, mode), host(r)) for r in rows], gpus, plan.world,
                                       cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node)
     if not gib or not need:
         return []
-    what = "train.ckpt_async's copy" if gpus else "its device's memory" + (
-        " and train.ckpt_async's copy" if any(r["async_copy"] for r in rows) else "")
+    held = [name for key, name in (("async_copy", "train.ckpt_async's copy"),
+                                   ("offload", "parallel.cpu_offload's weights and optimizer state"))
+            if any(r[key] for r in rows)]
+    what = " and ".join(held if gpus else ["its device's memory", *held])
     return [f"host memory per node: {ranks} rank(s) × {need / ranks / GiB:.2f} GiB"
             + (" on average" if unequal else "") + f" ({what}) = {need / GiB:.2f} GiB; "
             f"cluster.mem_gb={gib}: {'FITS' if need <= gib * GiB else 'DOES NOT FIT'} (the processes' own memory "
@@ -516,9 +526,10 @@ def _memory_lines(cfg, plan: RunShape, e: dict, mode: str) -> list[str]:
         out.append(f"  {'TOTAL, ckpt=' + m:28}" + "".join(f"{gib(total(r, m)):>10}" for r in rows))
     out.append("  (TOTAL is the largest of three moments, not the sum: backward's start, backward's end under data "
                "parallelism, the optimizer step)")
-    if any(r["async_copy"] for r in rows):
-        out.append(f"  {'host copy (train.ckpt_async)':28}" + "".join(f"{gib(r['async_copy']):>10}" for r in rows)
-                   + "  (host memory per rank, besides the above)")
+    for key, label in (("async_copy", "host copy (train.ckpt_async)"), ("offload", "host: offloaded (cpu_offload)")):
+        if any(r[key] for r in rows):
+            out.append(f"  {label:28}" + "".join(f"{gib(r[key]):>10}" for r in rows)
+                       + "  (host memory per rank, besides the above)")
     flight = ", ".join(f"{r['flight']:g}" for r in rows)
     out.append(f"  micro-batches in flight: {flight} "
                f"(schedule {e['schedule']}, m={e['m']} micro-batches of {e['b']:g} sample(s))")
