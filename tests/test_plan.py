@@ -196,6 +196,10 @@ def test_a_nodes_ranks_are_summed_by_their_pipeline_stages():
      ["train.grad_accum=2", "parallel.pp=4"]),
     (["train.bogus=1"], ["bogus"]),
     (["cluster.gpu_type=B200", "cluster.gpu_mem_gb=80"], ["cluster.gpu_type=B200 has no default rates"]),
+    # placed as a submission places it: whole nodes
+    (["parallel.dp=12", "train.global_batch=12", "train.micro_batch=1", "cluster.gpus_per_node=8"], ["12 ranks do not fill whole nodes of 8"]),
+    (["parallel.dp=16", "train.global_batch=16", "train.micro_batch=1", "cluster.gpus_per_node=8", "cluster.nodes=1"],
+     ["cluster.nodes=1 but the layout", "needs 2 node(s)"]),
 ])
 def test_errors_are_one_line(tmp_path, overrides, words):
     from helpers import run_forked

@@ -39,7 +39,7 @@ from hpctrain.models.cross_entropy import loss_buffers
 from hpctrain.models.packing import mask_bytes, packed_masks
 from hpctrain.parallel import compression
 from hpctrain.parallel.context import cp_mask_bytes, gathered_bytes
-from hpctrain.parallel.layout import layer_map, world_of
+from hpctrain.parallel.layout import job_shape, layer_map, world_of
 from hpctrain.parallel.parallelize import (
     checkpointed_activations,
     gathered_copies,
@@ -588,6 +588,9 @@ def main(cfg) -> int:
                      "(this node's devices); set parallel.dp to plan another size")
     try:
         plan = resolve(cfg, world)  # the same checks, and one-line errors, as a run
+        if cfg.cluster.gpus_per_node and (cfg.parallel.dp != "auto" or cfg.cluster.nodes):  # as a submission
+            shape = job_shape(cfg.parallel, cfg.cluster)  # places it: whole nodes
+            notes.append(f"a Slurm job of {shape['nodes']} node(s) × {shape['tasks_per_node']} rank(s)")
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         sys.exit(2)
