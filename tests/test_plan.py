@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -142,6 +143,15 @@ def test_does_not_fit_suggests(make_cfg):
                    "train.micro_batch=1", small_model=False)
     text, fits = report(cfg, resolve(cfg, 1), 4096, [])
     assert fits is False and "DOES NOT FIT" in text and "suggestion:" in text
+    # each change tried as a run takes it, with the worst stage it gives; one a run refuses is not offered
+    odd = make_cfg("model=llama_7b", "model.vocab_size=50257", "parallel.dp=1", "cluster.gpu_mem_gb=40",
+                   "train.seq_len=4096", "train.global_batch=8", "train.micro_batch=1", small_model=False)
+    even = make_cfg("model=llama_7b", "parallel.dp=1", "cluster.gpu_mem_gb=40", "train.seq_len=4096",
+                    "train.global_batch=8", "train.micro_batch=1", small_model=False)
+    said = {name: next(x for x in report(c, resolve(c, 1), 4096, [])[0].splitlines() if x.startswith("suggestion:"))
+            for name, c in (("odd", odd), ("even", even))}
+    assert re.search(r"parallel.tp=2 \(\d+\.\d\d GiB\)", said["even"]) and "parallel.tp" not in said["odd"], said
+    assert re.search(r"parallel.activation_checkpointing=full \(\d+\.\d\d GiB\)", said["odd"]), said
     cfg = make_cfg(*LLAMA_70B[:-4], "cluster.gpu_mem_gb=null", "train.seq_len=4096", "train.global_batch=512",
                    "train.micro_batch=4", small_model=False)
     text, fits = report(cfg, resolve(cfg, 256), 4096, [])

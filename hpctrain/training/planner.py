@@ -398,7 +398,7 @@ def jobs_warning(cfg, plan: RunShape, seq_len: int, done: int = 0) -> str | None
 def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bool | None]:
     """The printed plan and the verdict (None when cluster.gpu_mem_gb is unset)."""
     e = estimate(cfg, plan, seq_len)
-    p, args, rows = cfg.parallel, e["args"], e["rows"]
+    p, rows = cfg.parallel, e["rows"]
     mode = ActCkpt(p.activation_checkpointing).value
     whole, cp = whole_model(cfg), plan.layout.cp
     shape = f"pp×dp×cp×tp = {plan.pp}×{plan.dp}×{cp}×{plan.tp}" if cp > 1 else \
@@ -437,7 +437,7 @@ def report(cfg, plan: RunShape, seq_len: int, notes: list[str]) -> tuple[str, bo
                f"{HEADROOM:.0%} of cluster.gpu_mem_gb={cap:g}: {usable / GiB:.1f} GiB -> "
                f"{'FITS' if fits else 'DOES NOT FIT'}")
     if not fits:
-        out.append("suggestion: " + _suggest(cfg, plan, worst, usable, args))
+        out.append("suggestion: " + _suggest(cfg, plan, worst, usable, seq_len))
     longest, reach = longest_seq_len(cfg, plan, mode, usable, e["stages"]), cfg.model.max_seq_len
     out.append(f"longest train.seq_len that fits this layout (micro_batch {plan.micro_batch}, ckpt={mode}): "
                + (f"{reach} tokens (model.max_seq_len; the memory would hold {longest}: raise model.max_seq_len to "
@@ -562,22 +562,45 @@ def _context_exchange(plan: RunShape, e: dict, seq_len: int, mode: str) -> list[
             "every layer, forward, backward's reduce-scatter and recomputation)"]
 
 
-def _suggest(cfg, plan: RunShape, worst: dict, usable: float, args) -> str:
-    p, tips = cfg.parallel, []
-    if ActCkpt(p.activation_checkpointing) != ActCkpt.full and worst["full"] <= usable:
-        return "set parallel.activation_checkpointing=full (fits then)"
+def _suggest(cfg, plan: RunShape, worst: dict, usable: float, seq_len: int) -> str:
+    """What would shrink the worst stage: each concrete change tried as a run takes it (`resolve`'s checks; one it
+    refuses is not offered) and shown with the worst stage it gives."""
+    p, changes = cfg.parallel, []
     if ActCkpt(p.activation_checkpointing) != ActCkpt.full:
-        tips.append("parallel.activation_checkpointing=full")
+        if worst["full"] <= usable:
+            return "set parallel.activation_checkpointing=full (fits then)"
+        changes.append({"parallel.activation_checkpointing": "full"})
     if plan.dp > 1 and p.zero_stage < 3:
-        tips.append("parallel.zero_stage=3")
-    elif plan.dp == 1:
-        tips.append("shard over data parallel: parallel.dp=N with parallel.zero_stage=3")
-    if plan.tp < 8 and args.kv_heads % (plan.tp * 2) == 0:
-        tips.append(f"raise parallel.tp to {plan.tp * 2}")
+        changes.append({"parallel.zero_stage": 3})
+    if plan.tp < 8:
+        changes.append({"parallel.tp": plan.tp * 2})
     if not p.sequence_parallel and plan.tp > 1:
-        tips.append("parallel.sequence_parallel=true")
-    tips.append("raise parallel.pp or lower train.micro_batch")
-    return "; ".join(tips)
+        changes.append({"parallel.sequence_parallel": True})
+    tips = [tip for tip in (_tried(cfg, plan, change, seq_len) for change in changes) if tip]
+    if plan.dp == 1:
+        tips.append("shard over data parallel: parallel.dp=N with parallel.zero_stage=3")
+    return "; ".join([*tips, "raise parallel.pp or lower train.micro_batch"])
+
+
+def _tried(cfg, plan: RunShape, change: dict, seq_len: int) -> str | None:
+    """`change` applied (on as many devices, where dp=auto, else tp's more), as `key=value (worst stage GiB)`; None
+    where a run would refuse it."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    trial = copy.deepcopy(cfg)
+    for key, value in change.items():
+        OmegaConf.update(trial, key, value)
+    grown = 1 if cfg.parallel.dp == "auto" else trial.parallel.tp // cfg.parallel.tp
+    try:
+        shape = resolve(trial, plan.world * grown)
+    except ConfigError:
+        return None
+    mode = ActCkpt(trial.parallel.activation_checkpointing).value
+    need = max(total(r, mode) for r in estimate(trial, shape, seq_len)["rows"])
+    what = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items())
+    return f"{what} ({need / GiB:.2f} GiB)"
 
 
 def main(cfg) -> int:
