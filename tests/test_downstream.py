@@ -198,6 +198,18 @@ def test_bad_eval_settings_are_one_line_before_anything_starts(make_cfg, local_t
         prepare(make_cfg("eval.tasks=[hpc_mc]", f"eval.include_path={local_tasks}/nope"))
 
 
+def test_a_task_file_that_does_not_parse_is_named(make_cfg, local_tasks, tmp_path):
+    """lm-eval passes over a task YAML it cannot parse, so its task reads as unknown: the file is named instead."""
+    from hpctrain.training.run import prepare
+
+    (tmp_path / "hpc_broken.yaml").write_text(_task("hpc_broken", f"{local_tasks}/mc.jsonl",
+                                                     "output_type: [multiple_choice\n"))
+    with pytest.raises(ConfigError) as e:
+        prepare(make_cfg(f"eval.include_path={tmp_path}", "eval.tasks=[hpc_broken]"))
+    assert f"eval.tasks: {tmp_path}/hpc_broken.yaml declares task hpc_broken but does not parse (" in str(e.value)
+    assert "\n" not in str(e.value), str(e.value)
+
+
 @pytest.mark.multiproc
 def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(local_tasks, demo_data, tmp_path):
     """`hpctrain eval RUN_DIR checkpoint=all` in tp2 scores the run's step-2 and step-4 checkpoints as the run

@@ -154,6 +154,9 @@ def check_tasks(ecfg: EvalConfig, max_length: int) -> list[str]:
     tasks = list(ecfg.tasks)
     manager = task_manager(_path(ecfg), tasks)
     unknown = sorted(set(tasks) - set(manager.match_tasks(tasks)))
+    broken = _unparsed_task_file(_path(ecfg), unknown) if unknown and ecfg.include_path else None
+    if broken:  # (lm-eval passes over a YAML file it cannot parse: its task would read as unknown)
+        raise ConfigError(f"eval.tasks: {broken}: fix the file")
     if unknown:
         raise ConfigError(f"eval.tasks: {', '.join(unknown)} unknown to lm-eval (`lm_eval ls tasks` lists its tasks; "
                           "your own: their YAML in eval.include_path=DIR)")
@@ -184,6 +187,34 @@ def _check_fewshot(name: str, task, shots: int) -> None:
     if shots >= pool:
         raise ConfigError(f"eval.num_fewshot={shots} but {name} has {pool} documents to draw examples from, one of "
                           f"them the document scored: at most {pool - 1}")
+
+
+def _unparsed_task_file(include_path: str, names: Sequence[str]) -> str | None:
+    """'<file> declares task NAME but does not parse (...)' for the first YAML file under `include_path` with a
+    `task: NAME` line for one of `names` that YAML cannot read (lm-eval's `!function` tags read as any tag)."""
+    import glob
+    import re
+
+    import yaml
+
+    from hpctrain.core.files import FileCheckError, read_bytes
+
+    class _AnyTag(yaml.SafeLoader):
+        pass
+
+    _AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
+    for path in sorted(glob.glob(os.path.join(include_path, "**", "*.y*ml"), recursive=True)):
+        try:
+            text = read_bytes(path, 2**20).decode("utf-8", errors="replace")
+        except (OSError, FileCheckError):
+            continue
+        named = [n for n in names if re.search(rf"^task:\s*['\"]?{re.escape(n)}['\"]?\s*$", text, re.M)]
+        if named:
+            try:
+                yaml.load(text, Loader=_AnyTag)  # noqa: S506 - a SafeLoader subclass
+            except yaml.YAMLError as e:
+                return f"{path} declares task {named[0]} but does not parse ({' '.join(str(e).split())[:200]})"
+    return None
 
 
 def _path(ecfg: EvalConfig) -> str | None:
