@@ -333,18 +333,19 @@ def saved_activation_kind(compute_bytes: int, replicas: int) -> str:
 
 
 def sharded_weights(params: float, shard: int, on_host: bool, accumulating: bool, full_grads: bool,
-                    pipelined_full: str = "") -> dict[str, Term]:
+                    pipelined_full: str = "", full: float | None = None) -> dict[str, Term]:
     """fp32 parameters and gradients, `params` per device before data parallel: FSDP2 shards both from ZeRO-2 on
     (`shard` = dp); accumulating at ZeRO-2/3 without reducing each micro-batch (`full_grads`) also holds full-size
     gradients; CPU offload keeps the sharded ones on the host. Under a pipeline schedule (`pipelined_full`) the
     full-size gradients last from the stage's first backward to the reduction after its last: not at the optimizer
     step, and at a backward's start only in 1F1B's steady state ("steady": more micro-batches than the stage holds in
-    flight; "first": the stage's backward starts all come before any gradient exists but the last ones')."""
-    own = 0 if on_host else 4 * params / shard
-    grads = Term.gradients(own + (4 * params if full_grads and not pipelined_full else 0), accumulating)
+    flight; "first": the stage's backward starts all come before any gradient exists but the last ones'). `full`:
+    what a full-size gradient covers (`params` unless expert parallelism holds a share of the experts)."""
+    own, full = 0 if on_host else 4 * params / shard, params if full is None else full
+    grads = Term.gradients(own + (4 * full if full_grads and not pipelined_full else 0), accumulating)
     if full_grads and pipelined_full:
-        early = 4 * params if pipelined_full == "steady" else 0.0
-        grads = grads + Term(backward=early, recompute=early, reduced=4 * params)
+        early = 4 * full if pipelined_full == "steady" else 0.0
+        grads = grads + Term(backward=early, recompute=early, reduced=4 * full)
     return {"params": Term.held(own), "grads": grads}
 
 

@@ -69,9 +69,15 @@ class StageParams:
     largest_block: int = 0  # the largest block: an FSDP unit
     root: int = 0  # embedding / final norm / output head held: the root FSDP unit
     buffers: int = 0  # bytes of the model's own buffers every stage holds (the RoPE tables: max_seq_len × head_dim)
+    experts: int = 0  # the routed experts' parameters (in `replicated`: whole on every tp rank)
 
     def per_device(self, tp: int) -> int:
         return self.sharded // tp + self.replicated
+
+    def held(self, tp: int, ep: int) -> int:
+        """What a device holds of the stage before data parallel shards it: its tp share, and its ep share of the
+        experts (what a replica, ZeRO-2's gathered weights and full-size gradients count)."""
+        return self.per_device(tp) - self.experts + self.experts // ep
 
 
 def _count(st: StageParams, params, whole: bool = False) -> int:
@@ -99,7 +105,9 @@ def _count_block(st: StageParams, block, ep: int) -> int:
     gathered = _count(st, [p for p in block.parameters() if id(p) not in inside])
     for m in moe:  # (held whole on every tp rank: the router and shared experts, and the experts of its ep share)
         gathered += _count(st, [p for name, p in m.named_parameters() if not name.startswith("experts.")], whole=True)
-        gathered += _count(st, m.experts.parameters(), whole=True) // ep
+        experts = _count(st, m.experts.parameters(), whole=True)
+        st.experts += experts
+        gathered += experts // ep
     return gathered
 
 
@@ -175,19 +183,23 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
     p, layout, tp = r.cfg.parallel, r.plan.layout, r.plan.layout.tp
     # FSDP spans the dp×cp ranks (context parallel ranks add up gradients as data parallel ones do)
     P, accumulating, replicas = st.per_device(tp), r.plan.grad_accum > 1, 1 if r.compressed else layout.reduce_ranks
+    # sharded by data parallel (ZeRO-2/3), each rank's 1/dp of them all (experts: 1/ep, then 1/(dp/ep)); else what
+    # the device holds whole
+    held = st.held(tp, layout.ep)
+    own = P if r.shard > 1 else held
     # ZeRO-2/3 accumulating without reducing each micro-batch holds full-size gradients too; so does any ZeRO stage
     # under a pipeline schedule, which keeps the gradients unreduced and the weights gathered from one micro-batch to
     # the next (torch.distributed.pipelining reduces after the last; measured: tests/test_plan.py pp2_dp2_zero2/3).
     full_grads = r.shard > 1 and accumulating and (layout.pipelined or not p.sharded_accumulation)
     in_flight = layout.in_flight(i, r.m)
     pipelined_full = ("steady" if r.m > in_flight else "first") if layout.pipelined else ""
-    terms = [sharded_weights(P, r.shard, p.cpu_offload, accumulating, full_grads, pipelined_full),
+    terms = [sharded_weights(own, r.shard, p.cpu_offload, accumulating, full_grads, pipelined_full, held),
              {"buffers": Term.held(st.buffers)},
-             optimizer.memory_terms(r.cfg.optim, P, st.factored / tp, layout.world > layout.pp, r.shard,
+             optimizer.memory_terms(r.cfg.optim, own, st.factored / tp, layout.world > layout.pp, r.shard,
                                     p.cpu_offload),
              # ZeRO-3 under a pipeline keeps every unit gathered from its backward to the next forward: as ZeRO-2
              {"copies": gathered_copies(2 if layout.pipelined and p.zero_stage == 3 else p.zero_stage, replicas, r.c,
-                                        P, st.largest_block / tp)}]
+                                        held, st.largest_block / tp)}]
     flight = in_flight * len(st.layers)  # one mask per micro-batch in flight on each chunk
     if layout.cp > 1:
         rows = r.plan.micro_batch if r.cfg.train.document_mask else 1
@@ -202,7 +214,7 @@ def _stage_terms(r: _Run, i: int, st: StageParams) -> dict[str, Term]:
         terms.append(compression.memory_terms(P, 4 * r.args.vocab_size * r.args.dim, undo))
     else:
         tied = r.args.tie_embeddings and not layout.pipelined  # (a pipeline's end stages each hold their own copy)
-        terms.append({"reducing": last_unit_reduced(p.zero_stage, replicas, r.c, P, st.root / tp,
+        terms.append({"reducing": last_unit_reduced(p.zero_stage, replicas, r.c, held, st.root / tp,
                                                     st.largest_block / tp, tied)})
     return merge(*terms)
 
