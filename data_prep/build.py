@@ -536,4 +536,10 @@ def merge(out_dir: str, log: Log = print) -> Manifest:
     write_manifest(out_dir, manifest)
     log(f"shards: {manifest.num_samples('train')} train / {manifest.num_samples('val')} val blocks of "
         f"{block_len} tokens in {sum(map(len, splits.values()))} shards, {out_dir}/{MANIFEST_NAME} written")
+    asked, val = plan["settings"].get("val_fraction") or 0, manifest.num_samples("val")
+    share = val / max(1, val + manifest.num_samples("train"))
+    if asked and share > 2 * asked:  # validation takes whole pieces: a few large ones overshoot
+        log(f"warning: the validation split holds {share:.0%} of the blocks (--val-fraction {asked:g}): it takes whole "
+            "pieces of the corpus (a compressed file is one), and this corpus has few; split it into more files, or "
+            "pass --val-fraction 0 and build a validation set of its own")
     return manifest

@@ -34,6 +34,7 @@ class TextTokenizer:
 
     def __init__(self, core: Tokenizer, eos_id: int):
         self.core = core
+        core.encode_special_tokens = True  # a document's literal "<|endoftext|>" is text, not a boundary (unsaved)
         self.eos_id = int(eos_id)
         self.eos_token = core.id_to_token(self.eos_id)
 
@@ -175,17 +176,19 @@ def load_tokenizer(path: str, eos_token: str | None = None) -> TextTokenizer:
     path = os.fspath(path)
     if os.path.isdir(path):
         json_path = os.path.join(path, TOKENIZER_JSON)
-        if os.path.isfile(json_path):
-            config = _generic_config(os.path.join(path, TOKENIZER_CONFIG))
-            if config is not None:  # no config, or a generic fast tokenizer: no transformers import needed
-                declared = config.get("eos_token")
-                declared = declared.get("content") if isinstance(declared, dict) else declared
-                return load_tokenizer(json_path, eos_token or declared)
+        # no config, or a generic fast tokenizer's: no transformers import needed
+        if os.path.isfile(json_path) and _generic_config(os.path.join(path, TOKENIZER_CONFIG)) is not None:
+            return load_tokenizer(json_path, eos_token)
         return _load_hf_dir(path, eos_token)
     if not os.path.isfile(path):
         raise DataError(f"tokenizer {path} does not exist: pass a tokenizer.json file or a tokenizer directory")
     core = _core(path)
-    return TextTokenizer(core, _eos_id(core, eos_token, None, path))
+    # a tokenizer.json beside a generic config (as `save` writes it) has the EOS that config declares
+    config = _generic_config(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)) \
+        if os.path.basename(path) == TOKENIZER_JSON else None
+    declared = (config or {}).get("eos_token")
+    declared = declared.get("content") if isinstance(declared, dict) else declared
+    return TextTokenizer(core, _eos_id(core, eos_token or declared, None, path))
 
 
 def _core(path: str) -> Tokenizer:
@@ -260,7 +263,8 @@ def _eos_id(core: Tokenizer, eos_token: str | None, declared: str | None, path: 
         token_id = core.token_to_id(token)
         if token_id is not None:
             return token_id
-    raise DataError(f"tokenizer {path} has no EOS token among {candidates}: pass eos_token=... naming one")
+    raise DataError(f"tokenizer {path} has no EOS token among {candidates}: declare one (set the tokenizer's "
+                    "eos_token and save_pretrained it again)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -482,3 +482,33 @@ def test_synthetic_shards_for_a_vocabulary_beyond_uint16(tmp_path, capsys):
     assert synthetic.main(["--out", out, "--vocab", "512", "--seq-len", "32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds a shard set" in err[0], err
+
+
+def test_a_declared_eos_is_the_shards_and_literal_special_text_is_text(tmp_path):
+    """A transformers tokenizer directory declaring an EOS other than the usual candidates (`<|im_end|>`, with
+    `<|endoftext|>` in its vocabulary too, as instruct tokenizers have): the shards end documents with the declared
+    one; a document's literal "<|endoftext|>" or "<|im_end|>" is text, not a boundary. Validation taking far more than
+    --val-fraction (whole pieces of a corpus of two files) is warned of."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel()
+    docs = [f"doc {i} says <|endoftext|> and <|im_end|> inside " + " ".join(WORDS) for i in range(40)]
+    core.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>").save_pretrained(tmp_path / "tok")
+    for half in (0, 1):
+        (tmp_path / f"c{half}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[half::2]))
+    said = []
+    manifest = build([str(tmp_path / "c0.jsonl"), str(tmp_path / "c1.jsonl")], str(tmp_path / "out"),
+                     BuildConfig(seq_len=SEQ, shard_mb=0.02), tokenizer=str(tmp_path / "tok"), stripe_count=0,
+                     log=said.append)
+    assert manifest.eos_id == core.token_to_id("<|im_end|>") == 1
+    out = str(tmp_path / "out")
+    tokens = np.concatenate([_blocks(out, shard, manifest.dtype).ravel() for split in ("train", "val")
+                             for shard in manifest.shards(split)])
+    # one boundary per document (a split's last, in a tail shorter than a block, is dropped), no other
+    assert len(docs) - 2 <= (tokens == 1).sum() <= len(docs) and (tokens == 0).sum() == 0
+    assert any(line.startswith("warning: the validation split holds 50% of the blocks (--val-fraction 0.01)")
+               for line in said), said
