@@ -38,9 +38,14 @@ PARQUET_BATCH_ROWS = 1024
 BAD_LINES = ("error", "skip")
 
 
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".lz4", ".zip")
+
+
 def kind_of(path: str) -> str:
+    """How a corpus file is read: JSON lines (`.json` too: what `datasets`' `to_json` writes), parquet, or text; a
+    compressed file other than JSON lines' `.gz`/`.zst` is one DataError line."""
     name = path.lower()
-    for ext in (".jsonl", ".ndjson"):
+    for ext in (".jsonl", ".ndjson", ".json"):
         if name.endswith(ext):
             return "jsonl"
         for comp in (".gz", ".zst"):
@@ -48,6 +53,9 @@ def kind_of(path: str) -> str:
                 return "jsonl" + comp
     if name.endswith(".parquet"):
         return "parquet"
+    if name.endswith(COMPRESSED):
+        raise DataError(f"{path}: only JSON lines are read compressed (.jsonl.gz, .jsonl.zst): decompress it, or "
+                        "write it as JSON lines")
     return "text"
 
 

@@ -292,10 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         if taken:
             raise DataError(f"{a.out} already holds {taken[0]}: choose a new --out (a tokenizer is never overwritten)")
         check_vocab(a.vocab)  # before the corpus is read
+        if not a.sample_mb > 0:
+            raise DataError(f"--sample-mb {a.sample_mb}: the tokenizer learns from a sample of the corpus; pass a "
+                            "positive size, e.g. --sample-mb 1000")
         pieces = plan_pieces(expand_corpus(a.corpus), piece_bytes=256_000_000)
         docs = sample_documents(pieces, int(a.sample_mb * 1e6), a.text_field, a.bad_lines)
         path = train_tokenizer_from_docs(docs, a.vocab, a.out)
-        print(f"tokenizer: {path} (vocab {a.vocab}, {time.perf_counter() - t0:.1f}s)")
+        got = _core(path).get_vocab_size(with_added_tokens=True)
+        short = f" of the {a.vocab} asked: the sample held no more merges" if got < a.vocab else ""
+        print(f"tokenizer: {path} (vocab {got}{short}, {time.perf_counter() - t0:.1f}s)")
 
     return run_command(work, bad=(DataError,), os_error="choose an --out you can write to",
                        interrupted="interrupted: nothing was written")

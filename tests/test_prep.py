@@ -512,3 +512,25 @@ def test_a_declared_eos_is_the_shards_and_literal_special_text_is_text(tmp_path)
     assert len(docs) - 2 <= (tokens == 1).sum() <= len(docs) and (tokens == 0).sum() == 0
     assert any(line.startswith("warning: the validation split holds 50% of the blocks (--val-fraction 0.01)")
                for line in said), said
+
+
+def test_json_lines_named_json_are_documents_and_other_compressed_files_are_one_line(tmp_path, capsys):
+    """`datasets`' `to_json` writes JSON lines as .json: read as documents, not as text holding JSON syntax; a
+    compressed file prep cannot read (.txt.gz, .bz2) is refused naming what it reads; `prep tokenizer` prints the
+    vocabulary it made (fewer than asked where the sample holds no more merges) and refuses an empty sample."""
+    from data_prep import tokenizer as tokenizer_cli
+
+    (tmp_path / "hf.json").write_text("".join(json.dumps({"text": f"doc {i} alpha"}) + "\n" for i in range(3)))
+    pieces = plan_pieces([str(tmp_path / "hf.json")], piece_bytes=10**6)
+    assert [d for p in pieces for d in iter_documents(p, "text")] == [f"doc {i} alpha" for i in range(3)]
+    for name in ("notes.txt.gz", "dump.bz2"):
+        (tmp_path / name).write_bytes(b"\x1f\x8b")
+        with pytest.raises(DataError, match=f"{name}: only JSON lines are read compressed"):
+            plan_pieces([str(tmp_path / name)], piece_bytes=10**6)
+    out = tmp_path / "tok"
+    assert tokenizer_cli.main(["--corpus", str(tmp_path / "hf.json"), "--vocab", "400", "--out", str(out),
+                               "--sample-mb", "0"]) == 2
+    assert "--sample-mb 0.0: the tokenizer learns from a sample" in capsys.readouterr().err
+    assert tokenizer_cli.main(["--corpus", str(tmp_path / "hf.json"), "--vocab", "400", "--out", str(out)]) == 0
+    made = load_tokenizer(str(out)).vocab_size
+    assert made < 400 and f"(vocab {made} of the 400 asked: the sample held no more merges" in capsys.readouterr().out
