@@ -365,9 +365,9 @@ def build(
     tok, tok_ident, dtype = _given_tokenizer(tokenizer, vocab_size, config)
     total = sum(i["size"] for i in inputs)
     settings = {**dataclasses.asdict(config), "unit_bytes": config.unit_bytes(total)}
+    # (what the output depends on: not how the files were named on the command line, a glob or its expansion)
     fingerprint = _sha({"version": PLAN_VERSION, "settings": settings, "inputs": inputs, "root": root,
-                        "tokenizer": tok_ident, "dtype": dtype, "corpus": corpus, "sources": sources,
-                        "created_by": created_by})
+                        "tokenizer": tok_ident, "dtype": dtype, "sources": sources, "created_by": created_by})
 
     old = _read_json(_build_path(out_dir, PLAN_NAME))
     same = isinstance(old, dict) and old.get("fingerprint") == fingerprint

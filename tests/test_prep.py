@@ -534,3 +534,22 @@ def test_json_lines_named_json_are_documents_and_other_compressed_files_are_one_
     assert tokenizer_cli.main(["--corpus", str(tmp_path / "hf.json"), "--vocab", "400", "--out", str(out)]) == 0
     made = load_tokenizer(str(out)).vocab_size
     assert made < 400 and f"(vocab {made} of the 400 asked: the sample held no more merges" in capsys.readouterr().out
+
+
+def test_the_same_files_named_by_a_glob_or_its_expansion_are_the_same_build(tmp_path):
+    """A build rerun with the shell's expansion of the glob it was started with (or the other way round) is the same
+    build: up to date when finished, resumed when not; not refused as other inputs."""
+    from data_prep.synthetic import word_tokenizer
+
+    files = []
+    for i in range(2):
+        files.append(str(tmp_path / f"t{i}.txt"))
+        (tmp_path / f"t{i}.txt").write_text(" ".join(WORDS * 20))
+    word_tokenizer(300).save(str(tmp_path / "tok"))
+    said = []
+    cfg = BuildConfig(seq_len=SEQ, shard_mb=0.02, val_fraction=0.0)
+    first = build(files, str(tmp_path / "out"), cfg, tokenizer=str(tmp_path / "tok"), corpus=[str(tmp_path / "t*.txt")],
+                  stripe_count=0, log=said.append)
+    again = build(files, str(tmp_path / "out"), cfg, tokenizer=str(tmp_path / "tok"), corpus=files, stripe_count=0,
+                  log=said.append)
+    assert again == first and "up to date" in said[-1], said[-3:]
