@@ -50,14 +50,15 @@ from hpctrain.training.step import StepStatus, build_train_step, params_finite
 
 log = logging.getLogger("hpctrain")
 
+# The schedule advances on every step, skipped ones included (step s always has lr(s)).
+warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+
 
 def logged_evaluations(run_dir: str, step: int) -> tuple[bool, bool]:
     """Whether metrics.jsonl holds `step`'s validation loss, and its downstream scores."""
     path = os.path.join(run_dir, METRICS_FILE)
     records = [r for r in read_metrics(run_dir, lenient=True) if r.get("step") == step] if os.path.exists(path) else []
     return any("val_loss" in r for r in records), any(str(k).startswith("eval/") for r in records for k in r)
-# The schedule advances on every step, skipped ones included (step s always has lr(s)).
-warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
 
 
 class Trainer:
