@@ -486,20 +486,36 @@ def test_init_from_hf_weights_of_another_tokenizer_is_one_line(make_cfg, tmp_pat
     assert f"--tokenizer {path}" in msg, msg
 
 
+def _trained_and_exported(tmp_path, demo_data, path, *overrides):
+    """A short run (micro-batches of 2, `overrides`) started from the transformers directory `path`, exported by
+    `export-hf`: (its config, its run directory, the export)."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.runs.compose import compose
+    from hpctrain.training.run import train
+    from hpctrain.weights import export_hf
+
+    cfg = compose([f"model.init_from=hf:{path}", f"data.path={demo_data}", "data.prepare_demo=false",
+                   "train.micro_batch=2", "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1",
+                   *overrides])
+    run_dir, out = tmp_path / "run", tmp_path / "exported"
+    assert train(cfg, str(run_dir))["status"] == "completed"
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    assert export_hf.main([str(run_dir), str(out)]) == 0
+    return cfg, run_dir, out
+
+
 @pytest.mark.parametrize("case", ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_an_export_gives_back_the_model_the_run_started_from(tmp_path, demo_data, case):
     """A run started from a published instruct model of each family (its own special-token ids, a chat template,
     generation settings): `export-hf` writes the same class with the original's token ids, tokenizer files, chat
     template and generation_config.json, and transformers gives our logits to 1e-5."""
-    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
     from hpctrain.data.loader import read_manifest
     from hpctrain.models import model_args
-    from hpctrain.runs.compose import compose
     from hpctrain.storage import checkpoint
-    from hpctrain.training.run import train
-    from hpctrain.weights import export_hf
 
     path = Path(_published(tmp_path, case=None if case == "llama" else case))
     manifest = read_manifest(demo_data)  # the shards' tokenizer is the model's (as `prep shards --tokenizer` makes it)
@@ -510,14 +526,7 @@ def test_an_export_gives_back_the_model_the_run_started_from(tmp_path, demo_data
     conf = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**conf, "bos_token_id": 1, "eos_token_id": 2}))
 
-    cfg = compose([f"model.init_from=hf:{path}", f"data.path={demo_data}", "data.prepare_demo=false",
-                   "train.max_steps=2", "train.global_batch=4", "train.micro_batch=2", "train.eval_every=0",
-                   "logging.trackers=[]", "cluster.num_threads=1"])
-    run_dir, out = tmp_path / "run", tmp_path / "exported"
-    assert train(cfg, str(run_dir))["status"] == "completed"
-    (run_dir / ".hydra").mkdir()
-    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    assert export_hf.main([str(run_dir), str(out)]) == 0
+    cfg, run_dir, out = _trained_and_exported(tmp_path, demo_data, path, "train.max_steps=2", "train.global_batch=4")
     config = json.loads((out / "config.json").read_text())
     original = AutoModelForCausalLM.from_pretrained(path)
     assert (config["bos_token_id"], config["eos_token_id"], config["architectures"]) == (
@@ -745,25 +754,14 @@ def test_an_export_keeps_the_originals_context_and_takes_the_shards_tokenizer_wh
     the original's max_position_embeddings: the export's config.json keeps the original's context, and the shards'
     tokenizer (the run's: `prep shards --tokenizer` made them) is beside it. Its RoPE is written in both
     transformers' forms."""
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
-
-    from hpctrain.runs.compose import compose
-    from hpctrain.training.run import train
-    from hpctrain.weights import export_hf
 
     path = tmp_path / "weights-only"
     shape = {k: v for k, v in RUN_MODEL.items() if k not in ("rope_theta", "max_position_embeddings")}
     LlamaForCausalLM(LlamaConfig(**shape, max_position_embeddings=256, rope_parameters=LLAMA3_ROPE)).save_pretrained(
         path)
-    cfg = compose([f"model.init_from=hf:{path}", "model.max_seq_len=64", f"data.path={demo_data}",
-                   "data.prepare_demo=false", "train.max_steps=1", "train.global_batch=2", "train.micro_batch=2",
-                   "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1"])
-    run_dir, out = tmp_path / "run", tmp_path / "exported"
-    assert train(cfg, str(run_dir))["status"] == "completed"
-    (run_dir / ".hydra").mkdir()
-    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    assert export_hf.main([str(run_dir), str(out)]) == 0
+    _, _, out = _trained_and_exported(tmp_path, demo_data, path, "model.max_seq_len=64", "train.max_steps=1",
+                                      "train.global_batch=2")
     config = json.loads((out / "config.json").read_text())
     assert config["max_position_embeddings"] == 256
     assert AutoTokenizer.from_pretrained(out).vocab_size == 512

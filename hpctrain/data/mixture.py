@@ -42,9 +42,14 @@ class Source:
     weight: float
 
 
+def weights_valid(weights: Sequence[float]) -> bool:
+    """Weights a mixture can draw by: every one finite and >= 0, one > 0."""
+    return bool(weights) and all(math.isfinite(w) and w >= 0 for w in weights) and any(weights)
+
+
 def fractions(weights: Sequence[float]) -> list[Fraction]:
     """The weights as exact fractions summing to 1 (0.7 is 7/10: its decimal, not its binary float)."""
-    if not weights or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+    if not weights_valid(weights):
         raise DataError(f"mixture weights {list(weights)}: every weight must be >= 0 and one > 0, all finite")
     exact = [Fraction(str(w)) for w in weights]
     total = sum(exact)

@@ -63,11 +63,17 @@ def cannot_load(path: str, reason: str) -> CheckpointError:
     return CheckpointError(f"cannot load checkpoint {path} ({reason}): {_FIX}", reason)
 
 
-def as_tool_says(e: CheckpointError) -> CheckpointError:
-    """`e` as a tool that reads a checkpoint (generate, export-hf) words it: its fix is another checkpoint=DIR,
-    not a resume."""
-    msg = str(e)
-    return CheckpointError(msg[:-len(_FIX)] + _TOOL_FIX, e.reason, e.fix) if msg.endswith(_FIX) else e
+@contextlib.contextmanager
+def as_tool_says():
+    """A CheckpointError raised inside, as a tool that reads a checkpoint (generate, export-hf, eval) words it: its
+    fix is another checkpoint=DIR, not a resume."""
+    try:
+        yield
+    except CheckpointError as e:
+        msg = str(e)
+        if not msg.endswith(_FIX):
+            raise
+        raise CheckpointError(msg[:-len(_FIX)] + _TOOL_FIX, e.reason, e.fix) from None
 
 
 def _describe(e: BaseException) -> str:

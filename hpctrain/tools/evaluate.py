@@ -130,15 +130,13 @@ def main(argv: list[str]) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from hpctrain.core.command import run_command
-    from hpctrain.core.errors import BAD_INPUT, CheckpointError
+    from hpctrain.core.errors import BAD_INPUT
     from hpctrain.runs.rundir import RunDirError
     from hpctrain.storage.checkpoint import as_tool_says
 
     def work() -> None:
-        try:
+        with as_tool_says():
             print(run(argv))
-        except CheckpointError as e:
-            raise as_tool_says(e) from None
 
     return run_command(work, "hpctrain eval", (*BAD_INPUT, RunDirError, OmegaConfBaseException))
 

@@ -111,10 +111,8 @@ def main(argv: list[str]) -> int:
     from hpctrain.storage.checkpoint import as_tool_says
 
     def work() -> None:
-        try:
+        with as_tool_says():
             print(run(parse(argv)))
-        except CheckpointError as e:
-            raise as_tool_says(e) from None
 
     return run_command(work, "hpctrain generate",
                        (GenerateError, RunDirError, CheckpointError, DataError, OmegaConfBaseException))

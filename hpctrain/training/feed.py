@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -17,7 +16,14 @@ import torch
 from hpctrain.core.config import DataConfig, OnMaxEpochs, TrainConfig
 from hpctrain.core.errors import TrainingError
 from hpctrain.data.loader import DataError, ShardStream, check_files, choose_lanes, read_manifest
-from hpctrain.data.mixture import MixtureStream, Schedule, Source, check_nonempty, check_sources
+from hpctrain.data.mixture import (
+    MixtureStream,
+    Schedule,
+    Source,
+    check_nonempty,
+    check_sources,
+    weights_valid,
+)
 from hpctrain.runs.resolve import RunShape
 from hpctrain.training.step import Groups
 
@@ -146,7 +152,7 @@ def phases(dcfg: DataConfig) -> list | None:
             raise DataError(f"data.schedule steps {[p.step for p in dcfg.schedule]}: each >= 2 (data.sources' weights "
                             "are step 1's) and later than the one before")
         weights = [float(phase.weights.get(name, 0.0)) for name in names]
-        if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        if not weights_valid(weights):
             raise DataError(f"data.schedule at step {phase.step}: weights {dict(zip(names, weights))}: every weight "
                             "must be >= 0 and one > 0, all finite")
         out.append([int(phase.step), weights])

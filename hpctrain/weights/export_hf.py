@@ -194,10 +194,8 @@ def main(argv: list[str]) -> int:
         if len(positional) != 2 or set(options) - {"checkpoint"}:
             raise ExportError(f"expected RUN_DIR OUT [checkpoint=DIR], got {' '.join(argv) or 'nothing'}")
         cfg, ckpt = run_config(positional[0], options.get("checkpoint"))
-        try:
+        with checkpoint.as_tool_says():
             print(f"exported {ckpt} to {export(cfg.model, cfg.data.path, ckpt, positional[1])}")
-        except CheckpointError as e:
-            raise checkpoint.as_tool_says(e) from None
 
     # A disk that filled, a directory that vanished: nothing of OUT is left (see export).
     return run_command(work, "hpctrain export-hf", (ExportError, RunDirError, CheckpointError),
