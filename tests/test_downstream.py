@@ -235,6 +235,16 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
     for step in (2, 4):
         for key in ("eval/hpc_mc/acc", "eval/hpc_mc/acc_norm", "eval/hpc_ppl/word_perplexity"):
             assert got[step][key] == pytest.approx(in_loop[step][key], rel=1e-5), (step, key)
+    # once=true (a requeued eval job's): a checkpoint scored with the same key is not scored again; another context
+    # length (or task directory) is another key, scored and printed (the record of this checkpoint and key)
+    step4, scored = f"checkpoint={run}/checkpoints/step-0000004", len(read_evals(str(run)))
+    ran = run_forked(evaluate.main, [str(run), step4, "once=true", *tasks], cwd=tmp_path)
+    assert ran.code == 0 and "scored already" in ran.err and len(read_evals(str(run))) == scored, ran.err
+    ran = run_forked(evaluate.main, [str(run), step4, "once=true", "eval.max_length=32", *tasks], cwd=tmp_path)
+    shorter = read_evals(str(run))[-1]
+    assert ran.code == 0 and len(read_evals(str(run))) == scored + 1, ran.err
+    assert shorter["scored_with"]["max_length"] == 32 and shorter["scored_with"]["include_path"] == local_tasks
+    assert f"{shorter['eval/hpc_ppl/word_perplexity']:.4f}" in ran.out, ran.out
     shutil.copytree(run, tmp_path / "sweep" / "1", ignore=shutil.ignore_patterns("evals.jsonl"))
     ran = run_forked(evaluate.main, [str(tmp_path / "sweep"), "eval.limit=4", *tasks], cwd=tmp_path)
     assert ran.code == 0 and [line.split()[0] for line in ran.out.splitlines()[1:]] == ["0", "1"], ran.out

@@ -256,6 +256,13 @@ def test_the_shape_comes_from_config_json(tmp_path, demo_data):
         True, 10000.0, 1e-5, "llama", Path(path).name)
     p = run_forked(cli.main, ["plan", f"model.init_from=hf:{path}", f"data.path={demo_data}"], cwd=tmp_path)
     assert p.code == 0 and f"model {Path(path).name}: " in p.out and "2 layers" not in p.err, p.out + p.err
+    assert "attention_dropout" not in p.err, p.err
+    # a training-time setting hpctrain does not apply is said, once, before anything starts
+    config = json.loads((Path(path) / "config.json").read_text())
+    (Path(path) / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    p = run_forked(cli.main, ["plan", f"model.init_from=hf:{path}", f"data.path={demo_data}"], cwd=tmp_path)
+    said = [line for line in p.err.splitlines() if "attention_dropout=0.1" in line]
+    assert p.code == 0 and len(said) == 1 and "has no dropout" in said[0], p.err
 
 
 def test_an_override_against_config_json_is_one_line_and_float32_equal_is_equal(tmp_path, demo_data):

@@ -10,12 +10,15 @@ the checkpoint: how far the RoPE tables reach, and the scale of a draw the weigh
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from omegaconf import OmegaConf
 
 from hpctrain.core.config import ConfigError, TransformerDims
 from hpctrain.models import flat, float32_equal, init_source, spec_for_hf
+
+log = logging.getLogger(__name__)
 
 
 def typed_model_keys(overrides) -> set[str]:
@@ -77,6 +80,8 @@ def shape_from_checkpoint(cfg, overrides, run_dir: str | None = None) -> None:
         args = adapter.read_args(path)
     except (ValueError, OSError) as e:  # (ConfigError is a ValueError)
         raise ConfigError(f"model.init_from={source}: {' '.join(str(e).split())}") from None
+    for setting in adapter.unapplied(path):
+        log.warning("model.init_from=%s: config.json's %s", source, setting)
     typed = typed_model_keys(overrides)
     theirs = dict(flat(args))
     for key in sorted(typed):

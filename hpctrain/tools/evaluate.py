@@ -8,8 +8,8 @@ downstream tasks (lm-evaluation-harness, the eval group), in the run's layout or
 
 key=value: any eval.* key (eval.tasks is required unless the run's config has tasks), parallel=NAME or parallel.*
 and precision=NAME (the layout and precision to score in; default: the run's), cluster.num_threads; once=true: a
-checkpoint scored already with these tasks is not scored again; unpin=NAME: the pin of that name removed at the end
-(an eval job's: eval.mode=job).
+checkpoint scored already with these tasks and settings is not scored again; unpin=NAME: the pin of that name removed
+at the end (an eval job's: eval.mode=job).
 """
 
 from __future__ import annotations

@@ -53,7 +53,9 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
             spawn.spawn(world, _rank_main, args, threads=cfg.cluster.num_threads, quiet=(*BAD_INPUT, KeyboardInterrupt))
         except spawn.LaunchError as e:
             raise TrainingError(str(e)) from None
-        return read_evals(run_dir)[-1]
+        # this checkpoint's record with this key, the newest: another eval job may have appended to the file since
+        return [r for r in read_evals(run_dir) if r.get("checkpoint") == os.path.abspath(ckpt)
+                and r.get("scored_with") == _key(cfg.eval)][-1]
     return _rank_main(*args)
 
 
@@ -84,8 +86,11 @@ def _rank_main(cfg, run_dir: str, ckpt: str, shape, data_dir: str, seq_len: int)
 
 
 def _key(ecfg) -> dict:
-    """What a record was scored with (tasks, limit, few-shot): a checkpoint is scored once per key."""
-    return {"tasks": sorted(ecfg.tasks), "limit": ecfg.limit, "num_fewshot": ecfg.num_fewshot}
+    """What a record was scored with (the tasks, where their files were read, how many examples, few-shot, the
+    context kept): a checkpoint is scored once per key."""
+    where = ecfg.include_path and os.path.abspath(os.path.expanduser(ecfg.include_path))
+    return {"tasks": sorted(ecfg.tasks), "include_path": where, "limit": ecfg.limit,
+            "num_fewshot": ecfg.num_fewshot, "max_length": ecfg.max_length}
 
 
 def append_record(run_dir: str, record: dict) -> None:

@@ -102,6 +102,9 @@ class HFAdapter:
                  "init_std": "initializer_range", "head_dim": "head_dim", "rope_scaling": "rope_scaling",
                  "sliding_window": "sliding_window"}
     FREE = ("max_seq_len", "init_std")
+    # config.json's training-time settings hpctrain does not apply (published models set them to 0), and what that means
+    UNAPPLIED = {"attention_dropout": "hpctrain's attention has no dropout: training goes on without it, and an "
+                                      "export writes 0.0"}
 
     # --- what differs by family ---------------------------------------------------------------------------------
     def _read_traits(self, config) -> tuple[dict, list[str]]:
@@ -262,6 +265,14 @@ class HFAdapter:
                              f"{' '.join(str(e).split())[:300]}): fix that field or download config.json again"
                              ) from None
         return self.from_hf_config(config)
+
+    def unapplied(self, path: str | Path) -> list[str]:
+        """`KEY=VALUE: why` for each UNAPPLIED setting config.json (read_args checked it) sets to other than 0."""
+        import json
+
+        with open(Path(path) / "config.json") as f:
+            config = json.load(f)
+        return [f"{key}={config[key]}: {why}" for key, why in self.UNAPPLIED.items() if config.get(key)]
 
     def field_name(self, key: str) -> str:
         """config.json's name of the dotted model key (rope_scaling.factor -> rope_scaling.factor, dim -> hidden_size)."""
