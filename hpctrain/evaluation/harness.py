@@ -9,6 +9,7 @@ requests are the same everywhere and the score function splits them over the dat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -152,9 +153,9 @@ def check_tasks(ecfg: EvalConfig, max_length: int) -> list[str]:
     if ecfg.include_path and not os.path.isdir(os.path.expanduser(ecfg.include_path)):
         raise ConfigError(f"eval.include_path={ecfg.include_path} is not a directory: point it at your task YAML files")
     tasks = list(ecfg.tasks)
-    manager = task_manager(_path(ecfg), tasks)
+    manager = task_manager(include_dir(ecfg), tasks)
     unknown = sorted(set(tasks) - set(manager.match_tasks(tasks)))
-    broken = _unparsed_task_file(_path(ecfg), unknown) if unknown and ecfg.include_path else None
+    broken = _unparsed_task_file(include_dir(ecfg), unknown) if unknown and ecfg.include_path else None
     if broken:  # (lm-eval passes over a YAML file it cannot parse: its task would read as unknown)
         raise ConfigError(f"eval.tasks: {broken}: fix the file")
     if unknown:
@@ -217,7 +218,8 @@ def _unparsed_task_file(include_path: str, names: Sequence[str]) -> str | None:
     return None
 
 
-def _path(ecfg: EvalConfig) -> str | None:
+def include_dir(ecfg: EvalConfig) -> str | None:
+    """eval.include_path as an absolute path (None without one)."""
     return os.path.abspath(os.path.expanduser(ecfg.include_path)) if ecfg.include_path else None
 
 
@@ -232,15 +234,31 @@ def evaluate(lm, ecfg: EvalConfig, log_samples: bool = False) -> dict:
 
     state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _scores_only(evaluator):
             return evaluator.simple_evaluate(
                 model=lm, tasks=list(ecfg.tasks), num_fewshot=ecfg.num_fewshot, limit=ecfg.limit,
-                task_manager=task_manager(_path(ecfg), list(ecfg.tasks)), log_samples=log_samples,
+                task_manager=task_manager(include_dir(ecfg), list(ecfg.tasks)), log_samples=log_samples,
                 bootstrap_iters=0, random_seed=None, numpy_random_seed=None, torch_random_seed=None,
                 verbosity="ERROR") or {}
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
+
+
+@contextlib.contextmanager
+def _scores_only(evaluator):
+    """lm-eval adds the environment (torch's collect_env: `pip list`, nvidia-smi on a GPU node; 0.33 s here, 2.7 s
+    the first time) and git's hash (a `fatal: not a git repository` line outside one) to every result, on one rank
+    while the others wait; hpctrain keeps the scores only."""
+    names = [n for n in ("add_env_info", "get_git_commit_hash") if hasattr(evaluator, n)]
+    saved = {n: getattr(evaluator, n) for n in names}
+    for n in names:
+        setattr(evaluator, n, lambda *_: None)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(evaluator, n, f)
 
 
 SAMPLE_KEYS = ("doc_id", "target", "arguments", "resps", "filtered_resps")

@@ -12,6 +12,7 @@ import torch
 from hpctrain.core.errors import BAD_INPUT, TrainingError, say
 from hpctrain.core.files import EVALS_FILE, read_evals
 from hpctrain.core.shard_format import read_manifest
+from hpctrain.evaluation.harness import include_dir
 from hpctrain.models import spec_of
 from hpctrain.parallel import process_group
 from hpctrain.parallel.layout import world_of
@@ -88,8 +89,7 @@ def _rank_main(cfg, run_dir: str, ckpt: str, shape, data_dir: str, seq_len: int)
 def _key(ecfg) -> dict:
     """What a record was scored with (the tasks, where their files were read, how many examples, few-shot, the
     context kept): a checkpoint is scored once per key."""
-    where = ecfg.include_path and os.path.abspath(os.path.expanduser(ecfg.include_path))
-    return {"tasks": sorted(ecfg.tasks), "include_path": where, "limit": ecfg.limit,
+    return {"tasks": sorted(ecfg.tasks), "include_path": include_dir(ecfg), "limit": ecfg.limit,
             "num_fewshot": ecfg.num_fewshot, "max_length": ecfg.max_length}
 
 
