@@ -68,7 +68,7 @@ def _task(cfg: DictConfig) -> dict | None:
     try:
         if launched_rank() == 0:
             rundir.check_owned(run_dir)  # before anything (a log line) is written into someone else's directory
-        prepared = prepare(cfg)
+        prepared = prepare(cfg, run_dir=run_dir)
         check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
     except BAD_INPUT as e:
         rundir.remove_if_fresh(run_dir, _started)

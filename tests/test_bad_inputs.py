@@ -528,8 +528,15 @@ CASES = [
     ("init-from-with-fewer-layers", *_hp("model.init_from={w}/run/checkpoints/step-0000002", "model.n_layers=1"),
      ["written for another model"]),
     ("generate-another-models-checkpoint", generate.main, ["run_dir={w}/small", "max_new_tokens=2"],
-     ["written for another model"]),
-    ("export-another-models-checkpoint", export_hf.main, ["{w}/small", "{w}/out"], ["written for another model"]),
+     ["written for another model", "pass the directory of the run that wrote it"]),
+    ("export-another-models-checkpoint", export_hf.main, ["{w}/small", "{w}/out"],
+     ["written for another model", "pass the directory of the run that wrote it"]),
+    # ... and a run's data.path rebuilt since with another tokenizer: generate would decode, and export-hf ship, the
+    # wrong text
+    ("generate-checkpoint-of-another-tokenizer", generate.main, ["run_dir={w}/othertok", "max_new_tokens=2"],
+     ["another tokenizer (sha256 000000000000)", "put the run's shards"]),
+    ("export-checkpoint-of-another-tokenizer", export_hf.main, ["{w}/othertok", "{w}/out"],
+     ["another tokenizer (sha256 000000000000)"]),
     # 10. model.init_from's token ids are the shards'.
     ("init-from-other-tokenizer-shards", *_hp("data.path={w}/otherdata",
                                               "model.init_from={w}/run/checkpoints/step-0000002"), ["another tokenizer"]),

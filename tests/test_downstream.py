@@ -224,9 +224,14 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
 
     run = tmp_path / "sweep" / "0"
     tasks = ["eval.tasks=[hpc_mc,hpc_ppl]", f"eval.include_path={local_tasks}"]
-    trained = run_forked(cli.main, cli_args(run, demo_data, "train.max_steps=4", "train.ckpt_every=2", "eval.every=2",
-                                            "model.tie_embeddings=false", "train.progress=false", *tasks), cwd=tmp_path)
+    # (data.path relative to where the run starts: recorded absolute, so the tools read it from anywhere, below)
+    trained = run_forked(cli.main, cli_args(run, os.path.relpath(demo_data, tmp_path), "train.max_steps=4",
+                                            "train.ckpt_every=2", "eval.every=2", "model.tie_embeddings=false",
+                                            "train.progress=false", *tasks), cwd=tmp_path)
     assert trained.code == 0, trained.err
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(run / ".hydra" / "config.yaml").data.path == demo_data
     in_loop = {m["step"]: m for m in read_metrics(str(run)) if "eval/hpc_mc/acc" in m}
     ran = run_forked(evaluate.main, [str(run), "checkpoint=all", "parallel=tp2", *tasks], cwd=tmp_path)
     assert ran.code == 0, ran.err
@@ -240,7 +245,7 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
     step4, scored = f"checkpoint={run}/checkpoints/step-0000004", len(read_evals(str(run)))
     ran = run_forked(evaluate.main, [str(run), step4, "once=true", *tasks], cwd=tmp_path)
     assert ran.code == 0 and "scored already" in ran.err and len(read_evals(str(run))) == scored, ran.err
-    ran = run_forked(evaluate.main, [str(run), step4, "once=true", "eval.max_length=32", *tasks], cwd=tmp_path)
+    ran = run_forked(evaluate.main, [str(run), step4, "once=true", "eval.max_length=32", *tasks], cwd=tmp_path.parent)
     shorter = read_evals(str(run))[-1]
     assert ran.code == 0 and len(read_evals(str(run))) == scored + 1, ran.err
     assert "not a git repository" not in ran.err, ran.err  # (lm-eval's provenance is not collected: scores only)

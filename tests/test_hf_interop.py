@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -370,6 +371,19 @@ def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path)
     step = TrainStep(want, torch.optim.SGD(want.parameters(), lr=0.0), _fp32(), 0.0, torch.device("cpu"))
     (loss,) = [r["loss"] for r in read_metrics(str(tmp_path / "b")) if r.get("step") == 1]
     assert abs(step([batch]).loss - loss) <= 1e-6
+    # Started over in its own directory from its own checkpoint (train.resume=never sets the old run aside first):
+    # the weights are read where they went.
+    again = train(make_cfg("train.eval_every=0", "train.max_steps=1", f"model.init_from={ckpt}", "train.resume=never",
+                           "logging.trackers=[]"), str(tmp_path / "a"))
+    assert again["status"] == "completed" and not os.path.exists(ckpt)
+    assert [r["loss"] for r in read_metrics(str(tmp_path / "a")) if r.get("step") == 1] == [loss]
+    # The fine-tune resumes from its own checkpoint although its source is gone (rotated away, or set aside as
+    # here); a fresh run from it is refused.
+    longer = ("train.eval_every=0", "train.max_steps=2", f"model.init_from={ckpt}", "logging.trackers=[]")
+    assert train(make_cfg(*longer), str(tmp_path / "b"))["steps"] == 2
+    with pytest.raises(TrainingError, match="not a complete checkpoint"):
+        train(make_cfg(*longer), str(tmp_path / "c"))
+    assert not os.path.exists(tmp_path / "c" / "metrics.jsonl")
     with pytest.raises(TrainingError, match="not a complete checkpoint"):
         train(make_cfg(f"model.init_from={tmp_path / 'a'}"), str(tmp_path / "c"))
 
@@ -420,6 +434,17 @@ def test_export_hf_from_every_layout(make_cfg, tmp_path, monkeypatch):
         assert sample(ours, x[0, :8].tolist(), 12, temperature=0.0) == theirs, name
         assert AutoTokenizer.from_pretrained(out).decode([5, 6, 7])
     assert export_hf.main([str(tmp_path / "single"), str(tmp_path / "single-hf")]) == 2  # occupied: refused
+    # The run's shards gone: the weights are exported, with a warning, and no token ids (transformers' defaults, 1
+    # and 2, are not this vocabulary's EOS)
+    cfg.data.path = str(tmp_path / "gone")
+    OmegaConf.save(cfg, tmp_path / "single" / ".hydra" / "config.yaml")
+    from helpers import run_forked
+
+    ran = run_forked(export_hf.main, [str(tmp_path / "single"), str(tmp_path / "bare-hf")], cwd=tmp_path)
+    config = json.loads((tmp_path / "bare-hf" / "config.json").read_text())
+    assert ran.code == 0 and f"shards (data.path={tmp_path / 'gone'}) cannot be read" in ran.err, ran.err
+    assert config.get("eos_token_id") is None and config.get("bos_token_id") is None, config
+    assert not (tmp_path / "bare-hf" / "tokenizer.json").exists()
 
 
 @pytest.mark.multiproc

@@ -394,7 +394,7 @@ def _exporting_until_interrupted(started):
     from hpctrain.weights import export_hf
 
     def main(argv):
-        def copy_tokenizer(data_path, dest):
+        def copy_tokenizer(data_path, manifest, dest):
             started.touch()
             time.sleep(120)
 

@@ -41,7 +41,8 @@ def check(cfg, run_dir: str | None = None):
 
     shape = job_shape(cfg.parallel, cfg.cluster)
     min_nodes(cfg.parallel, cfg.cluster)
-    prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"])
+    prepared = prepare(cfg, shape["nodes"] * shape["tasks_per_node"], local=False, per_node=shape["tasks_per_node"],
+                       run_dir=run_dir)
     if run_dir is not None:
         check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
     return prepared

@@ -188,9 +188,40 @@ def save_config(run_dir: str, cfg) -> None:
     out = os.path.join(run_dir, ".hydra")
     os.makedirs(out, exist_ok=True)
     hc = HydraConfig.instance().cfg
-    OmegaConf.save(cfg, os.path.join(out, "config.yaml"))
+    OmegaConf.save(_with_absolute_paths(cfg), os.path.join(out, "config.yaml"))
     OmegaConf.save(hc, os.path.join(out, "hydra.yaml"))
     OmegaConf.save(hc.hydra.overrides.task, os.path.join(out, "overrides.yaml"))
+
+
+# The keys that name files: recorded as absolute paths, so that the tools that read a run (generate, export-hf, eval)
+# find them from any directory (a run reads a relative one from where it was started).
+PATH_KEYS = ("data.path", "model.init_from", "train.resume", "eval.include_path")
+
+
+def absolute(value):
+    """A path key's value made absolute (from this process's directory); `hf:` kept, interpolations (`${...}`),
+    `auto`/`never` and None left as they are."""
+    from hpctrain.models import HF_PREFIX
+
+    if not isinstance(value, str) or not value or value in ("auto", "never") or "${" in value:
+        return value
+    prefix = HF_PREFIX if value.startswith(HF_PREFIX) else ""
+    return prefix + os.path.abspath(os.path.expanduser(value[len(prefix):]))
+
+
+def _with_absolute_paths(cfg):
+    """A copy of `cfg` whose PATH_KEYS (and data.sources' paths) are absolute."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    for key in PATH_KEYS:
+        group, name = key.split(".")
+        if name in cfg[group]:
+            cfg[group][name] = absolute(cfg[group][name])
+    for source in cfg.data.get("sources") or ():
+        if "path" in source:
+            source.path = absolute(source.path)
+    return cfg
 
 
 def has_previous_run(run_dir: str) -> bool:
@@ -228,6 +259,14 @@ def start_over(run_dir: str, cfg) -> None:
         cfg.train.resume = os.path.join(dest, "checkpoints", os.path.relpath(path, own))
 
 
+def resumes(run_dir: str | None, resume: str) -> bool:
+    """Whether a run about to start in `run_dir` continues from a checkpoint (its own newest, or train.resume=PATH)
+    rather than from model.init_from's weights."""
+    if resume == "never":
+        return False
+    return resume != "auto" or (run_dir is not None and _has_checkpoint(run_dir))
+
+
 def start_point(run_dir: str, resume: str) -> str | None:
     """Where the run starts (after `start_over`): "auto" (the run dir's newest loadable checkpoint, if any), a
     checkpoint path, or None (from scratch). A requeued job continues its own run; before its first checkpoint
@@ -240,16 +279,15 @@ def start_point(run_dir: str, resume: str) -> str | None:
 
 
 def moved(path: str, run_dir: str) -> str:
-    """`path`, or, when it was a checkpoint of the run in `run_dir` that has since been set aside, where it is."""
-    from hpctrain.storage.checkpoint import STATE_FILE
-
-    own = os.path.realpath(os.path.join(run_dir, "checkpoints"))
-    if os.path.exists(path) or not (path + os.sep).startswith(own + os.sep):
+    """`path`, or, when it was in the outputs of the run in `run_dir` (a checkpoint, an export in hf/) that have
+    since been set aside, where it is now (the newest set aside that holds it)."""
+    path = os.path.realpath(path)
+    rel = os.path.relpath(path, os.path.realpath(run_dir))
+    if os.path.exists(path) or rel.split(os.sep)[0] not in RUN_OUTPUTS + RUN_RECORDS:
         return path
-    for old in sorted(glob.glob(os.path.join(glob.escape(run_dir), PREVIOUS, "*", "checkpoints")), reverse=True):
-        candidate = os.path.join(old, os.path.relpath(path, own))
-        if os.path.isfile(os.path.join(candidate, STATE_FILE)):
-            return candidate
+    for old in sorted(glob.glob(os.path.join(glob.escape(run_dir), PREVIOUS, "*")), reverse=True):
+        if os.path.exists(os.path.join(old, rel)):
+            return os.path.join(old, rel)
     return path
 
 

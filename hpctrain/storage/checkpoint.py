@@ -63,17 +63,41 @@ def cannot_load(path: str, reason: str) -> CheckpointError:
     return CheckpointError(f"cannot load checkpoint {path} ({reason}): {_FIX}", reason)
 
 
+_OTHER_MODEL_FIX = "set model.* as the run that wrote it had them (its .hydra/config.yaml), or use another checkpoint"
+_TOOL_OTHER_MODEL_FIX = "pass the directory of the run that wrote it, or a checkpoint of this run"
+
+
 @contextlib.contextmanager
 def as_tool_says():
     """A CheckpointError raised inside, as a tool that reads a checkpoint (generate, export-hf, eval) words it: its
-    fix is another checkpoint=DIR, not a resume."""
+    fix is another checkpoint=DIR or run directory, not a resume or model.* keys (a tool takes the run's)."""
     try:
         yield
     except CheckpointError as e:
         msg = str(e)
-        if not msg.endswith(_FIX):
-            raise
-        raise CheckpointError(msg[:-len(_FIX)] + _TOOL_FIX, e.reason, e.fix) from None
+        for fix, tools in ((_FIX, _TOOL_FIX), (_OTHER_MODEL_FIX, _TOOL_OTHER_MODEL_FIX)):
+            if msg.endswith(fix):
+                raise CheckpointError(msg[:-len(fix)] + tools, e.reason, tools if e.fix else None) from None
+        raise
+
+
+def trained_tokenizer(path: str) -> str | None:
+    """The sha256 of the tokenizer whose token ids checkpoint `path`'s weights were trained on (None where it records
+    none)."""
+    run = check_loadable(path).get("run")
+    sha = run.get("tokenizer_sha256") if isinstance(run, dict) else None
+    return sha if isinstance(sha, str) else None
+
+
+def check_tokenizer(path: str, data_dir: str, sha256: str | None) -> None:
+    """The shards in `data_dir` (their tokenizer's `sha256`) number tokens as checkpoint `path`'s weights were trained
+    on, where both say: a tool reading a run whose data.path has since been rebuilt with another tokenizer would
+    decode (or export) the wrong text, silently."""
+    theirs = trained_tokenizer(path)
+    if theirs and sha256 and theirs != sha256:
+        raise CheckpointError(f"checkpoint {path} was trained on the token ids of another tokenizer (sha256 "
+                              f"{theirs[:12]}) than the shards in {data_dir} hold now ({sha256[:12]}): put the "
+                              "run's shards (or their tokenizer) back at that path")
 
 
 def _describe(e: BaseException) -> str:
@@ -566,8 +590,8 @@ def check_weights(path: str, present: dict, expected: Shapes) -> None:
         reason = f"it holds {extra[0]}{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which this model has not"
     if reason:
         reason = f"written for another model: {reason}"
-        fix = "set model.* as the run that wrote it had them (its .hydra/config.yaml), or use another checkpoint"
-        raise CheckpointError(f"cannot load checkpoint {path} ({reason}): {fix}", reason, fix)
+        raise CheckpointError(f"cannot load checkpoint {path} ({reason}): {_OTHER_MODEL_FIX}", reason,
+                              _OTHER_MODEL_FIX)
 
 
 def check_model(path: str, expected: Shapes) -> None:

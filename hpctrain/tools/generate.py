@@ -42,8 +42,8 @@ class GenerateError(ValueError):
     """Bad arguments: one line naming the fix."""
 
 
-def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, object, str]:
-    """The model of a run's latest (or the given) checkpoint, its config, and its data directory."""
+def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, object, str, str]:
+    """The model of a run's latest (or the given) checkpoint, its config, its data directory and the checkpoint."""
     from hpctrain.models import build_model
     from hpctrain.runs.rundir import run_config
 
@@ -53,7 +53,7 @@ def load_run(run_dir: str, ckpt: str | None = None) -> tuple[torch.nn.Module, ob
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise GenerateError(f"checkpoint {ckpt} holds non-finite weights (its run diverged): pass checkpoint=DIR of "
                             "an earlier one")
-    return model.eval(), cfg, os.path.expanduser(cfg.data.path)
+    return model.eval(), cfg, os.path.expanduser(cfg.data.path), ckpt
 
 
 # key=value options: type, default, and the smallest and largest values allowed.
@@ -90,8 +90,9 @@ def run(opts: dict) -> str:
     from data_prep.tokenizer import load_tokenizer
     from hpctrain.core.shard_format import read_manifest
 
-    model, cfg, data_dir = load_run(opts["run_dir"], opts["checkpoint"])
+    model, cfg, data_dir, ckpt = load_run(opts["run_dir"], opts["checkpoint"])
     manifest = read_manifest(data_dir)
+    checkpoint.check_tokenizer(ckpt, data_dir, manifest.tokenizer.sha256)
     tok = load_tokenizer(os.path.join(data_dir, manifest.tokenizer.path))
     # An empty prompt samples from a document boundary: documents are joined by EOS in the shards.
     ids = tok.encode(opts["prompt"]) or [manifest.eos_id]

@@ -47,10 +47,9 @@ def check_init_from(model_cfg: ModelConfig, tokenizer_sha256: str | None = None,
         spec.hf().check_hf_dir(path, spec.args(model_cfg))
         _check_hf_tokenizer(path, tokenizer_json)
         return
-    saved = checkpoint.check_loadable(path)
+    theirs = checkpoint.trained_tokenizer(path)  # (a complete checkpoint first: its trainer state)
     checkpoint.check_model(path, spec.weights(spec.args(model_cfg)))
-    theirs = saved.get("run", {}).get("tokenizer_sha256") if isinstance(saved.get("run"), dict) else None
-    if tokenizer_sha256 and isinstance(theirs, str) and theirs != tokenizer_sha256:
+    if tokenizer_sha256 and theirs and theirs != tokenizer_sha256:
         raise ValueError(f"its weights were trained on token ids of another tokenizer (sha256 {theirs[:12]}) than "
                          f"data.path's shards ({tokenizer_sha256[:12]}): point data.path at shards made with that "
                          "tokenizer (make shards TOKENIZER=<its run's data.path>/tokenizer)")
@@ -75,15 +74,17 @@ def _check_hf_tokenizer(path: str, tokenizer_json: str | None) -> None:
                          f"(hpctrain prep shards --tokenizer {path} ...)")
 
 
-def load_initial_weights(model: torch.nn.Module, model_cfg: ModelConfig) -> str | None:
+def load_initial_weights(model: torch.nn.Module, model_cfg: ModelConfig, run_dir: str) -> str | None:
     """Overwrite the drawn weights with model.init_from's, in place, each rank reading its own shards; returns
-    what was loaded (None when unset). Collective when distributed."""
+    what was loaded (None when unset). Collective when distributed. A source in the outputs of the run this one
+    started over from (its own export or checkpoint) is read where they were set aside."""
+    from hpctrain.runs.rundir import moved
     from hpctrain.storage import checkpoint
 
     source = init_source(model_cfg)
     if source is None:
         return None
-    hf, path = source
+    hf, path = source[0], moved(source[1], run_dir)
     spec = spec_of(model_cfg)
     if hf:
         spec.hf().load_hf_weights(model, path, spec.args(model_cfg))

@@ -48,11 +48,13 @@ class Prepared:
     checkpoint: float = 0.0  # a checkpoint's bytes on disk (0: the run writes none)
 
 
-def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | None = None) -> Prepared:
+def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | None = None,
+            run_dir: str | None = None) -> Prepared:
     """Every check a run makes before it spawns, submits or writes anything; one-line errors.
 
     `world`: the job's ranks (else this launch's); `local`: the run will use this machine's memory, else (submitting)
-    its nodes' requested memory for `per_node` ranks each.
+    its nodes' requested memory for `per_node` ranks each; `run_dir`: where it runs (a run that resumes there does
+    not read model.init_from: a fine-tune whose source checkpoint has been rotated away since still resumes).
     """
     world = world or process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
@@ -61,7 +63,8 @@ def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | N
     check_prometheus(cfg.monitor, local)
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg)
-    _check_init_from(cfg, data_dir)
+    if not rundir.resumes(run_dir, cfg.train.resume):
+        _check_init_from(cfg, data_dir)
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
     eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing, cfg.cluster, cfg.parallel)
     from hpctrain.training.planner import disk_bytes, stage_bytes
@@ -283,7 +286,7 @@ def train(cfg, run_dir: str, prepared: Prepared | None = None) -> dict:
     under torchrun/srun.
     """
     if prepared is None:  # (the command line prepares, and checks, before it claims the run directory)
-        prepared = prepare(cfg)
+        prepared = prepare(cfg, run_dir=run_dir)
         check_checkpoint_space([prepared.checkpoint], run_dir, cfg.train.ckpt_keep, cfg.train.resume)
     cfg = typed(cfg)  # from here on, each component is built from its group's dataclass
     with rundir.claimed(run_dir):  # (the main rank; re-entered when the CLI holds it already)

@@ -292,7 +292,7 @@ class Trainer:
         """The checkpoint `start` restored (a resumed run continues its own weights), or on a fresh start
         model.init_from's weights loaded; checked finite (collective)."""
         self.resumed_from = self.checkpointer.restore(start)
-        self.init_from = None if self.resumed_from else load_initial_weights(self.model, self.cfg.model)
+        self.init_from = None if self.resumed_from else load_initial_weights(self.model, self.cfg.model, self.run_dir)
         self._check_start_finite()
 
     def _check_start_finite(self) -> None:
