@@ -550,6 +550,9 @@ CASES = [
     ("resume-negative-step", *_hp("train.resume={w}/negstep/checkpoints/step-0000002"),
      ["step=-1000 is not an integer within [0,"]),
     ("resume-huge-step", *_hp("train.resume={w}/bigstep/checkpoints/step-0000002"), ["run.step=1000000000"]),
+    # a checkpoint at train.max_steps already: the run would end at once, "completed" with nothing of its own
+    ("resume-at-max-steps", *_hp("train.resume={w}/run/checkpoints/step-0000002"),
+     ["is at step 2, train.max_steps=2", "raise train.max_steps"]),
     # 13. One run per run directory.
     ("run-dir-in-use", *_run("busy", "train.max_steps=4"), ["run_dir={w}/busy is in use by another run"]),
     ("submission-into-a-dir-in-use", cli.main, ["run_dir={w}/busy", "hydra/launcher=local", "data.path={w}/data",

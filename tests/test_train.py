@@ -493,6 +493,20 @@ def test_resume_never_moves_the_previous_run_aside(make_cfg, tmp_path):
     assert "step-0000004" not in os.listdir(run / "checkpoints")
 
 
+def test_a_rerun_with_nothing_to_resume_sets_the_previous_run_aside(make_cfg, tmp_path):
+    """train.resume=auto in a directory whose run left no checkpoint (train.checkpointing=false, or killed before its
+    first): that run moves to previous/ with its scores (hpctrain eval's evals.jsonl), not cut and overwritten."""
+    run, plain = tmp_path / "run", ("train.eval_every=0", "train.checkpointing=false")
+    train(make_cfg("train.max_steps=3", *plain), str(run))
+    (run / "evals.jsonl").write_text('{"step": 3, "eval/t/acc": 0.5}\n')  # (as `hpctrain eval` appends them)
+    old = losses(run)
+    assert train(make_cfg("train.max_steps=2", "train.seed=7", *plain), str(run))["steps"] == 2
+    (previous,) = (run / "previous").iterdir()
+    assert losses(previous) == old and sorted(losses(run)) == [1, 2] and losses(run)[1] != old[1]
+    assert json.loads((previous / "result.json").read_text())["steps"] == 3
+    assert (previous / "evals.jsonl").is_file() and not (run / "evals.jsonl").exists()
+
+
 def test_resume_from_an_older_checkpoint_of_the_same_run_starts_a_new_timeline(make_cfg, tmp_path):
     """train.resume=<this run's step 2> while step 4 exists: the old timeline moves aside (the path is followed
     there), so the new step-4 checkpoint never overwrites or mixes with the old one."""

@@ -36,7 +36,8 @@ log = logging.getLogger("hpctrain")
 # What a run writes: the first four make a directory hold a previous run; all of them move aside with it.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "result.json")
 RUN_RECORDS = (".hydra", "train.log", "slurm.json", ".submitit", "hf", "alerts.jsonl", "profile", "memory", "hang",
-               "trackers.json", "mlflow", "wandb")  # the trackers: a run started over gets new tracker runs
+               "trackers.json", "mlflow", "wandb",  # the trackers: a run started over gets new tracker runs
+               "evals.jsonl", "eval_samples", "eval_jobs", "pins")  # its checkpoints' scores go with them
 PREVIOUS = "previous"
 LOCK_FILE = ".hpctrain-run.lock"  # the mark of a run directory, and the lock of the run living in it
 
@@ -246,11 +247,13 @@ def set_aside(run_dir: str) -> str:
 
 
 def start_over(run_dir: str, cfg) -> None:
-    """`train.resume=never` or a checkpoint path, in a directory that holds a run: move that run aside first
-    (before anything of the new run is written) and point `cfg.train.resume` at where a checkpoint of it went.
-    Once done it is a no-op, so every stage of a launch may call it; a requeued job never starts over."""
+    """`train.resume=never` or a checkpoint path in a directory that holds a run, or `auto` where that run left no
+    complete checkpoint to continue (it never wrote one, or trained with train.checkpointing=false): move that run
+    aside first (before anything of the new run is written; its metrics would be cut, its result replaced) and point
+    `cfg.train.resume` at where a checkpoint of it went. Once done it is a no-op, so every stage of a launch may call
+    it; a requeued job never starts over."""
     resume = cfg.train.resume
-    if resume == "auto" or requeued() or not has_previous_run(run_dir):
+    if requeued() or not has_previous_run(run_dir) or (resume == "auto" and _has_checkpoint(run_dir)):
         return
     own = os.path.realpath(os.path.join(run_dir, "checkpoints"))
     dest = set_aside(run_dir)

@@ -179,8 +179,12 @@ def _check_resume(cfg) -> None:
         raise CheckpointError(
             f"train.resume={resume} is not a complete checkpoint directory (no {checkpoint.STATE_FILE}): pass "
             "a <run_dir>/checkpoints/step-NNNNNNN directory, or train.resume=auto|never")
-    check_trainer_state(path, checkpoint.check_loadable(path))
+    saved = checkpoint.check_loadable(path)
+    check_trainer_state(path, saved)
     checkpoint.check_model(path, _weights(cfg))
+    if saved["run"]["step"] >= cfg.train.max_steps:  # (the run would end at once, with no checkpoint of its own)
+        raise CheckpointError(f"train.resume={resume} is at step {saved['run']['step']}, train.max_steps="
+                              f"{cfg.train.max_steps}: nothing would be trained: raise train.max_steps above it")
 
 
 def _weights(cfg) -> dict:

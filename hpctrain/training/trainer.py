@@ -323,6 +323,9 @@ class Trainer:
         from hpctrain.weights.export_hf import export
 
         ckpt = checkpoint.latest(self.run_dir)
+        if ckpt is None:  # (none was written: nothing to export)
+            log.warning("train.export_hf_at_end: no checkpoint in %s to export", self.run_dir)
+            return
         out = os.path.join(self.run_dir, "hf", os.path.basename(ckpt))
         if os.path.isdir(out):  # a finished run started again
             log.info("%s is exported already (%s)", ckpt, out)
