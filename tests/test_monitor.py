@@ -50,18 +50,35 @@ def test_energy_where_the_host_reports_it_and_otherwise_its_absence_named(make_c
         assert logged == []
 
 
+def test_a_resumed_run_keeps_its_rules_firing_state(make_cfg, tmp_path):
+    """Resumed at step 3 with both rules firing since step 1: one still past its threshold does not fire (or page)
+    again; one back within it (its threshold raised) clears at the first logged step."""
+    rules = ("+monitor.rules.a={metric:loss,threshold:0,when:above,for_s:0}",
+             "+monitor.rules.b={metric:loss,threshold:%s,when:above,for_s:0}")
+    run = ("train.log_every=1", "train.eval_every=0", "train.ckpt_every=3")
+    train(make_cfg(*run, "train.max_steps=3", rules[0], rules[1] % 0), str(tmp_path))
+    train(make_cfg(*run, "train.max_steps=5", rules[0], rules[1] % 100), str(tmp_path))
+    got = [(e["rule"], e["event"], e["step"]) for e in _alerts(tmp_path) if e["rule"] in ("a", "b")]
+    assert got == [("a", "firing", 1), ("b", "firing", 1), ("b", "cleared", 4)], got
+
+
 def test_a_rule_fires_only_after_its_duration(make_cfg, tmp_path):
     """Past the threshold from step 1: fires at the first logged step 0.05 s of wall time later (60 steps take
     longer than that even on a fast machine: 30 took under 0.3 s here); a 1e6 s rule never fires; the metrics
     this CPU run cannot measure are reported once as inactive."""
     train(make_cfg(*RUN, "train.max_steps=60", "+monitor.rules.slow={metric:loss,threshold:0.0,when:above,for_s:0.05}",
-                   "+monitor.rules.never={metric:loss,threshold:0.0,when:above,for_s:1e6}"), str(tmp_path))
+                   "+monitor.rules.never={metric:loss,threshold:0.0,when:above,for_s:1e6}",
+                   # figures this run does not log: no eval.tasks, a dense model
+                   "+monitor.rules.mmlu={metric:eval/mmlu/acc,threshold:2,when:below,for_s:0}",
+                   "+monitor.rules.imb={metric:moe/imbalance,threshold:0,when:above,for_s:0}"), str(tmp_path))
     events = _alerts(tmp_path)
     (slow,) = [e for e in events if e["rule"] == "slow"]
     assert slow["event"] == "firing" and slow["for_s"] >= 0.05 and slow["step"] > 1, slow
     assert not [e for e in events if e["rule"] == "never"]
-    inactive = {e["rule"] for e in events if e["event"] == "inactive"}
-    assert inactive == {"gpu_utilization", "communication_overhead", "synchronization_time", "node_failure_rate"}
+    inactive = {e["rule"]: e["reason"] for e in events if e["event"] == "inactive"}
+    assert set(inactive) == {"gpu_utilization", "communication_overhead", "synchronization_time", "node_failure_rate",
+                             "mmlu", "imb"}
+    assert "eval.tasks is empty" in inactive["mmlu"] and "no MoE layers" in inactive["imb"], inactive
 
 
 def test_notify_cmd_gets_each_event_as_json_on_stdin(make_cfg, tmp_path):
@@ -81,6 +98,9 @@ def test_notify_cmd_gets_each_event_as_json_on_stdin(make_cfg, tmp_path):
     ("+monitor.rules.x={metric:loss,threshold:1,when:over,for_s:1}", ["monitor.rules.x", "above or below"]),
     ("+monitor.rules.x={metric:loss,limit:1}", ["monitor.rules.x must be a mapping of", "for_s"]),
     ("monitor.notify_cmd=[]", ["monitor.notify_cmd=[]", "non-empty list"]),
+    ("+monitor.rules.x={metric:5,threshold:1}", ["monitor.rules.x.metric=5", "a metric's name"]),
+    ("+monitor.rules.x={metric:null,threshold:1}", ["monitor.rules.x.metric=None", "a metric's name"]),
+    ("monitor.rules.loss.for_s=nan", ["for_s=nan must be >= 0"]),
 ])
 def test_bad_rules_are_one_line(make_cfg, override, words):
     with pytest.raises(ConfigError) as e:

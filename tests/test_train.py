@@ -78,6 +78,23 @@ def test_run_writes_metrics_tensorboard_checkpoints_result(make_cfg, tmp_path):
     assert len(ea.Scalars("val/loss")) == 2
 
 
+def test_tensorboard_drops_what_an_attempt_logged_past_the_start(tmp_path):
+    """A requeued job that had written no checkpoint starts at step 0 again: TensorBoard, like metrics.jsonl, shows
+    the new attempt's steps only (as after a resume from step N: those past N)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hpctrain.monitoring.metrics import TensorBoardSink
+
+    for start, steps in ((0, range(1, 6)), (0, range(1, 3)), (1, range(2, 4))):
+        sink = TensorBoardSink(str(tmp_path), start)
+        for step in steps:
+            sink.write({"step": step, "loss": float(start * 10 + step)})
+        sink.close()
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("train/loss")] == [(1, 1.0), (2, 12.0), (3, 13.0)]
+
+
 def test_mfu_with_peak_tflops(make_cfg, tmp_path):
     import logging
 

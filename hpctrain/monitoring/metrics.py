@@ -111,9 +111,10 @@ class TensorBoardSink(Sink):
     def __init__(self, run_dir: str, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step drops events a crashed attempt logged after the checkpoint we resume from.
+        # purge_step drops events a crashed attempt logged after the checkpoint we resume from (all of them, from
+        # step 1, for a requeued job that had written none)
         self.dir = os.path.join(run_dir, "tb")
-        self.tb = SummaryWriter(self.dir, purge_step=start_step + 1 if start_step else None)
+        self.tb = SummaryWriter(self.dir, purge_step=start_step + 1)
 
     def rewind(self, step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -147,7 +148,7 @@ def run_sinks(lcfg: LoggingConfig, mcfg: MonitorConfig, run_dir: str, start_step
         sinks.append(TensorBoardSink(run_dir, start_step))
     sinks.append(ConsoleSink())
     trackers = [*tracker_sinks(lcfg, run_dir, start_step, max_steps, conf), *prometheus_sinks(mcfg, run_dir)]
-    alerts = AlertSink(run_dir, mcfg, ctx, trackers=trackers)
+    alerts = AlertSink(run_dir, mcfg, ctx, trackers=trackers, start_step=start_step)
     return [*sinks, *trackers, alerts], alerts
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from hpctrain.core.config import AlertAction, AlertRule, AlertWhen, ConfigError, MonitorConfig, SpikeAction
+from hpctrain.core.files import read_records
 from hpctrain.monitoring.sink import Sink
 
 log = logging.getLogger("hpctrain")
@@ -35,6 +36,8 @@ class Context:
     sample_every: int = 0  # monitor.sample_every: communication and synchronisation are measured that often
     node_failures: tuple[list[float], int] | None = None  # (failure times, nodes) of a Slurm job (cluster.job)
     failure_window_s: float = 3600.0  # node_failure_rate is per this much time
+    scores: bool = False  # eval.tasks set: downstream scores (eval/<task>/<metric>) are logged
+    moe: bool = False  # the model has MoE layers: their figures (moe/...) are logged
 
 
 def _memory_usage(record: dict, ctx: Context) -> float | None:
@@ -101,8 +104,13 @@ def metric_of(name: str):
     """(value from a record, why this run cannot measure it) of a metric a rule names: METRICS', or a logged figure
     as logged: a downstream score eval/<task>/<metric>, an MoE figure moe/... (hpctrain.training.expert_balance);
     None for neither."""
-    if name.startswith("eval/") and name.count("/") >= 2 or name.startswith("moe/"):
-        return (lambda r, c: r.get(name) if isinstance(r.get(name), (int, float)) else None), (lambda c: None)
+    def logged(r, c):
+        return r.get(name) if isinstance(r.get(name), (int, float)) else None
+
+    if name.startswith("eval/") and name.count("/") >= 2:
+        return logged, lambda c: None if c.scores else "eval.tasks is empty: no downstream score is logged"
+    if name.startswith("moe/"):
+        return logged, lambda c: None if c.moe else "the model has no MoE layers (model.moe.num_experts=0)"
     return METRICS.get(name)
 
 
@@ -155,6 +163,9 @@ def parse_rules(mcfg: MonitorConfig) -> dict[str, AlertRule]:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"monitor.rules.{name}: {e} (when: above or below; action: warn, checkpoint or stop; "
                               "threshold and for_s numbers)") from None
+        if not isinstance(rule.metric, str):
+            raise ConfigError(f"monitor.rules.{name}.metric={rule.metric!r} must be a metric's name, e.g. "
+                              "metric:gradient_norm")
         rules[name] = rule
     return rules
 
@@ -170,7 +181,7 @@ def check_monitor(mcfg: MonitorConfig, checkpointing: bool = True) -> None:
             raise ConfigError(f"monitor.rules.{name}.metric={rule.metric!r} is not a metric alerts can watch: use "
                               f"one of {', '.join(METRICS)}, a downstream score eval/<task>/<metric> or an MoE "
                               "figure moe/<name>")
-        if rule.for_s < 0 or rule.threshold != rule.threshold:
+        if not rule.for_s >= 0 or rule.threshold != rule.threshold:  # (NaN is neither)
             raise ConfigError(f"monitor.rules.{name}: for_s={rule.for_s} must be >= 0 and threshold a number")
     cmd = mcfg.notify_cmd
     if cmd is not None and (not cmd or not all(isinstance(a, str) and a for a in cmd)):
@@ -190,12 +201,15 @@ class _State:
 class AlertSink(Sink):
     """The rules, evaluated at every logged record (a metrics sink: main rank only)."""
 
-    def __init__(self, run_dir: str, mcfg: MonitorConfig, ctx: Context, clock: Callable[[], float] = time.time, trackers=()):
+    def __init__(self, run_dir: str, mcfg: MonitorConfig, ctx: Context, clock: Callable[[], float] = time.time,
+                 trackers=(), start_step: int = 0):
         self.rules, self.ctx, self.clock = parse_rules(mcfg), ctx, clock
         self.trackers = tuple(trackers)  # MLflow / W&B sinks: every event goes to them too
         self.notify_cmd = list(mcfg.notify_cmd) if mcfg.notify_cmd else None
         self.path = os.path.join(run_dir, ALERTS_FILE)
         self.state = {name: _State() for name in self.rules}
+        for name in self._firing_at(start_step):  # a resumed run: a rule firing then clears, and does not fire again
+            self.state[name].firing = True
         self.straggling: list[str] = []
         self.actions: list[tuple[str, AlertAction]] = []  # (rule, action) of rules fired since `take_actions`
         self.straggler_frac = mcfg.straggler_frac
@@ -229,6 +243,22 @@ class AlertSink(Sink):
                 if st.firing:
                     st.firing = False
                     self._emit(self._event("cleared", name, rule, value, record, 0.0), record)
+
+    def _firing_at(self, step: int) -> set[str]:
+        """The rules alerts.jsonl says were firing at `step` (the checkpoint a run resumes from; the events a crashed
+        attempt logged after it are not its timeline's). How long a metric had been past its threshold while not
+        firing yet is not recorded: for_s counts again from the resumed run's start."""
+        if not step or not os.path.exists(self.path):
+            return set()
+        firing = set()
+        for event in read_records(self.path, lenient=True):
+            at = event.get("step")
+            if event.get("rule") in self.rules and isinstance(at, int) and at <= step:
+                if event.get("event") == "firing":
+                    firing.add(event["rule"])
+                elif event.get("event") == "cleared":
+                    firing.discard(event["rule"])
+        return firing
 
     def _stragglers(self, record: dict) -> None:
         """Stragglers named when they appear or change (a sampled record), and when there are none again."""

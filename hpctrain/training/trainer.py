@@ -148,7 +148,8 @@ class Trainer:
                                    t.profile_steps and tuple(t.profile_steps),
                                    cfg.cluster.bad_nodes if env.is_main else None, self.run_dir)
         ctx = Context(env.device, env.world, self.sampler.every,
-                      job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s)
+                      job.node_failures(self.run_dir) if env.is_main else None, m.failure_window_s,
+                      scores=bool(cfg.eval.tasks), moe=bool(cfg.model.moe.num_experts))
         sinks, self.alerts = run_sinks(cfg.logging, m, self.run_dir, self.state.step, t.max_steps, ctx,
                                        resolved_config(cfg, self.run_dir)) if env.is_main else ([], None)
         self.metrics = Metrics.for_run(t, sinks, self.state.step, throughput, self.feed.figures, self.feed.source_names)
