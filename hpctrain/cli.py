@@ -222,7 +222,9 @@ def plan(argv: list[str]) -> int:
         except BAD_INPUT as e:
             fail(str(e))
         print(text)
-        if args.write and found:
+        if args.write and not found:
+            fail(f"--write {args.write}: no layout fits, nothing written")
+        if args.write:
             try:
                 layout_search.write_parallel(args.write, found[0], cfg.parallel)
             except FileExistsError:

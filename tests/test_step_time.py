@@ -239,9 +239,20 @@ def test_a_submission_that_needs_more_jobs_than_max_timeouts_allows_is_warned(ma
     assert f"the run stops after about {2 + 12 * per_job:,} steps" in submit.timeouts_warning(over, prepared, str(run))
 
 
+_SEARCH = ["--search", "--gpus", "12", "--top", "2", "model=llama_7b", "train.global_batch=48", "train.seq_len=4096",
+           "precision=bf16", "cluster.gpu_type=H100", "cluster.gpu_mem_gb=80"]
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--search"], "--search needs --gpus N"),
     (["--gpus", "8"], "--gpus and --write go with --search"),
+    # wrong whatever the layout: said once, before a search that would refuse every layout for it
+    ([*_SEARCH, "train.max_steps=0"], "train.max_steps=0 must be >= 1"),
+    ([*_SEARCH, "cluster.gpu_mem_gb=-5"], "cluster.gpu_mem_gb=-5.0 must be a finite number > 0"),
+    # what a Slurm job of those GPUs cannot be
+    ([*_SEARCH, "cluster.gpus_per_node=8"], "--gpus 12 does not fill whole nodes of 8"),
+    ([*_SEARCH, "cluster.gpus_per_node=4", "cluster.nodes=2"], "--gpus 12 is 3 node(s) of 4, cluster.nodes=2"),
+    ([*_SEARCH, "cluster.gpu_mem_gb=1", "--write", "/nonexistent/x.yaml"], "no layout fits, nothing written"),
 ])
 def test_bad_plan_usage_is_one_line(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -256,6 +267,23 @@ def test_search_without_a_gpu_type_or_a_known_one_is_one_line(capsys):
     assert e.value.code == 2 and "needs cluster.gpu_type" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="cluster.gpu_type=Z9 has no default rates"):
         step_time.hardware_of(compose(["cluster.gpu_type=Z9"]).cluster, "bf16")
+
+
+def test_every_gpu_type_has_its_peak_by_precision_and_tp_stays_in_a_node():
+    """The 500 W H100 takes the NVL's fp32/tf32/bf16 peaks (its bf16 peak was taken for every precision); over
+    several nodes a tensor-parallel group is a divisor of a node's GPUs (tp=3 of 24 GPUs would straddle two)."""
+    from hpctrain.training.layout_search import candidates
+
+    for name in step_time.HARDWARE:
+        cluster = compose([f"cluster.gpu_type={name}"]).cluster
+        fp32, bf16 = step_time.hardware_of(cluster, "fp32"), step_time.hardware_of(cluster, "bf16")
+        assert fp32.peak_tflops < bf16.peak_tflops / 4 and fp32.gemm_tflops < bf16.gemm_tflops / 4, name
+    args = compose(["model=llama_7b", "model.n_heads=48", "model.n_kv_heads=48", "model.head_dim=128"]).model
+    from hpctrain.models import model_args
+
+    tps = {c.layout.tp for c in candidates(model_args(args), 24, 96, 4608, 8)}
+    assert tps == {1, 2, 4, 8}, tps
+    assert {c.layout.tp for c in candidates(model_args(args), 6, 96, 4608, 8)} == {1, 2, 3, 6}
 
 
 def test_preflight_measurements_replace_the_defaults():

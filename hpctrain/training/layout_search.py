@@ -62,7 +62,8 @@ def candidates(args, gpus: int, global_batch: int, seq_len: int, gpus_per_node: 
     experts = getattr(getattr(args, "moe", None), "num_experts", 0) or 0
     kv = getattr(args, "kv_heads", args.n_heads)
     for tp in _divisors(gpus, gpus_per_node):
-        if kv % tp or args.n_heads % tp or seq_len % tp:
+        # (ranks are placed node by node: over several nodes a group of tp ranks stays in one only if tp divides them)
+        if kv % tp or args.n_heads % tp or seq_len % tp or (gpus > gpus_per_node and gpus_per_node % tp):
             continue
         for pp in _divisors(gpus // tp, args.n_layers):
             for cp in _divisors(gpus // (tp * pp), 16):
@@ -99,11 +100,13 @@ class Searcher:
 
         self.hw = step_time.hardware_of(cfg.cluster, cfg.precision.name)
         if self.hw is None or not cfg.cluster.gpu_mem_gb:
-            raise ConfigError("plan --search needs cluster.gpu_type (A100, H100, H200) and cluster.gpu_mem_gb")
+            raise ConfigError(f"plan --search needs cluster.gpu_type ({', '.join(step_time.HARDWARE)}) and "
+                              "cluster.gpu_mem_gb")
         if cfg.train.global_batch is None or cfg.train.seq_len is None:
             raise ConfigError("plan --search needs train.global_batch and train.seq_len (the batch every layout "
                               "splits)")
         self.cfg, self.gpus = cfg, gpus
+        _check_base(cfg, gpus)
         self.base = step_time.StepInputs.of(cfg.model, cfg.parallel, cfg.precision, _single(cfg), cfg.train.seq_len,
                                              document_mask=cfg.train.document_mask)
         self.typed = typed(cfg)  # (the schema's dataclasses: the memory estimate reads them ten times faster)
@@ -162,6 +165,25 @@ class Searcher:
             else:
                 self.refusals[why.split(":")[0]] += 1
         return found, len(timed), checked, time.perf_counter() - started
+
+
+def _check_base(cfg, gpus: int) -> None:
+    """What is wrong whatever the layout, said once before the search (else every candidate is refused for it, and
+    the search ends advising more GPUs): the config as one rank runs it; and, with cluster.gpus_per_node, `gpus` as
+    a Slurm job places them (whole nodes, cluster.nodes)."""
+    from hpctrain.runs.resolve import resolve
+
+    single = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 0, "pp_schedule": "1f1b",
+              "pp_virtual_stages": 1, "sequence_parallel": False}
+    one = OmegaConf.merge(cfg, {"parallel": single, "train": {"micro_batch": 1, "grad_accum": None}})
+    resolve(one, 1)
+    per_node, nodes = cfg.cluster.gpus_per_node, cfg.cluster.nodes
+    if per_node and gpus > per_node and gpus % per_node:
+        raise ConfigError(f"--gpus {gpus} does not fill whole nodes of {per_node} (cluster.gpus_per_node), as a Slurm "
+                          f"job places them: search a multiple of {per_node}")
+    if per_node and nodes and nodes != -(-gpus // per_node):
+        raise ConfigError(f"--gpus {gpus} is {-(-gpus // per_node)} node(s) of {per_node}, cluster.nodes={nodes}: "
+                          f"search {nodes * per_node} GPUs, or drop cluster.nodes")
 
 
 def _with(cfg, c: Candidate):

@@ -98,6 +98,7 @@ HARDWARE = {
     # peak (the page puts it between SXM's and NVL's), 2.4 TB/s, the H100's shares of peak.
     "H100-500W": Hardware("H100-500W", 835.0, 518.0, 0.65, 2400.0, 350.0, 46.0),
 }
+PEAK_ROW = {"H100-500W": "H100 NVL"}  # whose peaks by precision (monitoring.metrics.PEAK_TFLOPS) a type takes
 
 
 def hardware_of(cluster, precision: str) -> Hardware | None:
@@ -112,7 +113,10 @@ def hardware_of(cluster, precision: str) -> Hardware | None:
         raise ConfigError(f"cluster.gpu_type={name} has no default rates (known: {known}): name one of them, or the "
                           "nearest with cluster.gemm_tflops, cluster.intra_node_gbps and cluster.inter_node_gbps "
                           "measured by `hpctrain preflight`")
-    peak = PEAK_TFLOPS.get(base.name, {}).get(str(PrecisionName(precision).value), base.peak_tflops)
+    rates = PEAK_TFLOPS.get(PEAK_ROW.get(base.name, base.name))
+    if rates is None:  # (every type has a row: a bf16 rate would be taken for fp32 without one)
+        raise ConfigError(f"cluster.gpu_type={name} has no peak by precision: add its row to PEAK_TFLOPS")
+    peak = rates[str(PrecisionName(precision).value)]
     hw = replace(base, peak_tflops=cluster.peak_tflops or peak,
                  gemm_tflops=base.gemm_tflops * (peak / base.peak_tflops))  # fp32/tf32: the same share of its peak
     overrides = {"gemm_tflops": cluster.gemm_tflops, "intra_gbps": cluster.intra_node_gbps,
