@@ -167,6 +167,16 @@ def test_search_prints_the_fastest_that_fit_and_writes_a_parallel_file(tmp_path,
     assert "exists: --write makes a new file" in capsys.readouterr().err
 
 
+def test_plan_with_dp_auto_plans_the_job_cluster_nodes_make(capsys):
+    """parallel.dp=auto with cluster.nodes and cluster.gpus_per_node: planned for the world the job would have (it
+    planned for this machine's one device, beside a note naming the 16-rank job)."""
+    assert cli.plan(["model=llama_7b", "parallel=fsdp", "cluster.nodes=2", "cluster.gpus_per_node=8",
+                     "train.global_batch=64", "train.micro_batch=1", "train.seq_len=4096"]) == 0
+    out = capsys.readouterr().out
+    assert "layout pp×dp×tp = 1×16×1 = 16 devices" in out and "a Slurm job of 2 node(s) × 8 rank(s)" in out, out
+    assert "planned for dp=1" not in out
+
+
 def test_plan_prints_the_predicted_line(capsys):
     assert cli.plan(["model=llama_7b", "parallel.dp=8", "parallel.tp=8", "train.global_batch=64",
                      "train.micro_batch=1", "train.seq_len=4096", "precision=bf16", "cluster.gpu_type=H100"]) == 0

@@ -618,14 +618,16 @@ def _tried(cfg, plan: RunShape, change: dict, seq_len: int) -> str | None:
 def main(cfg) -> int:
     """Validate like a run would, then print the plan; returns 0 (or exits 2 on a config error)."""
     notes, world = [], world_of(cfg.parallel, local_device_count())
-    if cfg.parallel.dp == "auto":
-        notes.append(f"parallel.dp=auto: planned for dp={world // (cfg.parallel.tp * cfg.parallel.pp)} "
-                     "(this node's devices); set parallel.dp to plan another size")
     try:
-        plan = resolve(cfg, world)  # the same checks, and one-line errors, as a run
         if cfg.cluster.gpus_per_node and (cfg.parallel.dp != "auto" or cfg.cluster.nodes):  # as a submission
-            shape = job_shape(cfg.parallel, cfg.cluster)  # places it: whole nodes
+            shape = job_shape(cfg.parallel, cfg.cluster)  # places it: whole nodes (dp=auto: filling cluster.nodes)
+            world = shape["nodes"] * shape["tasks_per_node"]
             notes.append(f"a Slurm job of {shape['nodes']} node(s) × {shape['tasks_per_node']} rank(s)")
+        elif cfg.parallel.dp == "auto":
+            notes.append(f"parallel.dp=auto: planned for dp={world // (cfg.parallel.tp * cfg.parallel.pp)} "
+                         "(this node's devices); set parallel.dp, or cluster.nodes and cluster.gpus_per_node, to "
+                         "plan another size")
+        plan = resolve(cfg, world)  # the same checks, and one-line errors, as a run
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         sys.exit(2)
