@@ -225,6 +225,19 @@ def test_bad_moe_settings_are_one_line(make_cfg):
         resolve(make_cfg(*MOE, "parallel.compile=true"), 1)
     with pytest.raises(ConfigError, match=r"parallel.ep=2 shares out MoE experts, and this model has none"):
         resolve(make_cfg("parallel=fsdp", "parallel.dp=2", "parallel.ep=2"), 2)
+    # no layer with experts (a traceback after step 1), a dense layer that is not one
+    with pytest.raises(ConfigError, match=r"but no layer of the 2 has experts \(model.moe.every=4, dense_layers=\[\]\)"):
+        resolve(make_cfg(*MOE, "model.moe.every=4"), 1)
+    with pytest.raises(ConfigError, match=r"no layer of the 2 has experts"):
+        resolve(make_cfg(*MOE, "model.moe.dense_layers=[0,1]"), 1)
+    with pytest.raises(ConfigError, match=r"model.moe.dense_layers=\[7\]: 7 is not a layer of the 2"):
+        resolve(make_cfg(*MOE, "model.moe.dense_layers=[7]"), 1)
+    # torch's Adafactor cannot update a sharded matrix (a RuntimeError at the first step): every ep layout is one
+    for layout, world, what in (((*MOE, "parallel=fsdp", "parallel.dp=2", "parallel.ep=2"), 2, "parallel.zero_stage=3"),
+                                (("parallel=tp2",), 2, "parallel.tp=2")):
+        with pytest.raises(ConfigError, match=rf"optim=adafactor with sharded weights \({what}\)"):
+            resolve(make_cfg(*layout, "optim=adafactor"), world)
+    resolve(make_cfg("parallel=ddp", "parallel.dp=2", "optim=adafactor"), 2)
 
 
 

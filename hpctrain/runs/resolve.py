@@ -134,6 +134,19 @@ def _check_sophia(cfg, layout: Layout) -> None:
         raise ConfigError(f"optim=sophia with {why}")
 
 
+def _check_adafactor(cfg, layout: Layout) -> None:
+    """torch.optim.Adafactor factors a matrix's second moment along its rows and columns, which a DTensor sharded
+    along one of them cannot (foreach or not: "in-place operations that require placement changes are not
+    supported", at the first step)."""
+    sharded = "parallel.tp" if layout.tp > 1 else \
+        "parallel.zero_stage" if cfg.parallel.zero_stage >= 2 and layout.dp * layout.cp > 1 else None
+    if cfg.optim.name == OptimName.adafactor and sharded:
+        value = layout.tp if sharded == "parallel.tp" else cfg.parallel.zero_stage
+        raise ConfigError(f"optim=adafactor with sharded weights ({sharded}={value}): "
+                          "torch's Adafactor cannot update a sharded matrix; use parallel=ddp (zero_stage=0, tp=1), "
+                          "or optim=adamw")
+
+
 def _check_cp(cfg, layout: Layout, args) -> None:
     """What context parallelism does not (yet) compose with, and the sequence length it splits."""
     if layout.cp == 1:
@@ -177,6 +190,7 @@ def resolve(cfg, world: int = 1) -> RunShape:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={layout.tp} with "
                           "sequence_parallel: choose a seq_len that is a multiple of tp")
     _check_sophia(cfg, layout)
+    _check_adafactor(cfg, layout)
     _check_cp(cfg, layout, spec.args(m))
     if cfg.optim.name in (OptimName.adafactor, OptimName.lamb, OptimName.sophia) and \
             cfg.optim.implementation == OptimImpl.fused:

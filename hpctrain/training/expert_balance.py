@@ -25,9 +25,9 @@ def _layer_index(name: str) -> int:
 class ExpertBalance:
     def __init__(self, model: torch.nn.Module, moe: MoEDims, n_layers: int, device: torch.device, copies: int = 1):
         self.layers = [(_layer_index(name), layer) for name, layer in moe_layers(model)]
-        self.enabled = moe.num_experts > 0
         self.rate, self.experts, self.copies, self.device = moe.bias_update_rate, moe.num_experts, copies, device
         self.rows = [i for i in range(n_layers) if is_sparse(moe, i)]  # every sparse layer of the whole model
+        self.enabled = bool(self.rows)
         self.row = {i: r for r, i in enumerate(self.rows)}
 
     def after_step(self, applied: bool) -> dict:
