@@ -518,6 +518,35 @@ def test_init_from_hf_weights_of_another_tokenizer_is_one_line(make_cfg, tmp_pat
     assert f"--tokenizer {path}" in msg, msg
 
 
+def test_a_moe_model_trained_with_a_routing_bias_starts_from_transformers_and_is_not_exported(tmp_path, demo_data):
+    """Mixtral weights with aux-loss-free balancing (model.moe.bias_update_rate: a routing bias of ours, zero at the
+    start, transformers has no field for): the run starts (a KeyError before), and its export is refused in one line
+    (it was written, routing tokens to other experts than the model it came from)."""
+    from helpers import run_forked
+    from omegaconf import OmegaConf
+
+    from hpctrain.runs.compose import compose
+    from hpctrain.storage import checkpoint
+    from hpctrain.training.run import train
+    from hpctrain.weights import export_hf
+
+    path = Path(_published(tmp_path, case="mixtral"))
+    cfg = compose([f"model.init_from=hf:{path}", f"data.path={demo_data}", "data.prepare_demo=false",
+                   "model.moe.bias_update_rate=0.05", "train.max_steps=2", "train.global_batch=4", "train.micro_batch=2",
+                   "train.eval_every=0", "logging.trackers=[]", "cluster.num_threads=1"])
+    run_dir = tmp_path / "run"
+    assert train(cfg, str(run_dir))["status"] == "completed"
+    bias = {f"layers.{i}.feed_forward.router.expert_bias": torch.empty(4) for i in (0, 1)}
+    checkpoint.read_weights(checkpoint.latest(str(run_dir)), bias)
+    assert any(b.any() for b in bias.values())  # (it moved: the refusal below is not vacuous)
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    ran = run_forked(export_hf.main, [str(run_dir), str(tmp_path / "out")], cwd=tmp_path)
+    assert ran.code == 2 and "router.expert_bias" in ran.err and "which transformers' MixtralForCausalLM has no " \
+        "place for" in ran.err and len(ran.err.strip().splitlines()) == 1, ran.err
+    assert not (tmp_path / "out").exists()
+
+
 def _trained_and_exported(tmp_path, demo_data, path, *overrides):
     """A short run (micro-batches of 2, `overrides`) started from the transformers directory `path`, exported by
     `export-hf`: (its config, its run directory, the export)."""

@@ -52,6 +52,7 @@ def export(model_cfg: ModelConfig, data_path: str, ckpt: str, out: str, shard_by
     spec = spec_of(model_cfg)
     weights = spec.weights(spec.args(model_cfg))
     checkpoint.check_model(ckpt, weights)  # exactly this model's weights, before OUT is made
+    _check_nothing_dropped(model_cfg, weights, ckpt)
     manifest = _manifest(data_path)
     if manifest is not None:  # (the shards rebuilt since with another tokenizer would give OUT the wrong one)
         checkpoint.check_tokenizer(ckpt, os.path.expanduser(str(data_path)), manifest.tokenizer.sha256)
@@ -68,6 +69,25 @@ def export(model_cfg: ModelConfig, data_path: str, ckpt: str, out: str, shard_by
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_nothing_dropped(model_cfg: ModelConfig, weights: dict, ckpt: str) -> None:
+    """A tensor of ours that the family's transformers class has no place for must be what that class assumes (zero):
+    MoE's routing bias (model.moe.bias_update_rate) chooses the experts, and the export would choose others."""
+    from hpctrain.models import spec_of
+    from hpctrain.storage import checkpoint
+
+    spec = spec_of(model_cfg)
+    names = spec.hf().disk_names(spec.args(model_cfg))
+    extra = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in weights.items() if k not in names}
+    if extra:
+        checkpoint.read_weights(ckpt, extra)
+    held = sorted(k for k, t in extra.items() if t.any())
+    if held:
+        raise ExportError(f"{ckpt} holds {held[0]}{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}, which "
+                          f"transformers' {spec.hf().model_class} has no place for (a routing bias: "
+                          "model.moe.bias_update_rate): the export would route tokens to other experts than this "
+                          "model does, so it is not written")
 
 
 def _write(model_cfg: ModelConfig, shards: tuple, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
