@@ -10,7 +10,7 @@ import torch
 from helpers import deltas, run_layout
 
 from hpctrain.core.config import MoEDims, RouterKind
-from hpctrain.models.moe import MoE
+from hpctrain.models.moe import MoE, moe_layers
 
 MOE = ("model.family=mixtral", "model.moe.num_experts=4", "model.moe.top_k=2", "model.tie_embeddings=false",
        "model.init_std=0.2")  # (a router far from uniform: choices that differ between experts)
@@ -205,6 +205,34 @@ def test_balancing_lowers_the_measured_imbalance(make_cfg, tmp_path):
     bias = imbalance("bias", "model.moe.bias_update_rate=0.05")
     print(f"imbalance over the last 4 of 16 steps: none {none:.3f}, aux loss {aux:.3f}, bias {bias:.3f}")
     assert aux < none and bias < none, (none, aux, bias)
+
+
+def test_sophias_curvature_pass_is_neither_counted_nor_balanced(make_cfg):
+    """Sophia's curvature forward and backward (on sampled labels) is not the training objective: a step's routed
+    tokens are counted once (they were twice on its steps), and the balancing losses do not reach its curvature
+    estimate (the same with aux_loss_coef and z_loss_coef 0 as with 0.5)."""
+    from hpctrain.models import build_model
+    from hpctrain.training.optimizer import build_optimizer, step_passes
+    from hpctrain.training.precision import setup_precision
+    from hpctrain.training.step import TrainStep
+
+    cpu, batch = torch.device("cpu"), torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(0))
+
+    def first_step(coef: float):
+        cfg = make_cfg(*MOE, "optim=sophia", f"model.moe.aux_loss_coef={coef}", f"model.moe.z_loss_coef={coef}")
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        opt = build_optimizer(model, cfg.optim, cfg.optim.lr)
+        step = TrainStep(model, opt, setup_precision(cfg.precision, cpu), 0.0, cpu)
+        step.passes = step_passes(opt)
+        step([batch])
+        routed = [int(layer.summed()[:4].sum()) for _, layer in moe_layers(model)]
+        return routed, [opt.state[p]["hessian"] for p in model.parameters()]
+
+    routed, plain = first_step(0.0)
+    assert routed == [4 * 64 * 2] * len(routed), routed  # tokens × top_k
+    _, balanced = first_step(0.5)
+    assert all(torch.equal(a, b) for a, b in zip(plain, balanced))
 
 
 def test_bad_moe_settings_are_one_line(make_cfg):

@@ -239,6 +239,8 @@ class TrainStep:
             for extra in due:
                 extra.run(self, micro_batches, n_tokens)
                 self.optimizer.zero_grad(set_to_none=True)
+            for _, layer in self.moe:  # (its routing is not the step's: counted once, by the step's own pass)
+                layer.reset_stats()
         self.samples = SampleLosses() if groups is not None else None
         figures = self._forward_backward(micro_batches, n_tokens).view(1)
         if groups is not None:  # reduced with the loss: no collective of its own
@@ -284,6 +286,8 @@ class TrainStep:
         """Accumulate the gradients of all micro-batches; return this rank's share of the loss. `loss_sum(batch)`:
         another summed loss than the next-token cross entropy."""
         scaler = self.precision.scaler
+        # another loss (Sophia's curvature pass) is not the training objective: no balancing losses in its gradients
+        objective = loss_sum is None
         loss_sum = loss_sum or (lambda b: token_loss_sum(self.model, b, self.fused_loss, self.samples,
                                                               self.documents, self.split))
         total = torch.zeros((), device=self.device)
@@ -292,7 +296,7 @@ class TrainStep:
                 self.grad_sync(last)
             batch = batch.to(self.device, non_blocking=True)
             if self.moe:  # (get_scale: a host sync, only where it is needed)
-                set_loss_weight(self.moe, (scaler.get_scale() if scaler else 1.0) / n_tokens)
+                set_loss_weight(self.moe, (scaler.get_scale() if scaler else 1.0) / n_tokens if objective else 0.0)
             with self.loss_ctx():
                 with self.precision.autocast():
                     loss = loss_sum(batch) / n_tokens
