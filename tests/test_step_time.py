@@ -177,6 +177,20 @@ def test_plan_with_dp_auto_plans_the_job_cluster_nodes_make(capsys):
     assert "planned for dp=1" not in out
 
 
+def test_plan_without_train_seq_len_plans_the_shards_and_checks_cp_on_them(demo_data, capsys):
+    """The run's seq_len comes from the shards when train.seq_len is unset: so does the plan's, checked as the run
+    checks it (cp=3 of 64-token blocks: the run refused what the plan, on model.max_seq_len, printed)."""
+    from conftest import SMALL_MODEL
+
+    base = [*SMALL_MODEL, f"data.path={demo_data}", "data.prepare_demo=false"]
+    assert cli.plan([*base, "parallel.cp=2"]) == 0
+    assert f"planned for seq_len 64 (the shards in {demo_data})" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.plan([*base, "parallel.cp=3"])
+    assert e.value.code == 2 and f"seq_len (the shards in {demo_data})=64 is not divisible by 6" in \
+        capsys.readouterr().err
+
+
 def test_plan_prints_the_predicted_line(capsys):
     assert cli.plan(["model=llama_7b", "parallel.dp=8", "parallel.tp=8", "train.global_batch=64",
                      "train.micro_batch=1", "train.seq_len=4096", "precision=bf16", "cluster.gpu_type=H100"]) == 0

@@ -26,6 +26,7 @@ measured.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import torch
 
 from hpctrain.core.config import ActCkpt, ConfigError, GradCompression, OptimName, PrecisionName, SpikeAction
 from hpctrain.core.memory import Term, merge, peak
-from hpctrain.core.shard_format import DataError
+from hpctrain.core.shard_format import DataError, read_manifest
 from hpctrain.models import ModelSpec, spec_of
 from hpctrain.models.cross_entropy import loss_buffers
 from hpctrain.models.packing import mask_bytes, packed_masks
@@ -49,7 +50,7 @@ from hpctrain.parallel.parallelize import (
     sharded_weights,
 )
 from hpctrain.parallel.process_group import local_device_count
-from hpctrain.runs.resolve import RunShape, resolve
+from hpctrain.runs.resolve import RunShape, check_cp_seq_len, resolve
 from hpctrain.training import optimizer, step_time
 from hpctrain.training.save_resume import checkpoint_bytes, host_copy_bytes
 
@@ -615,6 +616,15 @@ def _tried(cfg, plan: RunShape, change: dict, seq_len: int) -> str | None:
     return f"{what} ({need / GiB:.2f} GiB)"
 
 
+def _shards_seq_len(path) -> tuple[int | None, str | None]:
+    """(the sequence length of the shards in data.path, where it came from); (None, None) where they cannot be read
+    (a plan made away from the data)."""
+    try:
+        return read_manifest(os.path.expanduser(str(path))).block_len - 1, f"the shards in {path}"
+    except Exception:  # noqa: BLE001 - missing, unreadable: the model's longest then
+        return None, None
+
+
 def main(cfg) -> int:
     """Validate like a run would, then print the plan; returns 0 (or exits 2 on a config error)."""
     notes, world = [], world_of(cfg.parallel, local_device_count())
@@ -631,11 +641,14 @@ def main(cfg) -> int:
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         sys.exit(2)
-    seq_len = cfg.train.seq_len
-    if seq_len is None:
-        seq_len = cfg.model.max_seq_len
-        notes.append(f"train.seq_len unset: planned for model.max_seq_len={seq_len}")
+    seq_len, origin = cfg.train.seq_len, "train.seq_len"
+    if seq_len is None:  # as the run takes it: the shards' blocks, where they can be read here
+        seq_len, origin = _shards_seq_len(cfg.data.path)
+        if seq_len is None:
+            seq_len, origin = cfg.model.max_seq_len, "model.max_seq_len"
+        notes.append(f"train.seq_len unset: planned for seq_len {seq_len} ({origin})")
     try:
+        check_cp_seq_len(seq_len, plan.layout, cfg.parallel.sequence_parallel, f"seq_len ({origin})")
         text, _ = report(cfg, plan, seq_len, notes)
     except ConfigError as e:  # (cluster.gpu_type without rates of its own)
         print(f"hpctrain: error: {e}", file=sys.stderr)
