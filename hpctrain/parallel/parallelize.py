@@ -377,7 +377,9 @@ def last_unit_reduced(zero_stage: int, dp: int, compute_bytes: int, params: floa
     if dp == 1:
         return Term()
     unit = params if zero_stage == 0 else root or largest_block
-    per_param = 2 * compute_bytes + 4
+    # (replicate computing in fp32 gathers nothing: its parameters are the fp32 ones already counted; measured 8, not
+    # 12, bytes per parameter at backward's end of a ddp fp32 run whose peak is there)
+    per_param = (compute_bytes if zero_stage or compute_bytes != 4 else 0) + compute_bytes + 4
     if zero_stage and root and tied:
         per_param = max(per_param, 4 * compute_bytes)
     return Term(reduced=unit * per_param)
