@@ -314,6 +314,11 @@ def _check_sharding(p: ParallelConfig, layout: Layout) -> None:
     if p.cpu_offload and (p.zero_stage != 3 or layout.dp == 1):
         raise ConfigError(f"parallel.cpu_offload needs parallel.zero_stage=3 and dp > 1 (got zero_stage="
                           f"{p.zero_stage}, dp={layout.dp}): set parallel=fsdp or parallel.cpu_offload=false")
+    if p.cpu_offload and layout.ep > 1 and layout.dp // layout.ep * layout.cp == 1:
+        raise ConfigError(f"parallel.cpu_offload with parallel.ep={layout.ep} = dp: each rank holds its experts whole, "
+                          "outside FSDP, so they would stay on the device (most of an MoE model's memory) while the "
+                          "plan counted them offloaded: use an ep below dp (FSDP shards and offloads the experts over "
+                          "the rest of dp), or parallel.cpu_offload=false")
     if layout.ep > 1 and (p.zero_stage == 0 or GradCompression(p.grad_compression).value != "none"):
         raise ConfigError(f"parallel.ep={layout.ep} needs a sharded data parallel (zero_stage 2 or 3, no "
                           "grad_compression): the experts' gradients are reduced over the rest of dp only; use "
