@@ -823,3 +823,24 @@ def test_metrics_shows_the_status(world, tmp_path):
     assert ran.code == 0 and ran.out.startswith("status: completed after step 2; loss "), ran.out
     ran = run_forked(metrics.main, [str(world / "nockpt")], cwd=tmp_path)
     assert ran.code == 0 and "no result.json" in ran.out and "no metrics.jsonl yet" in ran.out, ran.out
+
+
+@pytest.mark.parametrize("module, argv, says", [
+    ("bench_moe", ["--experts", "8", "--top-k", "9"], "--top-k 9 must be at most --experts 8"),
+    ("bench_moe", ["--experts", "8", "--ep", "3"], "--ep 3 must divide them"),
+    ("bench_moe", ["--repeats", "0"], "argument --repeats: 0 must be >= 1"),
+    ("bench_moe", ["--threads", "0"], "argument --threads: 0 must be >= 1"),
+    ("bench", ["--threads", "0", "--quick"], "argument --threads: 0 must be >= 1"),
+    ("bench", ["--repeats", "x"], "argument --repeats: 'x' is not an integer"),
+    ("bench_host", ["--ranks", "0"], "--ranks 0: local rank counts of 2 or more"),
+    ("bench_eval", ["--docs", "0"], "argument --docs: 0 must be >= 1"),
+])
+def test_bench_arguments_that_cannot_work_are_one_line(module, argv, says, capsys):
+    """A benchmark's bad argument is its usage error, one line, before anything is measured (a traceback before:
+    statistics of no repeats, set_num_threads(0), top-k beyond the experts)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"hpctrain.tools.{module}").main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err

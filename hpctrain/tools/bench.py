@@ -19,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hpctrain.core.argparser import Parser, at_least
 from hpctrain.core.files import read_metrics, write_json
 from hpctrain.core.host import usable_cpus
 from hpctrain.models import model_args
@@ -106,13 +107,13 @@ def cpu_name() -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="hpctrain bench", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
+    p = Parser(prog="hpctrain bench", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=at_least(1), default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="first steps excluded from tokens/s (default 5)")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default fp32,bf16)")
-    p.add_argument("--repeats", type=int, default=1, help="alternating rounds; the median is reported")
+    p.add_argument("--repeats", type=at_least(1), default=1, help="alternating rounds; the median is reported")
     p.add_argument("--no-compile", action="store_true", help="skip the parallel.compile=true variant")
-    p.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads (default: CPUs)")
+    p.add_argument("--threads", type=at_least(1), default=usable_cpus(), help="torch threads (default: CPUs)")
     p.add_argument("--json", metavar="PATH", help="write every measurement to PATH")
     p.add_argument("--quick", action="store_true", help="smoke run: --steps 6 --warmup 2 --no-compile")
     a = p.parse_args(argv)

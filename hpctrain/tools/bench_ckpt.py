@@ -14,7 +14,6 @@ set is kept in --out/data for later invocations.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import mmap
@@ -25,6 +24,7 @@ import sys
 import tempfile
 import time
 
+from hpctrain.core.argparser import Parser
 from hpctrain.core.files import read_metrics
 
 SEQ_LEN = 64
@@ -121,7 +121,7 @@ def report(sync: dict, asy: dict, raws: list[tuple[float, str]]) -> tuple[list[s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="hpctrain bench ckpt", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="hpctrain bench ckpt", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama_350m", help="a model= option (default: the largest that fits here)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=4, help="a checkpoint every N steps (long enough for a write)")

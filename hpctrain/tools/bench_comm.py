@@ -12,11 +12,12 @@ the mean training loss of the last `--tail` steps and the validation loss at the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
+
+from hpctrain.core.argparser import Parser
 
 OPTIONS = {
     "ddp fp32": ["parallel=ddp"],
@@ -68,7 +69,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="hpctrain bench comm", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="hpctrain bench comm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("outputs", "bench-comm"),
                     help="the runs' directories (a previous one is moved aside, never deleted)")
     ap.add_argument("--data", default=None, help="a shard directory for the model (default: the demo shards)")

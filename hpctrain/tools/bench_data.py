@@ -12,7 +12,6 @@ Whatever is measured is reported; there is no pass/fail threshold.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -20,6 +19,7 @@ import time
 
 import torch
 
+from hpctrain.core.argparser import Parser
 from hpctrain.core.files import read_metrics, write_json
 from hpctrain.core.host import usable_cpus
 from hpctrain.data import loader as data_mod
@@ -114,7 +114,7 @@ def train_rate(steps: int, warmup: int, threads: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="hpctrain bench data", description=__doc__.splitlines()[0])
+    p = Parser(prog="hpctrain bench data", description=__doc__.splitlines()[0])
     p.add_argument("--data", help="shard directory (default: the demo shards, built on first use)")
     p.add_argument("--samples", type=int, default=20_000, help="samples per stream measurement")
     p.add_argument("--repeats", type=int, default=3)

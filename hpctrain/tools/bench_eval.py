@@ -8,7 +8,6 @@ lm-eval's `simple_evaluate`, and the table gives requests/s and the ratio. Whate
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -19,6 +18,7 @@ import time
 
 import torch
 
+from hpctrain.core.argparser import Parser, at_least
 from hpctrain.core.host import usable_cpus
 
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "they", "which", "this", "have", "are", "were", "be", "had", "not", "one", "all", "but", "when", "there", "can", "more", "other", "new", "first", "time", "year", "two", "also", "after", "people", "into", "only", "most"]
@@ -91,12 +91,12 @@ def _timed(lm, tasks_dir: str) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="hpctrain bench eval", description=__doc__.splitlines()[0])
+    p = Parser(prog="hpctrain bench eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny")
-    p.add_argument("--docs", type=int, default=200, help="multiple-choice documents (4 requests each)")
-    p.add_argument("--batch", type=int, default=16, help="requests per forward, both sides")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=usable_cpus())
+    p.add_argument("--docs", type=at_least(1), default=200, help="multiple-choice documents (4 requests each)")
+    p.add_argument("--batch", type=at_least(1), default=16, help="requests per forward, both sides")
+    p.add_argument("--repeats", type=at_least(1), default=3)
+    p.add_argument("--threads", type=at_least(1), default=usable_cpus())
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

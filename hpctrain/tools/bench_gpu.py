@@ -16,7 +16,6 @@ discount). Steps before `--warmup` (compile, allocator growth) are excluded. Wha
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -26,6 +25,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from hpctrain.core.argparser import Parser
 
 BASE = ["parallel.compile=true", "train.fused_loss=true", "optim.implementation=fused"]
 # Each variant takes one optimisation away from BASE (or adds activation checkpointing, document masking): its effect,
@@ -219,7 +220,7 @@ def table(rows: list[dict], ref: dict | None) -> list[str]:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="hpctrain bench gpu", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="hpctrain bench gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama_1b")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "tf32"])
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -10,13 +10,14 @@ Timings on a shared machine are noisy: compare the ratios, not the milliseconds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
 
 import torch
+
+from hpctrain.core.argparser import Parser, at_least
 
 # 723 tensors as in llama_70b (80 layers × 9 + 3), small so that the per-tensor overhead dominates.
 SHAPES = [(64, 64)] * 560 + [(64,)] * 161 + [(512, 64)] * 2
@@ -101,16 +102,22 @@ def bench_vote(ranks: list[int], steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="hpctrain bench host", description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=50, help="norm + clip calls timed (default 50)")
-    p.add_argument("--steps", type=int, default=200, help="steps timed per vote mode (default 200)")
+    p = Parser(prog="hpctrain bench host", description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=at_least(1), default=50, help="norm + clip calls timed (default 50)")
+    p.add_argument("--steps", type=at_least(1), default=200, help="steps timed per vote mode (default 200)")
     p.add_argument("--ranks", default="2,4,8", help="local rank counts for the vote (default 2,4,8)")
     a = p.parse_args(argv)
+    try:
+        ranks = [int(n) for n in a.ranks.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 2:
+        p.error(f"--ranks {a.ranks}: local rank counts of 2 or more, comma-separated, e.g. 2,4,8")
     torch.set_num_threads(1)
     norm = bench_norm(a.repeats)
     print(f"grad norm + clip over {len(SHAPES)} tensors: loop {norm['loop_ms']:.2f} ms, foreach "
           f"{norm['foreach_ms']:.2f} ms per step; ratio {norm['loop_ms'] / norm['foreach_ms']:.1f}x")
-    vote = bench_vote([int(n) for n in a.ranks.split(",")], a.steps)
+    vote = bench_vote(ranks, a.steps)
     for n, r in vote.items():
         print(f"stop vote, {n} ranks: step {r['none_ms']:.2f} ms without a vote; blocking +"
               f"{r['blocking_ms'] - r['none_ms']:.2f} ms, overlapped +{r['overlapped_ms'] - r['none_ms']:.2f} ms")

@@ -10,12 +10,12 @@ dispatched and combined, forward and backward — against the planner's even-loa
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from hpctrain.core.argparser import Parser, at_least
 from hpctrain.core.host import usable_cpus
 
 
@@ -53,17 +53,19 @@ def _exchanged(layer, x: torch.Tensor, ep: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="hpctrain bench moe", description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=512, help="each expert's hidden width")
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--ep", type=int, default=2, help="ranks the experts are shared out over (the all-to-all line)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=usable_cpus())
+    p = Parser(prog="hpctrain bench moe", description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=at_least(1), default=256)
+    p.add_argument("--hidden", type=at_least(1), default=512, help="each expert's hidden width")
+    p.add_argument("--experts", type=at_least(1), default=8)
+    p.add_argument("--top-k", type=at_least(1), default=2)
+    p.add_argument("--tokens", type=at_least(1), default=4096)
+    p.add_argument("--ep", type=at_least(1), default=2, help="ranks the experts are shared out over (the all-to-all line)")
+    p.add_argument("--repeats", type=at_least(1), default=5)
+    p.add_argument("--threads", type=at_least(1), default=usable_cpus())
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
+    if a.top_k > a.experts or a.experts % a.ep:
+        p.error(f"--top-k {a.top_k} must be at most --experts {a.experts}, and --ep {a.ep} must divide them")
     from hpctrain.core.config import MoEDims
     from hpctrain.models.moe import grouped_mm_works
     from hpctrain.parallel.experts import all_to_all_bytes

@@ -10,11 +10,12 @@ median over the pairs of on / off. Target: at most 1 % more.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
+
+from hpctrain.core.argparser import Parser
 
 OFF = ["monitor.rules={}", "monitor.sample_every=0", "monitor.loss_spike.action=none", "monitor.heartbeat_s=3600"]
 
@@ -27,7 +28,7 @@ def _overrides(data: str, run_dir: str, steps: int, extra: list[str]) -> list[st
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="hpctrain bench monitor", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="hpctrain bench monitor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("outputs", "bench-monitor"),
                     help="the runs' directories (a previous one is moved aside, never deleted)")
     ap.add_argument("--data", default=None, help="a shard directory for the model (default: the demo shards)")

@@ -13,13 +13,13 @@ Nothing is saved (train.checkpointing=false): a 1.24 B-parameter AdamW checkpoin
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import logging
 import os
 import sys
 
+from hpctrain.core.argparser import Parser
 from hpctrain.core.files import read_metrics
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
@@ -59,7 +59,7 @@ def report(result: dict, run_dir: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="hpctrain bench scale", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="hpctrain bench scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("outputs", "bench-scale"),
                     help="its data (data/) and run directory (run/); a previous run is moved aside, never deleted")
     ap.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. parallel.activation_checkpointing=full")
