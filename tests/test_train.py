@@ -524,6 +524,23 @@ def test_a_rerun_with_nothing_to_resume_sets_the_previous_run_aside(make_cfg, tm
     assert (previous / "evals.jsonl").is_file() and not (run / "evals.jsonl").exists()
 
 
+def test_a_continued_run_reads_running_until_it_ends(make_cfg, tmp_path):
+    """A finished run continued (train.max_steps raised): result.json says running from the attempt's start, so one
+    killed then reads "running or never finished", not the earlier attempt's "completed after step 2"."""
+    from hpctrain.launch.sweep import point_status
+    from hpctrain.tools.summary import summarize
+    from hpctrain.training.run import start
+
+    run = tmp_path / "run"
+    train(make_cfg("train.max_steps=2", "train.eval_every=0"), str(run))
+    assert summarize(str(run)).startswith("status: completed after step 2")
+    start(make_cfg("train.max_steps=4", "train.eval_every=0"), str(run))  # an attempt's first act (then killed)
+    assert summarize(str(run)).startswith("status: running or never finished")
+    assert point_status(json.loads((run / "result.json").read_text()), None, True, True) == "running"
+    assert train(make_cfg("train.max_steps=4", "train.eval_every=0"), str(run))["steps"] == 4
+    assert summarize(str(run)).startswith("status: completed after step 4")
+
+
 def test_resume_from_an_older_checkpoint_of_the_same_run_starts_a_new_timeline(make_cfg, tmp_path):
     """train.resume=<this run's step 2> while step 4 exists: the old timeline moves aside (the path is followed
     there), so the new step-4 checkpoint never overwrites or mixes with the old one."""

@@ -15,6 +15,7 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
+RUNNING = "running"  # result.json's status while an attempt of a run that had one before goes on
 EVALS_FILE = "evals.jsonl"  # hpctrain eval: one record per scored checkpoint (step, checkpoint, eval/<task>/<metric>)
 
 # The most a file of each kind may hold before hpctrain refuses to read it: a symlink to /dev/zero, a FIFO or a

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 from hpctrain.core.errors import ConfigError
-from hpctrain.core.files import read_evals, read_metrics, read_object, read_result, read_yaml
+from hpctrain.core.files import RUNNING, read_evals, read_metrics, read_object, read_result, read_yaml
 
 HEATMAP_KEYS = ("optim.lr", "train.global_batch")
 # Order of the summary line; states sacct reports beyond these follow in the order seen.
@@ -56,7 +56,7 @@ def point_status(result: dict | None, job_id: str | None, has_metrics: bool, sta
     """A point's status: result.json's, unless it is missing, "preempted" or "terminated" and Slurm knows better;
     a pending job's with Slurm's reason (`pending (PartitionTimeLimit)`: one it will never start)."""
     status = (result or {}).get("status")
-    if status and status not in ("preempted", "terminated"):
+    if status and status not in ("preempted", "terminated", RUNNING):  # (running: killed, or still going)
         return status
     # A preempted job is requeued by Slurm: it may be pending or running again by now. A terminated one was
     # cancelled, timed out or lost a node: only Slurm knows which.

@@ -226,7 +226,13 @@ def _with_absolute_paths(cfg):
 
 
 def has_previous_run(run_dir: str) -> bool:
-    return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_OUTPUTS)
+    """Whether `run_dir` holds a run's outputs; an empty checkpoints/ is none (made ready for the run: a symlink to,
+    or a mount of, another filesystem, which stays where it is)."""
+    def held(name: str) -> bool:
+        path = os.path.join(run_dir, name)
+        return os.path.exists(path) and not (name == "checkpoints" and os.path.isdir(path) and not os.listdir(path))
+
+    return any(held(name) for name in RUN_OUTPUTS)
 
 
 def requeued() -> bool:

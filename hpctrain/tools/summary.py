@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import sys
 
-from hpctrain.core.files import read_metrics, read_result
+from hpctrain.core.files import RUNNING, read_metrics, read_result
 
 
 def _status(run_dir: str) -> str:
     result = read_result(run_dir)
     if result is None:
         return "status: running or never finished (no result.json)"
+    if result.get("status") == RUNNING:
+        return "status: running or never finished (this attempt has written no result yet)"
     text = f"status: {result.get('status')} after step {result.get('steps')}"
     return text + (f" ({result['error']})" if result.get("error") else "")
 

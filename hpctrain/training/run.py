@@ -13,7 +13,7 @@ import torch
 
 from hpctrain.core.config import signal_number
 from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
-from hpctrain.core.files import RESULT_FILE, free_bytes, nearest_dir, read_json
+from hpctrain.core.files import RESULT_FILE, RUNNING, free_bytes, nearest_dir, read_json, write_json
 from hpctrain.core.host import memory_headroom
 from hpctrain.data.loader import DataError, ShardStream, check_compat, choose_lanes, read_manifest
 from hpctrain.models import init_source
@@ -319,6 +319,10 @@ def start(cfg, run_dir: str, dp: int | None = None) -> str | None:
         except CheckpointError as e:
             if e.fix:
                 raise
+    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
+        # an earlier attempt's result no longer says how the run stands: a finished run continued, then killed,
+        # would read "completed" (summary, report) until this attempt writes its own
+        write_json(os.path.join(run_dir, RESULT_FILE), {"status": RUNNING})
     return begin
 
 
