@@ -53,7 +53,7 @@ def test_the_ranks_a_launcher_starts_on_a_node_share_its_memory(cgroup, demo_dat
     if (memory_headroom()[0] or 0) < 8 * 2**30:
         pytest.skip("needs 8 GiB free: the run must fit the machine and not the cgroup")
     inside = cgroup("memory", below="task_0", **{"memory.limit_in_bytes": str(2 * 2**30)})
-    big = ["model.dim=768", "model.n_layers=6", "model.n_heads=12", "model.n_kv_heads=12", "model.ffn_hidden=2048"]
+    big = ["model.dim=768", "model.n_layers=7", "model.n_heads=12", "model.n_kv_heads=12", "model.ffn_hidden=2048"]
     from hpctrain.runtime.spawn import free_port
 
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",

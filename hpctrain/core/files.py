@@ -103,6 +103,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def absolute_path(value, prefix: str = ""):
+    """A path (a config value) made absolute from this process's directory, `~` expanded and a leading `prefix` (such
+    as `hf:`) kept; anything else (None, an interpolation `${...}`) as it is."""
+    if not isinstance(value, str) or not value or "${" in value:
+        return value
+    kept = prefix if prefix and value.startswith(prefix) else ""
+    return kept + os.path.abspath(os.path.expanduser(value[len(kept):]))
+
+
 def free_name(path: str) -> str:
     """`path`, or `path-2`, `path-3`, ... : the first name nothing exists at."""
     n, name = 1, path

@@ -43,8 +43,8 @@ def chosen_group(overrides) -> str | None:
 def _recorded_model(run_dir: str, source: str):
     """The `model` group a run in `run_dir` recorded when it started from `source` and has a checkpoint to resume
     from (None otherwise)."""
-    from hpctrain.core.files import read_yaml
-    from hpctrain.runs.rundir import absolute
+    from hpctrain.core.files import absolute_path, read_yaml
+    from hpctrain.models import HF_PREFIX
     from hpctrain.storage.checkpoint import complete_checkpoints
 
     record = os.path.join(run_dir, ".hydra", "config.yaml")
@@ -55,7 +55,7 @@ def _recorded_model(run_dir: str, source: str):
     except Exception:  # noqa: BLE001 - an unreadable record: the run's own checks name it later
         return None
     # (None: a resume that found the directory gone before recorded no init_from, below)
-    return model if model.get("init_from") in (None, str(source), absolute(str(source))) else None  # (recorded as typed before)
+    return model if model.get("init_from") in (None, str(source), absolute_path(str(source), HF_PREFIX)) else None  # (recorded as typed before)
 
 
 def shape_from_checkpoint(cfg, overrides, run_dir: str | None = None) -> None:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.core.config import check_values
 from hpctrain.core.errors import TrainingError
-from hpctrain.core.files import MiB, free_name, read_object, read_yaml
+from hpctrain.core.files import MiB, absolute_path, free_name, read_object, read_yaml
 from hpctrain.core.host import memory_headroom
 
 log = logging.getLogger("hpctrain")
@@ -199,29 +199,20 @@ def save_config(run_dir: str, cfg) -> None:
 PATH_KEYS = ("data.path", "model.init_from", "train.resume", "eval.include_path")
 
 
-def absolute(value):
-    """A path key's value made absolute (from this process's directory); `hf:` kept, interpolations (`${...}`),
-    `auto`/`never` and None left as they are."""
-    from hpctrain.models import HF_PREFIX
-
-    if not isinstance(value, str) or not value or value in ("auto", "never") or "${" in value:
-        return value
-    prefix = HF_PREFIX if value.startswith(HF_PREFIX) else ""
-    return prefix + os.path.abspath(os.path.expanduser(value[len(prefix):]))
-
-
 def _with_absolute_paths(cfg):
     """A copy of `cfg` whose PATH_KEYS (and data.sources' paths) are absolute."""
     import copy
 
+    from hpctrain.models import HF_PREFIX
+
     cfg = copy.deepcopy(cfg)
     for key in PATH_KEYS:
         group, name = key.split(".")
-        if name in cfg[group]:
-            cfg[group][name] = absolute(cfg[group][name])
+        if name in cfg[group] and cfg[group][name] not in ("auto", "never"):  # (train.resume's words)
+            cfg[group][name] = absolute_path(cfg[group][name], HF_PREFIX)
     for source in cfg.data.get("sources") or ():
         if "path" in source:
-            source.path = absolute(source.path)
+            source.path = absolute_path(source.path)
     return cfg
 
 
