@@ -524,6 +524,25 @@ def test_a_rerun_with_nothing_to_resume_sets_the_previous_run_aside(make_cfg, tm
     assert (previous / "evals.jsonl").is_file() and not (run / "evals.jsonl").exists()
 
 
+def test_a_stop_between_a_checkpoints_rename_and_latest_resumes_from_that_checkpoint(make_cfg, tmp_path):
+    """kill -9 after step 4's rename, before `latest` moved: the run resumes from step 4, not 2 (it redid steps 3-4
+    and moved the complete step 4 out of the rotation as step-0000004.replaced, kept for good); a link re-pointed
+    after step 4 was written (a fallback past a checkpoint that did not load) still names the run's newest."""
+    from hpctrain.storage import checkpoint
+
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    train(make_cfg("train.max_steps=4", "train.eval_every=0", "train.ckpt_every=2"), str(run))
+    os.remove(ck / "latest")
+    os.symlink("step-0000002", ck / "latest")
+    written = os.path.getmtime(ck / "step-0000004" / checkpoint.STATE_FILE)
+    os.utime(ck / "latest", (written + 10, written + 10), follow_symlinks=False)  # re-pointed after step 4
+    assert checkpoint.latest(str(run)).endswith("step-0000002")
+    os.utime(ck / "latest", (written - 10, written - 10), follow_symlinks=False)  # as the stop leaves it
+    assert checkpoint.latest(str(run)).endswith("step-0000004")
+    resumed = train(make_cfg("train.max_steps=6", "train.eval_every=0", "train.ckpt_every=2"), str(run))
+    assert resumed["steps"] == 6 and sorted(os.listdir(ck)) == ["latest", "step-0000004", "step-0000006"]
+
+
 def test_a_continued_run_reads_running_until_it_ends(make_cfg, tmp_path):
     """A finished run continued (train.max_steps raised): result.json says running from the attempt's start, so one
     killed then reads "running or never finished", not the earlier attempt's "completed after step 2"."""

@@ -310,7 +310,12 @@ def latest(run_dir: str) -> str | None:
     target = os.path.realpath(link)
     if os.path.islink(link) and _STEP_DIR.match(os.path.basename(target)) and os.path.isfile(
             os.path.join(target, STATE_FILE)):
-        return target
+        # A complete checkpoint newer than the link's, written after the link last moved: the run was stopped between
+        # its rename and the link's (one a fallback past it had re-pointed the link after it stays passed over)
+        moved = os.lstat(link).st_mtime
+        newer = [p for p in complete_checkpoints(run_dir) if step_of(p) > step_of(target)
+                 and os.path.getmtime(os.path.join(p, STATE_FILE)) > moved]
+        return newer[-1] if newer else target
     # A stale or missing link, or a copy of the run made without symlinks (`cp -r`: `latest` is a directory
     # then, named for no step): the newest complete checkpoint.
     done = complete_checkpoints(run_dir)
