@@ -251,6 +251,9 @@ def _second_round(w, lock_holder) -> None:
                       ("zeroconfig", ".hydra/config.yaml")):
         os.remove(_copy_run(w, name) / rel)
         os.symlink("/dev/zero", w / name / rel)
+    alerts = _copy_run(w, "zeroalerts") / "alerts.jsonl"  # (read on resume: the rules' states)
+    alerts.unlink(missing_ok=True)
+    os.symlink("/dev/zero", alerts)
     # Trainer states with values no run writes.
     _edit_states(_copy_run(w, "negstep"), lambda d: d["run"].update(step=-1000))
     _edit_states(_copy_run(w, "bigstep"), lambda d: d["run"].update(step=10**9))
@@ -319,7 +322,8 @@ def _second_round(w, lock_holder) -> None:
 # Shard sets, corpora, tokenizers, models and a user's directories whole; of runs, the checkpoints (a run that
 # starts rewrites its .hydra/ and appends to its log), or the whole run where nothing may be written at all.
 RUNS = ("run", "evil", "badstate", "evilgen", "negstep", "bigstep", "badsched", "offsched", "othertok", "qualfn",
-        "qualcls", "small", "hugeseq", "nanrun", "trunc", "zerostate", "zerometa", "stray", "strayfile", "zerometrics")
+        "qualcls", "small", "hugeseq", "nanrun", "trunc", "zerostate", "zerometa", "stray", "strayfile", "zerometrics",
+        "zeroalerts")
 WATCHED = ("data", "unfinished", "noval", "altered", "badids", "afile", "nockpt", "notes", "mine", "mylog", "corpus",
            "bigline", "zst", "evil_tok", "evildata", "otherdata", "zeroconfig", "busy", "hf", "hf_int8", "hf_shape",
            "theirmanifest", "hf_int32", "hugeseq/.hydra",
@@ -521,6 +525,7 @@ CASES = [
     ("resume-metadata-is-a-device", *_hp("train.resume={w}/zerometa/checkpoints/step-0000002"),
      [".metadata is a character device"]),
     ("resume-metrics-is-a-device", *_run("zerometrics", "train.max_steps=4"), ["metrics.jsonl is a character device"]),
+    ("resume-alerts-is-a-device", *_run("zeroalerts", "train.max_steps=4"), ["alerts.jsonl is a character device"]),
     ("generate-config-is-a-device", generate.main, ["run_dir={w}/zeroconfig"], ["is a character device"]),
     # 9. Checkpoints load strictly: another model's are refused, whoever reads them.
     ("resume-with-fewer-layers", *_run("run", "model.n_layers=1", "train.max_steps=4"),

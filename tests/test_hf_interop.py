@@ -342,12 +342,12 @@ def test_init_from_a_mismatched_or_missing_model_is_one_line(make_cfg, tmp_path)
         prepare(make_cfg(f"model.init_from=hf:{tmp_path}"))
 
 
-def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path):
+def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path, monkeypatch):
     """model.init_from=<checkpoint dir>: a fresh run (step 0, new optimizer) that starts from those weights."""
     from hpctrain.core.files import read_metrics
     from hpctrain.models import model_args
     from hpctrain.storage import checkpoint
-    from hpctrain.training.run import TrainingError, train
+    from hpctrain.training.run import TrainingError, prepare, train
     from hpctrain.training.step import TrainStep
 
     first = ("train.eval_every=0", "train.ckpt_every=2", "train.max_steps=2", "logging.trackers=[]")
@@ -381,6 +381,9 @@ def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path)
     # here); a fresh run from it is refused.
     longer = ("train.eval_every=0", "train.max_steps=2", f"model.init_from={ckpt}", "logging.trackers=[]")
     assert train(make_cfg(*longer), str(tmp_path / "b"))["steps"] == 2
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # its requeued job too, whatever train.resume says
+    prepare(make_cfg(*longer, "train.resume=never"), run_dir=str(tmp_path / "b"))
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
     with pytest.raises(TrainingError, match="not a complete checkpoint"):
         train(make_cfg(*longer), str(tmp_path / "c"))
     assert not os.path.exists(tmp_path / "c" / "metrics.jsonl")

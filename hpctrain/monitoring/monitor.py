@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from hpctrain.core.config import AlertAction, AlertRule, AlertWhen, ConfigError, MonitorConfig, SpikeAction
-from hpctrain.core.files import read_records
+from hpctrain.core.errors import TrainingError
+from hpctrain.core.files import FileCheckError, read_records
 from hpctrain.monitoring.sink import Sink
 
 log = logging.getLogger("hpctrain")
@@ -251,7 +252,11 @@ class AlertSink(Sink):
         if not step or not os.path.exists(self.path):
             return set()
         firing = set()
-        for event in read_records(self.path, lenient=True):
+        try:
+            events = read_records(self.path, lenient=True)
+        except FileCheckError as e:  # a device, a runaway line: not the file this run writes
+            raise TrainingError(f"{e} (this run's {ALERTS_FILE}): move it aside to resume the run") from None
+        for event in events:
             at = event.get("step")
             if event.get("rule") in self.rules and isinstance(at, int) and at <= step:
                 if event.get("event") == "firing":

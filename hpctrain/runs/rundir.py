@@ -262,9 +262,10 @@ def start_over(run_dir: str, cfg) -> None:
 def resumes(run_dir: str | None, resume: str) -> bool:
     """Whether a run about to start in `run_dir` continues from a checkpoint (its own newest, or train.resume=PATH)
     rather than from model.init_from's weights."""
-    if resume == "never":
-        return False
-    return resume != "auto" or (run_dir is not None and _has_checkpoint(run_dir))
+    own = run_dir is not None and _has_checkpoint(run_dir)
+    if requeued() and own:  # (whatever train.resume says: `start_point`)
+        return True
+    return resume != "never" and (resume != "auto" or own)
 
 
 def start_point(run_dir: str, resume: str) -> str | None:

@@ -182,9 +182,10 @@ def _check_resume(cfg) -> None:
     saved = checkpoint.check_loadable(path)
     check_trainer_state(path, saved)
     checkpoint.check_model(path, _weights(cfg))
-    if saved["run"]["step"] >= cfg.train.max_steps:  # (the run would end at once, with no checkpoint of its own)
-        raise CheckpointError(f"train.resume={resume} is at step {saved['run']['step']}, train.max_steps="
-                              f"{cfg.train.max_steps}: nothing would be trained: raise train.max_steps above it")
+    step = saved["run"].get("step")
+    if isinstance(step, int) and step >= cfg.train.max_steps:  # (the run would end at once, with no checkpoint)
+        raise CheckpointError(f"train.resume={resume} is at step {step}, train.max_steps={cfg.train.max_steps}: "
+                              "nothing would be trained: raise train.max_steps above it")
 
 
 def _weights(cfg) -> dict:
