@@ -849,3 +849,27 @@ def test_bench_arguments_that_cannot_work_are_one_line(module, argv, says, capsy
         importlib.import_module(f"hpctrain.tools.{module}").main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_jobs_result_file_is_never_unpickled(tmp_path):
+    """cluster.wait=true reads how each job ended from submitit's result pickle: its outcome word only, parsed, never
+    unpickled (submitit's reader ran whatever it named: here a shell command)."""
+    from types import SimpleNamespace
+
+    import cloudpickle
+
+    from hpctrain.launch.submit import _outcome
+
+    def task(name: str, content: bytes | None):
+        path = tmp_path / name
+        if content is not None:
+            path.write_bytes(content)
+        return SimpleNamespace(paths=SimpleNamespace(result_pickle=path))
+
+    marker = tmp_path / "pwned"
+    crafted = cloudpickle.dumps(("success", _Exploit(str(marker))))
+    assert _outcome(task("crafted", crafted)) == "success" and not marker.exists()
+    assert _outcome(task("failed", cloudpickle.dumps(("error", "Traceback ...")))) == "error"
+    assert _outcome(task("other", pickle.dumps(_Exploit(str(marker))))) == "unreadable" and not marker.exists()
+    assert _outcome(task("garbage", b"\x80\x05not a pickle")) == "unreadable"
+    assert _outcome(task("missing", None), wait_s=0) == "missing"

@@ -389,6 +389,29 @@ def _ids(jobs) -> str:
     return f"array {first}" if "_" in jobs[0].job_id else ", ".join(j.job_id for j in jobs)
 
 
+def _outcome(task, wait_s: float = 15.0) -> str:
+    """The outcome submitit wrote for a finished task ("success", "error"), waiting `wait_s` for the file as submitit
+    does (a shared filesystem shows it late); "missing" or "unreadable" otherwise. Its file is a pickle of (outcome,
+    the job's return value): only its first opcodes are parsed (pickletools), nothing is unpickled (submitit's own
+    reader would build, and so run, whatever classes the file names)."""
+    import pickletools
+    import time
+
+    path, deadline = task.paths.result_pickle, time.monotonic() + wait_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:
+        with open(path, "rb") as f:
+            for op, arg, _ in pickletools.genops(f):
+                if op.name not in ("PROTO", "FRAME"):  # the tuple's first item: the outcome's string
+                    return arg if "UNICODE" in op.name and arg in ("success", "error") else "unreadable"
+    except FileNotFoundError:
+        return "missing"
+    except Exception:  # noqa: BLE001 - a damaged or foreign file: not a success either way
+        return "unreadable"
+    return "unreadable"
+
+
 def _wait(jobs, where: str, batch_only: bool = False) -> None:
     """Block until every job ends; report the ones that ended without a result by their Slurm state. `batch_only`:
     jobs whose callable ran once, in the batch step (use_srun=False: a supervisor, packed points), the one result."""
@@ -404,12 +427,12 @@ def _wait(jobs, where: str, batch_only: bool = False) -> None:
             # Cancelled, timed out, node failure: no result will come; submitit would wait 15 s for one.
             bad.append(f"job {job.job_id} {state}")
             continue
-        try:
-            job.task(0).results() if batch_only else job.results()
-        except (submitit.core.utils.UncompletedJobError, submitit.core.utils.FailedJobError) as e:
+        outcomes = {_outcome(task) for task in ([job.task(0)] if batch_only else
+                                                [job.task(i) for i in range(job.num_tasks)])}
+        if outcomes != {"success"}:
             state = state or (job.state.split() or ["unknown"])[0].lower()
             bad.append(f"job {job.job_id} {state}")
-            log.debug("job %s: %s", job.job_id, e)
+            log.debug("job %s: %s", job.job_id, sorted(outcomes))
     if bad:
         fail(f"{len(bad)} of {len(jobs)} job(s) did not complete ({'; '.join(bad)}): see "
               f"python -m hpctrain report {where}", code=1)
