@@ -285,6 +285,18 @@ def test_hpctrain_eval_scores_a_runs_checkpoints_in_another_layout_and_a_sweep(l
     assert (run / "evals.jsonl").read_text() == before
 
 
+def test_a_record_of_an_older_key_still_answers_once():
+    """once=true: a record written before scored_with held include_path and max_length (an eval job requeued across
+    the upgrade) is this key's when what it holds agrees; a value it holds that differs is another key."""
+    from hpctrain.core.config import EvalConfig
+    from hpctrain.training.checkpoint_eval import _key, _same_key
+
+    key = _key(EvalConfig(tasks=["b", "a"], include_path="/t", max_length=32))
+    assert _same_key({"tasks": ["a", "b"], "limit": None, "num_fewshot": None}, key)
+    assert not _same_key({"tasks": ["a", "b"], "limit": None, "num_fewshot": None, "max_length": 64}, key)
+    assert not _same_key({"tasks": ["a"], "limit": None, "num_fewshot": None}, key) and not _same_key(None, key)
+
+
 @pytest.mark.slow
 def test_bench_eval_smoke(capsys):
     """`make bench-eval`, shortened: both sides score the same requests and the table compares them."""

@@ -381,6 +381,16 @@ def test_init_from_an_hpctrain_checkpoint_loads_weights_only(make_cfg, tmp_path,
     # here); a fresh run from it is refused.
     longer = ("train.eval_every=0", "train.max_steps=2", f"model.init_from={ckpt}", "logging.trackers=[]")
     assert train(make_cfg(*longer), str(tmp_path / "b"))["steps"] == 2
+    # Started over as a submission does it (on the login node, before the job): the job's checks find the source
+    # where it went
+    own = checkpoint.latest(str(tmp_path / "a"))
+    submitted = make_cfg("train.eval_every=0", "train.max_steps=1", f"model.init_from={own}", "train.resume=never",
+                         "logging.trackers=[]")
+    from hpctrain.runs import rundir
+
+    rundir.start_over(str(tmp_path / "a"), submitted)
+    assert not os.path.exists(own)
+    prepare(submitted, run_dir=str(tmp_path / "a"))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # its requeued job too, whatever train.resume says
     prepare(make_cfg(*longer, "train.resume=never"), run_dir=str(tmp_path / "b"))
     monkeypatch.delenv("SLURM_RESTART_COUNT")

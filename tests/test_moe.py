@@ -266,6 +266,9 @@ def test_bad_moe_settings_are_one_line(make_cfg):
         with pytest.raises(ConfigError, match=rf"optim=adafactor with sharded weights \({what}\)"):
             resolve(make_cfg(*layout, "optim=adafactor"), world)
     resolve(make_cfg("parallel=ddp", "parallel.dp=2", "optim=adafactor"), 2)
+    # a routing bias transformers cannot hold: refused at the start, not after training (the run ended failed)
+    with pytest.raises(ConfigError, match=r"train.export_hf_at_end=true with model.moe.bias_update_rate"):
+        resolve(make_cfg(*MOE, "model.moe.bias_update_rate=0.01", "train.export_hf_at_end=true"), 1)
     # experts outside FSDP (ep = dp) are not offloaded: planned as if they were, 3.3 GiB for Mixtral 8x7B on 8 GPUs
     with pytest.raises(ConfigError, match=r"parallel.cpu_offload with parallel.ep=2 = dp: each rank holds its experts"):
         resolve(make_cfg(*MOE, "parallel=fsdp", "parallel.dp=2", "parallel.ep=2", "parallel.cpu_offload=true"), 2)

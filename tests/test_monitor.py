@@ -175,6 +175,53 @@ def test_node_failures_are_the_restarts_the_run_did_not_ask_for(tmp_path, monkey
     assert events == [("firing", 1, 25.0), ("cleared", 2, 0.0)], events
 
 
+def test_a_rules_state_comes_from_the_resumed_timeline_only(tmp_path):
+    """Attempt 1 fires at step 2, checkpoints at 3, clears at 5 and crashes; attempt 2 resumes at 3 (firing), stays
+    past the threshold, checkpoints at 6 and crashes; attempt 3 resumes at 6: still firing (attempt 1's clear at 5
+    was in a timeline that went back past it), so no second firing. A rollback marks its step the same way."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from hpctrain.core.config import MonitorConfig
+    from hpctrain.monitoring.monitor import AlertSink, Context
+
+    mcfg = OmegaConf.structured(MonitorConfig)
+    mcfg.rules = {"hi": {"metric": "loss", "threshold": 5.0, "when": "above", "for_s": 0.0}}
+
+    def attempt(start: int, losses: dict):
+        sink = AlertSink(str(tmp_path), mcfg, Context(torch.device("cpu"), 1), start_step=start)
+        for step, loss in losses.items():
+            sink.write({"step": step, "loss": loss})
+        return sink
+
+    attempt(0, {1: 4.0, 2: 6.0, 3: 6.0, 4: 6.0, 5: 4.0})
+    attempt(3, {4: 6.0, 5: 6.0, 6: 6.0})
+    sink = attempt(6, {7: 6.0})
+    sink.rewind(1)  # a rollback to step 1: not firing there
+    sink.write({"step": 2, "loss": 6.0})
+    got = [(e["event"], e["step"]) for e in _alerts(tmp_path) if e["rule"] == "hi"]
+    assert got == [("firing", 2), ("cleared", 5), ("firing", 2)], got
+
+
+def test_an_attempt_after_a_clean_stop_is_no_node_failure(make_cfg, tmp_path, monkeypatch):
+    """Through a run's own start (train), as each Slurm attempt makes it: the next attempt reads the previous one's
+    clean stop from result.json before marking it running (marked first, every preemption read as a node failure,
+    and the default node_failure_rate rule warned and paged at each requeue)."""
+    import time
+
+    from hpctrain.runtime import job
+
+    run, plain = tmp_path / "run", ("train.eval_every=0", "train.ckpt_every=2", "logging.trackers=[]")
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(key, value)
+    train(make_cfg(*plain, "train.max_steps=2"), str(run))
+    time.sleep(0.05)  # (file times are coarser than time.time())
+    (run / "result.json").write_text(json.dumps({"status": "preempted", "steps": 2}))  # as a clean stop leaves it
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert train(make_cfg(*plain, "train.max_steps=4"), str(run))["steps"] == 4
+    assert job.node_failures(str(run)) == ([], 1)
+
+
 @pytest.mark.parametrize("rule, key", [("gradient_norm", "grad_norm"), ("throughput", "tokens_per_s_per_device")])
 def test_more_rules_fire_and_clear_with_their_metric(make_cfg, tmp_path, rule, key):
     """The default rules on the gradient norm and on throughput (tokens/s per device), their threshold set to the

@@ -293,6 +293,13 @@ def test_search_without_a_gpu_type_or_a_known_one_is_one_line(capsys):
         step_time.hardware_of(compose(["cluster.gpu_type=Z9"]).cluster, "bf16")
 
 
+def test_search_keeps_a_base_configs_offload(capsys):
+    """The base config is checked as one rank before the search, without the layout's own keys: parallel.cpu_offload
+    (which one rank cannot have) is the search's to place, not a refusal."""
+    assert cli.plan([*_SEARCH, "parallel=fsdp", "parallel.cpu_offload=true"]) == 0
+    assert "1. " in capsys.readouterr().out
+
+
 def test_every_gpu_type_has_its_peak_by_precision_and_tp_stays_in_a_node():
     """The 500 W H100 takes the NVL's fp32/tf32/bf16 peaks (its bf16 peak was taken for every precision); over
     several nodes a tensor-parallel group is a divisor of a node's GPUs (tp=3 of 24 GPUs would straddle two)."""

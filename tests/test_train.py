@@ -543,21 +543,40 @@ def test_a_stop_between_a_checkpoints_rename_and_latest_resumes_from_that_checkp
     assert resumed["steps"] == 6 and sorted(os.listdir(ck)) == ["latest", "step-0000004", "step-0000006"]
 
 
-def test_a_continued_run_reads_running_until_it_ends(make_cfg, tmp_path):
-    """A finished run continued (train.max_steps raised): result.json says running from the attempt's start, so one
-    killed then reads "running or never finished", not the earlier attempt's "completed after step 2"."""
+def test_a_continued_run_reads_running_until_it_ends(demo_data, tmp_path):
+    """A finished run continued (train.max_steps raised) and killed: result.json says running from the attempt's
+    start, so summary and the report read "running or never finished", not the earlier attempt's "completed"."""
+    from helpers import last_step
+
     from hpctrain.launch.sweep import point_status
     from hpctrain.tools.summary import summarize
-    from hpctrain.training.run import start
 
     run = tmp_path / "run"
-    train(make_cfg("train.max_steps=2", "train.eval_every=0"), str(run))
+    assert run_forked(cli.main, _args(run, demo_data, "train.max_steps=2"), cwd=tmp_path, timeout=300).code == 0
     assert summarize(str(run)).startswith("status: completed after step 2")
-    start(make_cfg("train.max_steps=4", "train.eval_every=0"), str(run))  # an attempt's first act (then killed)
+    with Forked(cli.main, _args(run, demo_data, "train.max_steps=2000"), tmp_path) as proc:
+        until("step 4", lambda: last_step(run) >= 4 or proc.poll() is not None, 240, every=0.02)
+        proc.kill()  # SIGKILL, reaped
     assert summarize(str(run)).startswith("status: running or never finished")
     assert point_status(json.loads((run / "result.json").read_text()), None, True, True) == "running"
-    assert train(make_cfg("train.max_steps=4", "train.eval_every=0"), str(run))["steps"] == 4
-    assert summarize(str(run)).startswith("status: completed after step 4")
+
+
+def test_a_supervised_restart_continues_its_own_run(make_cfg, tmp_path, monkeypatch):
+    """A step restarted inside its allocation (cluster.spare_nodes: HPCTRAIN_RESTART, SLURM_RESTART_COUNT still 0)
+    continues its run as a requeued job does: nothing set aside before its first checkpoint (the job's own .submitit/
+    and slurm.json went to previous/), and train.resume=never does not start it over."""
+    from hpctrain.runs.rundir import RESTART_ENV
+
+    run, plain = tmp_path / "run", ("train.eval_every=0", "logging.trackers=[]")
+    train(make_cfg(*plain, "train.max_steps=2", "train.checkpointing=false"), str(run))
+    monkeypatch.setenv(RESTART_ENV, "1")
+    train(make_cfg(*plain, "train.max_steps=2", "train.checkpointing=false"), str(run))
+    assert not (run / "previous").exists()
+    monkeypatch.delenv(RESTART_ENV)
+    train(make_cfg(*plain, "train.max_steps=2", "train.ckpt_every=2"), str(run))  # (sets the first run aside)
+    monkeypatch.setenv(RESTART_ENV, "2")
+    assert train(make_cfg(*plain, "train.max_steps=4", "train.resume=never"), str(run))["steps"] == 4
+    assert sorted(losses(run)) == [1, 2, 3, 4] and len(os.listdir(run / "previous")) == 1
 
 
 def test_resume_from_an_older_checkpoint_of_the_same_run_starts_a_new_timeline(make_cfg, tmp_path):

@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -290,7 +291,7 @@ class Submitting:
         with rundir.claimed(run_dir, probe=True):
             rundir.start_over(run_dir, run_cfg)
         os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
-        OmegaConf.save(run_cfg, os.path.join(run_dir, ".hydra", "config.yaml"))
+        OmegaConf.save(rundir.with_absolute_paths(run_cfg), os.path.join(run_dir, ".hydra", "config.yaml"))
         OmegaConf.save(OmegaConf.create(overrides), os.path.join(run_dir, ".hydra", "overrides.yaml"))
         write_step_file(run_dir, OmegaConf.to_container(run_cfg, resolve=True),
                         OmegaConf.to_container(cfg.hydra.job_logging, resolve=True))
@@ -389,13 +390,15 @@ def _ids(jobs) -> str:
     return f"array {first}" if "_" in jobs[0].job_id else ", ".join(j.job_id for j in jobs)
 
 
-def _outcome(task, wait_s: float = 15.0) -> str:
+RESULT_WAIT_S = 15.0  # how long submitit waits for a finished job's result file (a shared filesystem shows it late)
+
+
+def _outcome(task, wait_s: float = RESULT_WAIT_S) -> str:
     """The outcome submitit wrote for a finished task ("success", "error"), waiting `wait_s` for the file as submitit
     does (a shared filesystem shows it late); "missing" or "unreadable" otherwise. Its file is a pickle of (outcome,
     the job's return value): only its first opcodes are parsed (pickletools), nothing is unpickled (submitit's own
     reader would build, and so run, whatever classes the file names)."""
     import pickletools
-    import time
 
     path, deadline = task.paths.result_pickle, time.monotonic() + wait_s
     while not path.exists() and time.monotonic() < deadline:
@@ -427,8 +430,9 @@ def _wait(jobs, where: str, batch_only: bool = False) -> None:
             # Cancelled, timed out, node failure: no result will come; submitit would wait 15 s for one.
             bad.append(f"job {job.job_id} {state}")
             continue
-        outcomes = {_outcome(task) for task in ([job.task(0)] if batch_only else
-                                                [job.task(i) for i in range(job.num_tasks)])}
+        tasks = [job.task(0)] if batch_only else [job.task(i) for i in range(job.num_tasks)]
+        deadline = time.monotonic() + RESULT_WAIT_S  # (once per job, not per task: 64 missing files are not 16 min)
+        outcomes = {_outcome(task, max(0.0, deadline - time.monotonic())) for task in tasks}
         if outcomes != {"success"}:
             state = state or (job.state.split() or ["unknown"])[0].lower()
             bad.append(f"job {job.job_id} {state}")

@@ -26,6 +26,7 @@ import time
 
 from hpctrain.core.files import RESULT_FILE, read_json, read_result, write_json
 from hpctrain.core.slurm import hostnames, job_port, requeue_job
+from hpctrain.runs.rundir import RESTART_ENV
 from hpctrain.runtime.task_exits import EXIT_PREEMPTED, MAX_EXITS, SRUN_ARGS, annotate, parse, said_by_srun
 
 log = logging.getLogger("hpctrain")
@@ -159,7 +160,8 @@ class SupervisedRun:
     def _step(self, job: str, nodes: list[str], attempt: int) -> tuple[int, list[str]]:
         """One srun step of the training on `nodes`: its exit code, and srun's lines on how its tasks ended
         (`srun: error: n2: task 1: Killed`, an out-of-memory kill), which only srun knows."""
-        env = dict(os.environ, MASTER_PORT=str(job_port(int(job), attempt)))  # a fresh store per step
+        env = dict(os.environ, MASTER_PORT=str(job_port(int(job), attempt)),  # a fresh store per step
+                   **{RESTART_ENV: str(attempt)})  # (a restart continues the run, as a requeued job does)
         env.pop("MASTER_ADDR", None)  # the step's first node (hpctrain.parallel.process_group)
         cmd = ["srun", *SRUN_ARGS, f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tasks_per_node}",
                f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",

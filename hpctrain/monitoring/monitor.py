@@ -209,8 +209,7 @@ class AlertSink(Sink):
         self.notify_cmd = list(mcfg.notify_cmd) if mcfg.notify_cmd else None
         self.path = os.path.join(run_dir, ALERTS_FILE)
         self.state = {name: _State() for name in self.rules}
-        for name in self._firing_at(start_step):  # a resumed run: a rule firing then clears, and does not fire again
-            self.state[name].firing = True
+        self._restore("resumed", start_step)  # a rule firing then clears when back within, and does not fire again
         self.straggling: list[str] = []
         self.actions: list[tuple[str, AlertAction]] = []  # (rule, action) of rules fired since `take_actions`
         self.straggler_frac = mcfg.straggler_frac
@@ -245,25 +244,36 @@ class AlertSink(Sink):
                     st.firing = False
                     self._emit(self._event("cleared", name, rule, value, record, 0.0), record)
 
-    def _firing_at(self, step: int) -> set[str]:
-        """The rules alerts.jsonl says were firing at `step` (the checkpoint a run resumes from; the events a crashed
-        attempt logged after it are not its timeline's). How long a metric had been past its threshold while not
-        firing yet is not recorded: for_s counts again from the resumed run's start."""
-        if not step or not os.path.exists(self.path):
-            return set()
-        firing = set()
+    def rewind(self, step: int) -> None:
+        """A loss-spike rollback to `step`: the rules' states as they were there."""
+        self._restore("rewound", step)
+
+    def _restore(self, why: str, step: int) -> None:
+        """The rules' firing states at `step` (where a run resumes, or a rollback went back to), from alerts.jsonl,
+        where that step is marked (`why`: resumed, rewound) so that a later replay leaves out what this timeline
+        went back past. How long a metric had been past its threshold without firing yet is not recorded: for_s
+        counts again from here."""
+        if not os.path.exists(self.path):
+            return
         try:
             events = read_records(self.path, lenient=True)
         except FileCheckError as e:  # a device, a runaway line: not the file this run writes
             raise TrainingError(f"{e} (this run's {ALERTS_FILE}): move it aside to resume the run") from None
-        for event in events:
-            at = event.get("step")
-            if event.get("rule") in self.rules and isinstance(at, int) and at <= step:
-                if event.get("event") == "firing":
-                    firing.add(event["rule"])
-                elif event.get("event") == "cleared":
-                    firing.discard(event["rule"])
-        return firing
+        changes = []  # (step, rule, firing) in the timeline that leads here
+        for event in [*events, {"event": why, "step": step}]:
+            at, kind = event.get("step"), event.get("event")
+            if not isinstance(at, int):
+                continue
+            if kind in ("resumed", "rewound"):  # an attempt or a rollback went back to `at`: what came after it is gone
+                changes = [c for c in changes if c[0] <= at]
+            elif kind in ("firing", "cleared") and event.get("rule") in self.rules:
+                changes.append((at, event["rule"], kind == "firing"))
+        for state in self.state.values():
+            state.firing, state.since = False, None
+        for _, name, firing in changes:
+            self.state[name].firing = firing
+        with open(self.path, "a") as f:  # (a marker only: no tracker or notify_cmd hears of it)
+            f.write(json.dumps({"time": round(time.time(), 3), "event": why, "rule": "*", "step": step}) + "\n")
 
     def _stragglers(self, record: dict) -> None:
         """Stragglers named when they appear or change (a sampled record), and when there are none again."""

@@ -181,6 +181,9 @@ def resolve(cfg, world: int = 1) -> RunShape:
     spec = spec_of(cfg.model)
     layout = Layout.from_config(p, world)
     spec.check_layout(spec.args(m), layout, p.sequence_parallel)
+    if t.export_hf_at_end and spec.args(m).moe.bias_update_rate:  # (else the run ends failed, after training)
+        raise ConfigError("train.export_hf_at_end=true with model.moe.bias_update_rate: transformers' MoE classes have "
+                          "no routing bias, so export-hf refuses a checkpoint whose bias has moved: drop one of them")
     if p.compile and spec.args(m).moe.num_experts:
         # Measured on torch 2.13 (CPU): fullgraph tracing fails in _grouped_mm's fake kernel (bf16 only), and the
         # routed shapes are data-dependent.

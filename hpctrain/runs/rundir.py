@@ -189,7 +189,7 @@ def save_config(run_dir: str, cfg) -> None:
     out = os.path.join(run_dir, ".hydra")
     os.makedirs(out, exist_ok=True)
     hc = HydraConfig.instance().cfg
-    OmegaConf.save(_with_absolute_paths(cfg), os.path.join(out, "config.yaml"))
+    OmegaConf.save(with_absolute_paths(cfg), os.path.join(out, "config.yaml"))
     OmegaConf.save(hc, os.path.join(out, "hydra.yaml"))
     OmegaConf.save(hc.hydra.overrides.task, os.path.join(out, "overrides.yaml"))
 
@@ -199,20 +199,24 @@ def save_config(run_dir: str, cfg) -> None:
 PATH_KEYS = ("data.path", "model.init_from", "train.resume", "eval.include_path")
 
 
-def _with_absolute_paths(cfg):
-    """A copy of `cfg` whose PATH_KEYS (and data.sources' paths) are absolute."""
+def with_absolute_paths(cfg: DictConfig) -> DictConfig:
+    """A copy of `cfg` whose PATH_KEYS (and data.sources' paths) are absolute; an interpolation (`${oc.env:...}`)
+    is kept as written (it is resolved where the run reads it)."""
     import copy
 
     from hpctrain.models import HF_PREFIX
 
+    def absolute(node, name: str, prefix: str = "") -> None:
+        raw = OmegaConf.to_container(node, resolve=False).get(name)
+        if isinstance(raw, str) and "${" not in raw and raw not in ("auto", "never"):  # (train.resume's words)
+            node[name] = absolute_path(raw, prefix)
+
     cfg = copy.deepcopy(cfg)
     for key in PATH_KEYS:
         group, name = key.split(".")
-        if name in cfg[group] and cfg[group][name] not in ("auto", "never"):  # (train.resume's words)
-            cfg[group][name] = absolute_path(cfg[group][name], HF_PREFIX)
+        absolute(cfg[group], name, HF_PREFIX)
     for source in cfg.data.get("sources") or ():
-        if "path" in source:
-            source.path = absolute_path(source.path)
+        absolute(source, "path")
     return cfg
 
 
@@ -226,9 +230,13 @@ def has_previous_run(run_dir: str) -> bool:
     return any(held(name) for name in RUN_OUTPUTS)
 
 
+RESTART_ENV = "HPCTRAIN_RESTART"  # a supervised run's restart inside its allocation (launch/supervise.py): 1, 2, ...
+
+
 def requeued() -> bool:
-    """A Slurm job running again after a requeue (preemption, time limit, node failure)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+    """A Slurm job running again after a requeue (preemption, time limit, node failure), or a supervised run's step
+    restarted inside its allocation (cluster.spare_nodes): either continues its own run, never starts over."""
+    return any(int(os.environ.get(name, "0") or 0) > 0 for name in ("SLURM_RESTART_COUNT", RESTART_ENV))
 
 
 def set_aside(run_dir: str) -> str:

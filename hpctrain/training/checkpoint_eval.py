@@ -31,7 +31,7 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
     tasks is not scored again (its record returned): an eval job requeued."""
     if once:
         done = [r for r in read_evals(run_dir) if r["step"] == checkpoint.step_of(ckpt)
-                and r.get("scored_with") == _key(cfg.eval)]
+                and _same_key(r.get("scored_with"), _key(cfg.eval))]
         if done:
             # (a command's line, not a log record: `hpctrain eval` configures no logging)
             say(f"{ckpt} was scored already with these tasks (step {done[-1]['step']} in evals.jsonl): not scored again")
@@ -56,7 +56,7 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
             raise TrainingError(str(e)) from None
         # this checkpoint's record with this key, the newest: another eval job may have appended to the file since
         return [r for r in read_evals(run_dir) if r.get("checkpoint") == os.path.abspath(ckpt)
-                and r.get("scored_with") == _key(cfg.eval)][-1]
+                and _same_key(r.get("scored_with"), _key(cfg.eval))][-1]
     return _rank_main(*args)
 
 
@@ -91,6 +91,11 @@ def _key(ecfg) -> dict:
     context kept): a checkpoint is scored once per key."""
     return {"tasks": sorted(ecfg.tasks), "include_path": include_dir(ecfg), "limit": ecfg.limit,
             "num_fewshot": ecfg.num_fewshot, "max_length": ecfg.max_length}
+
+
+def _same_key(recorded, key: dict) -> bool:
+    """A record scored with `key`: a field the record does not hold (written before the key had it) matches any."""
+    return isinstance(recorded, dict) and all(recorded.get(k, v) == v for k, v in key.items())
 
 
 def append_record(run_dir: str, record: dict) -> None:

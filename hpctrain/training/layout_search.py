@@ -174,7 +174,7 @@ def _check_base(cfg, gpus: int) -> None:
     from hpctrain.runs.resolve import resolve
 
     single = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero_stage": 0, "pp_schedule": "1f1b",
-              "pp_virtual_stages": 1, "sequence_parallel": False}
+              "pp_virtual_stages": 1, "sequence_parallel": False, "cpu_offload": False}  # (the layout's own keys)
     one = OmegaConf.merge(cfg, {"parallel": single, "train": {"micro_batch": 1, "grad_accum": None}})
     resolve(one, 1)
     per_node, nodes = cfg.cluster.gpus_per_node, cfg.cluster.nodes

@@ -10,6 +10,7 @@ import signal
 from dataclasses import dataclass
 
 import torch
+from omegaconf import OmegaConf
 
 from hpctrain.core.config import signal_number
 from hpctrain.core.errors import BAD_INPUT, CheckpointError, TrainingError
@@ -64,7 +65,7 @@ def prepare(cfg, world: int | None = None, local: bool = True, per_node: int | N
     data_dir, seq_len = prepare_data(cfg, shape)
     _check_resume(cfg)
     if not rundir.resumes(run_dir, cfg.train.resume):
-        _check_init_from(cfg, data_dir)
+        _check_init_from(cfg, data_dir, run_dir)
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
     eval_jobs.check(cfg.eval, cfg.train, cfg.train.checkpointing, cfg.cluster, cfg.parallel)
     from hpctrain.training.planner import disk_bytes, stage_bytes
@@ -195,12 +196,18 @@ def _weights(cfg) -> dict:
     return spec.weights(spec.args(cfg.model))
 
 
-def _check_init_from(cfg, data_dir: str) -> None:
+def _check_init_from(cfg, data_dir: str, run_dir: str | None) -> None:
+    from hpctrain.models import HF_PREFIX
     from hpctrain.training.model_init import check_init_from
 
+    init, model = init_source(cfg.model), cfg.model
+    where = init and run_dir and rundir.moved(init[1], run_dir)
+    if where and where != os.path.realpath(init[1]):
+        # set aside with the run it belonged to (a start-over, by the submission or by rank 0): read there
+        model = OmegaConf.merge(cfg.model, {"init_from": (HF_PREFIX if init[0] else "") + where})
     try:
         tokenizer = read_manifest(data_dir).tokenizer
-        check_init_from(cfg.model, tokenizer.sha256, os.path.join(data_dir, tokenizer.path))
+        check_init_from(model, tokenizer.sha256, os.path.join(data_dir, tokenizer.path))
     except (ValueError, OSError) as e:  # config.json unreadable or not this model
         raise TrainingError(f"model.init_from={cfg.model.init_from}: {e}") from None
     except CheckpointError as e:
@@ -320,11 +327,15 @@ def start(cfg, run_dir: str, dp: int | None = None) -> str | None:
         except CheckpointError as e:
             if e.fix:
                 raise
-    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
-        # an earlier attempt's result no longer says how the run stands: a finished run continued, then killed,
-        # would read "completed" (summary, report) until this attempt writes its own
-        write_json(os.path.join(run_dir, RESULT_FILE), {"status": RUNNING})
     return begin
+
+
+def _mark_running(run_dir: str) -> None:
+    """An earlier attempt's result no longer says how the run stands (a finished run continued, then killed, read
+    "completed" in summary and the report until this attempt wrote its own): `running` from here. After
+    `job.record_attempt`, which reads whether the previous attempt stopped cleanly from it."""
+    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
+        write_json(os.path.join(run_dir, RESULT_FILE), {"status": RUNNING})
 
 
 def _launch(cfg, run_dir: str, prepared: Prepared) -> dict:
@@ -362,6 +373,7 @@ def _rank_main(cfg, run_dir: str, prepared: Prepared) -> dict:
                 last = checkpoint.latest(run_dir) if begin == "auto" else None
                 shared[1] = job.record_attempt(run_dir, checkpoint.step_of(last) if last else 0,
                                                cfg.cluster.max_stalled_restarts, nccl)
+                _mark_running(run_dir)
                 shared[2] = begin
             except BAD_INPUT as e:  # refused on every rank, not on this one alone
                 shared[1] = str(e)
