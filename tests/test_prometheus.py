@@ -94,3 +94,27 @@ def test_downstream_scores_are_gauges_too(tmp_path):
         sink.close()
     assert _value(text, "hpctrain_eval_hpc_mc_acc") == 0.4 and _value(text, "hpctrain_step") == 4
     assert _value(text, "hpctrain_eval_hpc_ppl_word_perplexity") == 12.5
+
+
+def test_two_keys_of_one_gauge_name_keep_the_run_going(tmp_path):
+    """Mixture sources `a-b` and `a_b` make the same gauge name: the first is served, the second named in a warning
+    (registering the name again raised ValueError, "Duplicated timeseries", in the middle of the run)."""
+    import logging
+
+    from helpers import WarningLines
+
+    from hpctrain.core.config import MonitorConfig
+    from hpctrain.monitoring.prometheus import PrometheusSink
+
+    warned = WarningLines()
+    logging.getLogger("hpctrain").addHandler(warned)
+    sink = PrometheusSink(MonitorConfig(prometheus_port=0, prometheus_addr="127.0.0.1"), str(tmp_path / "run"))
+    try:
+        sink.write({"step": 1, "loss/a-b": 2.0, "loss/a_b": 3.0})
+        sink.write({"step": 2, "loss/a-b": 1.5, "loss/a_b": 2.5})
+        text = _scrape(sink.port)
+    finally:
+        sink.close()
+        logging.getLogger("hpctrain").removeHandler(warned)
+    assert _value(text, "hpctrain_loss_a_b") == 1.5 and _value(text, "hpctrain_step") == 2
+    assert len(warned.messages) == 1 and "loss/a_b would be the gauge hpctrain_loss_a_b" in warned.messages[0]

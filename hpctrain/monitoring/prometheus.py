@@ -71,7 +71,8 @@ class PrometheusSink(Sink):
         self._registry = CollectorRegistry()  # this run's alone: a later run in the process starts clean
         self._gauge_cls = Gauge
         self._labels = {"run": os.path.basename(os.path.normpath(run_dir)), "job": os.environ.get("SLURM_JOB_ID", "")}
-        self._gauges: dict[str, object] = {}
+        self._gauges: dict[str, object] = {}  # by record key (None: not served)
+        self._names: dict[str, str] = {}  # gauge name -> the key it serves
         self._alerts = Gauge("hpctrain_alert_firing", "1 while the alert rule fires", [*self._labels, "rule"],
                              registry=self._registry)
         self._server, self._thread = start_http_server(mcfg.prometheus_port, mcfg.prometheus_addr,
@@ -83,14 +84,18 @@ class PrometheusSink(Sink):
         for key, value in record.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            gauge = self._gauges.get(key)
-            if gauge is None:
+            if key not in self._gauges:
                 name = _gauge_name(key)
-                if name is None:
-                    continue
-                gauge = self._gauges[key] = self._gauge_cls(name, f"hpctrain metric {key}, latest value",
-                                                            list(self._labels), registry=self._registry)
-            gauge.labels(**self._labels).set(value)
+                taken = self._names.get(name)
+                if taken is not None:  # (two keys, one name: `loss/a-b` and `loss/a_b`; registering it again raised)
+                    log.warning("Prometheus: %s would be the gauge %s, which is %s's: not served", key, name, taken)
+                elif name is not None:
+                    self._names[name] = key
+                self._gauges[key] = None if name is None or taken is not None else self._gauge_cls(
+                    name, f"hpctrain metric {key}, latest value", list(self._labels), registry=self._registry)
+            gauge = self._gauges[key]
+            if gauge is not None:
+                gauge.labels(**self._labels).set(value)
 
     def alert(self, event: dict) -> None:
         if event.get("event") in ("firing", "cleared"):
