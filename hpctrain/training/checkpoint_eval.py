@@ -39,7 +39,7 @@ def score_checkpoint(cfg, run_dir: str, ckpt: str, once: bool = False) -> dict:
     world = process_group.launched_world() or world_of(cfg.parallel, process_group.local_device_count())
     shape = resolve(cfg, world)
     data_dir = os.path.expanduser(cfg.data.path)
-    seq_len = shape.seq_len or read_manifest(data_dir).block_len - 1
+    seq_len = shape.seq_len or read_manifest(data_dir).seq_len
     downstream.check(cfg.eval, shape.layout, data_dir, seq_len, cfg.model.max_seq_len)
     downstream.check_scoring_layout(shape.layout)  # (whatever eval.mode the run had: this is where scoring runs)
     checkpoint.check_loadable(ckpt)

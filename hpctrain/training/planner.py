@@ -620,7 +620,7 @@ def _shards_seq_len(path) -> tuple[int | None, str | None]:
     """(the sequence length of the shards in data.path, where it came from); (None, None) where they cannot be read
     (a plan made away from the data)."""
     try:
-        return read_manifest(os.path.expanduser(str(path))).block_len - 1, f"the shards in {path}"
+        return read_manifest(os.path.expanduser(str(path))).seq_len, f"the shards in {path}"
     except Exception:  # noqa: BLE001 - missing, unreadable: the model's longest then
         return None, None
 

@@ -132,7 +132,7 @@ def prepare_data(cfg, shape: RunShape) -> tuple[str, int]:
 
         build_demo(path)
     manifest = read_manifest(path)
-    seq_len = shape.seq_len or manifest.block_len - 1
+    seq_len = shape.seq_len or manifest.seq_len
     if seq_len > cfg.model.max_seq_len:
         raise TrainingError(
             f"the shards in {path} hold {manifest.block_len}-token blocks (seq_len {seq_len}) but "

@@ -52,10 +52,11 @@ def export(model_cfg: ModelConfig, data_path: str, ckpt: str, out: str, shard_by
     spec = spec_of(model_cfg)
     weights = spec.weights(spec.args(model_cfg))
     checkpoint.check_model(ckpt, weights)  # exactly this model's weights, before OUT is made
-    _check_nothing_dropped(model_cfg, weights, ckpt)
-    manifest = _manifest(data_path)
+    _check_nothing_dropped(spec, spec.args(model_cfg), weights, ckpt)
+    data = os.path.expanduser(str(data_path))
+    manifest = _manifest(data)
     if manifest is not None:  # (the shards rebuilt since with another tokenizer would give OUT the wrong one)
-        checkpoint.check_tokenizer(ckpt, os.path.expanduser(str(data_path)), manifest.tokenizer.sha256)
+        checkpoint.check_tokenizer(ckpt, data, manifest.tokenizer.sha256)
     tmp = f"{out.rstrip(os.sep)}.partial-{os.getpid()}"
     try:
         os.makedirs(tmp)
@@ -63,7 +64,7 @@ def export(model_cfg: ModelConfig, data_path: str, ckpt: str, out: str, shard_by
         raise ExportError(f"cannot create {out} ({e.strerror}: {e.filename}): choose an OUT in a directory you can "
                           "write to") from None
     try:  # whatever stops the export (an error, Ctrl-C), the partial directory this call made goes
-        _write(model_cfg, (data_path, manifest), ckpt, tmp, weights, shard_bytes or SHARD_BYTES)
+        _write(model_cfg, data, manifest, ckpt, tmp, weights, shard_bytes or SHARD_BYTES)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -71,14 +72,12 @@ def export(model_cfg: ModelConfig, data_path: str, ckpt: str, out: str, shard_by
     return out
 
 
-def _check_nothing_dropped(model_cfg: ModelConfig, weights: dict, ckpt: str) -> None:
+def _check_nothing_dropped(spec, args, weights: dict, ckpt: str) -> None:
     """A tensor of ours that the family's transformers class has no place for must be what that class assumes (zero):
     MoE's routing bias (model.moe.bias_update_rate) chooses the experts, and the export would choose others."""
-    from hpctrain.models import spec_of
     from hpctrain.storage import checkpoint
 
-    spec = spec_of(model_cfg)
-    names = spec.hf().disk_names(spec.args(model_cfg))
+    names = spec.hf().disk_names(args)
     extra = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in weights.items() if k not in names}
     if extra:
         checkpoint.read_weights(ckpt, extra)
@@ -90,9 +89,9 @@ def _check_nothing_dropped(model_cfg: ModelConfig, weights: dict, ckpt: str) -> 
                           "model does, so it is not written")
 
 
-def _write(model_cfg: ModelConfig, shards: tuple, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
-    """The weights file by file, their index, the tokenizer (`shards`: the run's data.path and its manifest, None
-    when unreadable) and config.json into the new directory `tmp`."""
+def _write(model_cfg: ModelConfig, data: str, manifest, ckpt: str, tmp: str, weights: dict, shard_bytes: int) -> None:
+    """The weights file by file, their index, the tokenizer (the run's shards in `data`: their `manifest`, None when
+    unreadable) and config.json into the new directory `tmp`."""
     from safetensors.torch import save_file
 
     from hpctrain.core.files import fsync_dir, write_json
@@ -122,7 +121,7 @@ def _write(model_cfg: ModelConfig, shards: tuple, ckpt: str, tmp: str, weights: 
     # the model the run started from: its tokenizer, chat template, generation settings, token ids and context
     ids = _carry_over(origin, tmp, args) if origin else {}
     if not any(os.path.exists(os.path.join(tmp, name)) for name in TOKENIZER_FILES):  # (an origin of weights alone)
-        eos = _copy_tokenizer(*shards, tmp)
+        eos = _copy_tokenizer(data, manifest, tmp)
         # (no tokenizer: no token ids either, rather than transformers' defaults, which are not this vocabulary's)
         ids = ids or {"bos_token_id": eos, "eos_token_id": eos}
     spec.hf().to_hf_config(args, torch_dtype="float32", **ids).save_pretrained(tmp)
@@ -187,13 +186,12 @@ def _carry_over(origin: str, dest: str, args=None) -> dict:
     return out
 
 
-def _manifest(data_path: str):
-    """The manifest of the run's shards; None, with a warning, where they cannot be read (the weights are still
-    worth exporting)."""
+def _manifest(data: str):
+    """The manifest of the run's shards in `data`; None, with a warning, where they cannot be read (the weights are
+    still worth exporting)."""
     from hpctrain.core.errors import say
     from hpctrain.core.shard_format import read_manifest
 
-    data = os.path.expanduser(str(data_path))
     try:
         return read_manifest(data)
     except Exception as e:  # noqa: BLE001 - the data may be gone, or moved
@@ -202,11 +200,11 @@ def _manifest(data_path: str):
         return None
 
 
-def _copy_tokenizer(data_path: str, manifest, dest: str) -> int | None:
-    """The tokenizer the run's shards name, copied beside the weights; returns its EOS id (None without shards)."""
+def _copy_tokenizer(data: str, manifest, dest: str) -> int | None:
+    """The tokenizer the run's shards (in `data`) name, copied beside the weights; returns its EOS id (None without
+    shards)."""
     if manifest is None:
         return None
-    data = os.path.expanduser(str(data_path))
     tok_dir = os.path.dirname(os.path.join(data, manifest.tokenizer.path))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if os.path.isfile(os.path.join(tok_dir, name)):

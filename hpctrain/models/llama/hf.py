@@ -268,10 +268,9 @@ class HFAdapter:
 
     def unapplied(self, path: str | Path) -> list[str]:
         """`KEY=VALUE: why` for each UNAPPLIED setting config.json (read_args checked it) sets to other than 0."""
-        import json
+        from hpctrain.core.files import read_json
 
-        with open(Path(path) / "config.json") as f:
-            config = json.load(f)
+        config = read_json(str(Path(path) / "config.json"))
         return [f"{key}={config[key]}: {why}" for key, why in self.UNAPPLIED.items() if config.get(key)]
 
     def field_name(self, key: str) -> str:
